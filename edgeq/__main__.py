@@ -1,0 +1,4 @@
+"""Allow ``python -m edgeq``."""
+from edgeq.cli import main
+
+raise SystemExit(main())

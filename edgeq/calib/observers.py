@@ -1,0 +1,171 @@
+"""Streaming observers: each sees one batch at a time and keeps a fixed-size state.
+
+Memory never grows with the number of calibration samples. Every observer can be saved to and
+restored from a dict of arrays (``state`` / ``from_state``) so calibration results are cached on
+disk. ``range()`` gives the (lo, hi) an activation scale should cover.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from edgeq.errors import UserInputError
+
+
+class Observer:
+    kind = ""
+
+    def update(self, x: np.ndarray) -> None:
+        raise NotImplementedError
+
+    def state(self) -> dict[str, np.ndarray]:
+        raise NotImplementedError
+
+    @classmethod
+    def from_state(cls, state: dict[str, np.ndarray]) -> "Observer":
+        raise NotImplementedError
+
+    def range(self) -> tuple[float, float]:
+        raise NotImplementedError
+
+
+class MinMaxObserver(Observer):
+    kind = "minmax"
+
+    def __init__(self):
+        self.lo = np.inf
+        self.hi = -np.inf
+
+    def update(self, x):
+        if x.size:
+            self.lo = min(self.lo, float(np.min(x)))
+            self.hi = max(self.hi, float(np.max(x)))
+
+    def state(self):
+        return {"lo": np.array(self.lo), "hi": np.array(self.hi)}
+
+    @classmethod
+    def from_state(cls, state):
+        obs = cls()
+        obs.lo, obs.hi = float(state["lo"]), float(state["hi"])
+        return obs
+
+    def range(self):
+        return self.lo, self.hi
+
+
+class PerChannelAbsMaxObserver(Observer):
+    """Absolute maximum of each channel along ``axis`` (the last axis: hidden features)."""
+
+    kind = "channel_absmax"
+
+    def __init__(self, axis: int = -1):
+        self.axis = axis
+        self.absmax: np.ndarray | None = None
+
+    def update(self, x):
+        reduce = tuple(a for a in range(x.ndim) if a != self.axis % x.ndim)
+        m = np.max(np.abs(x), axis=reduce).astype(np.float64)
+        self.absmax = m if self.absmax is None else np.maximum(self.absmax, m)
+
+    def state(self):
+        return {"absmax": self.absmax, "axis": np.array(self.axis)}
+
+    @classmethod
+    def from_state(cls, state):
+        obs = cls(int(state["axis"]))
+        obs.absmax = np.asarray(state["absmax"])
+        return obs
+
+    def range(self):
+        m = float(self.absmax.max())
+        return -m, m
+
+
+class HistogramObserver(Observer):
+    """Histogram of |x| over [0, R] with R doubled (bins merged in pairs) when data exceed it.
+
+    Also tracks the exact min and max. ``range()`` clips by the chosen ``method``: 'minmax' (no
+    clipping), 'percentile' (of |x|), or 'mse' (the clip minimizing expected quantization error
+    for ``bits``: rounding noise step^2/12 inside the clip, squared distance outside).
+    The clip is symmetric in |x|; an asymmetric range keeps the min/max ratio of the data.
+    """
+
+    kind = "histogram"
+
+    def __init__(self, bins: int = 2048, method: str = "mse", percentile: float = 99.99, bits: int = 8):
+        if bins & (bins - 1):
+            raise ValueError("bins must be a power of two")
+        if method not in ("minmax", "percentile", "mse"):
+            raise UserInputError(f"unknown calibration method '{method}' (minmax, percentile, mse)")
+        self.bins, self.method, self.percentile, self.bits = bins, method, percentile, bits
+        self.hist = np.zeros(bins, np.float64)
+        self.top = 0.0  # R: upper edge of the last bin
+        self.lo, self.hi = np.inf, -np.inf
+
+    def update(self, x):
+        if not x.size:
+            return
+        self.lo = min(self.lo, float(np.min(x)))
+        self.hi = max(self.hi, float(np.max(x)))
+        a = np.abs(x).ravel()
+        amax = float(a.max())
+        if self.top == 0.0:
+            self.top = amax if amax > 0 else 1.0
+        while amax > self.top:  # grow by merging adjacent bins: R doubles each time
+            self.hist = np.concatenate([self.hist.reshape(-1, 2).sum(1), np.zeros(self.bins // 2)])
+            self.top *= 2.0
+        counts, _ = np.histogram(a, bins=self.bins, range=(0.0, self.top))
+        self.hist += counts
+
+    def state(self):
+        return {
+            "hist": self.hist, "top": np.array(self.top), "lo": np.array(self.lo), "hi": np.array(self.hi),
+            "cfg": np.array([self.bins, self.percentile, self.bits], np.float64), "method": np.array(self.method),
+        }
+
+    @classmethod
+    def from_state(cls, state):
+        bins, pct, bits = state["cfg"]
+        obs = cls(int(bins), str(state["method"]), float(pct), int(bits))
+        obs.hist = np.asarray(state["hist"], np.float64)
+        obs.top, obs.lo, obs.hi = float(state["top"]), float(state["lo"]), float(state["hi"])
+        return obs
+
+    def clip(self) -> float:
+        absmax = max(-self.lo, self.hi, 0.0)
+        total = self.hist.sum()
+        if self.method == "minmax" or total == 0 or absmax == 0:
+            return absmax
+        edges = np.linspace(0.0, self.top, self.bins + 1)
+        centers = 0.5 * (edges[:-1] + edges[1:])
+        if self.method == "percentile":
+            cdf = np.cumsum(self.hist) / total
+            idx = int(np.searchsorted(cdf, self.percentile / 100.0))
+            return float(min(edges[min(idx + 1, self.bins)], absmax))
+        levels = 2 ** (self.bits - 1) - 1
+        candidates = absmax * np.linspace(0.05, 1.0, 96)
+        errors = []
+        for c in candidates:
+            step = c / levels
+            inside = centers <= c
+            err = np.where(inside, step * step / 12.0, (centers - c) ** 2 + step * step / 12.0)
+            errors.append(float((self.hist * err).sum()))
+        return float(candidates[int(np.argmin(errors))])
+
+    def range(self):
+        c = self.clip()
+        absmax = max(-self.lo, self.hi, 0.0)
+        ratio = c / absmax if absmax > 0 else 1.0
+        return self.lo * ratio, self.hi * ratio
+
+
+OBSERVERS = {cls.kind: cls for cls in (MinMaxObserver, PerChannelAbsMaxObserver, HistogramObserver)}
+
+
+def observer_from_state(state: dict[str, np.ndarray]) -> Observer:
+    return OBSERVERS[str(state["kind"])].from_state(state)
+
+
+def observer_state(obs: Observer) -> dict[str, np.ndarray]:
+    return {"kind": np.array(obs.kind), **obs.state()}

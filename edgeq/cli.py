@@ -1,0 +1,161 @@
+"""The ``edgeq`` command line: compile, inspect, eval, export, recipes, passes.
+
+Exit codes: 0 success; 2 bad input (one line on stderr, nothing written); 1 internal error (the
+failing pass named). Subcommand groups owned by other modules register themselves through
+``register(subparsers)`` (``edgeq.evaluate.cli``, ``edgeq.models.cli``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from edgeq.errors import EdgeqError, UserInputError
+
+_EPILOG = """examples:
+  edgeq export smollm2 -o artifacts/smollm2
+  edgeq compile artifacts/smollm2/model.onnx --calib data/wikitext-2/valid.txt -o artifacts/w8a8
+  edgeq eval ppl artifacts/w8a8/model.onnx --text data/wikitext-2/test.txt --tokenizer artifacts/smollm2
+  edgeq recipes
+"""
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse exits 2 on bad usage already; keep its message to one line."""
+
+    def error(self, message):
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
+def _add_compile(sub) -> None:
+    p = sub.add_parser("compile", help="quantize/rewrite an ONNX model with a recipe",
+                       description="Compile MODEL.onnx with a recipe: calibrate on --calib, run the recipe's passes, "
+                                   "write OUTDIR/model.onnx (+ external data), report.json and encodings.json.")
+    p.add_argument("model", type=Path, help="input ONNX model (external data next to it is read)")
+    p.add_argument("-o", "--out", type=Path, required=True, help="output folder (replaced atomically on success)")
+    p.add_argument("--recipe", default=None, help="built-in recipe name (see `edgeq recipes`) or a .toml file; default: w8a8")
+    p.add_argument("--calib", type=Path, help="calibration data: a text file (cut into token windows) or an .npz of input dicts")
+    p.add_argument("--tokenizer", type=Path, help="folder with tokenizer.json (default: the model's folder if it has one)")
+    p.add_argument("--calib-windows", type=int, help="number of calibration windows/samples (default: the recipe's)")
+    p.add_argument("--seq-len", type=int, help="tokens per calibration window (default: the recipe's, 512)")
+    p.add_argument("--dump-each", type=Path, metavar="DIR", help="save the graph after every pass into DIR")
+    p.add_argument("--verify", action="store_true", help="onnx checker + onnxruntime session after every pass")
+    p.add_argument("--check-numerics", action="store_true", help="log output drift against the input model after every pass")
+    p.add_argument("--no-cache", action="store_true", help="do not read or write the calibration cache")
+    p.add_argument("--seed", type=int, default=0, help="seed for passes that draw random numbers")
+    p.set_defaults(func=_run_compile)
+
+
+def _run_compile(args) -> int:
+    from edgeq.compiler import CompileRequest, compile_model
+    from edgeq.recipes import DEFAULT_RECIPE
+
+    req = CompileRequest(
+        model=args.model, out_dir=args.out, recipe=args.recipe or DEFAULT_RECIPE, calib=args.calib,
+        tokenizer=args.tokenizer, calib_windows=args.calib_windows, seq_len=args.seq_len,
+        dump_each=args.dump_each, verify=args.verify, check_numerics=args.check_numerics,
+        use_cache=not args.no_cache, seed=args.seed,
+    )
+    report = compile_model(req)
+    for rec in report["passes"]:
+        state = "modified" if rec["modified"] else "unchanged"
+        print(f"  {rec['name']:<12} {rec['seconds']:8.2f} s  {state}  {json.dumps(rec['summary'])[:160]}")
+        for out, d in rec.get("numerics", {}).items():
+            print(f"    drift {out}: max_abs {d.get('max_abs', 0):.4g}  sqnr {d.get('sqnr_db', 0):.1f} dB")
+    print(f"wrote {args.out}/model.onnx in {report['seconds_total']:.1f} s (peak RSS {report['peak_rss_mb']:.0f} MB, "
+          f"model {report['input_size_mb']:.0f} MB -> {report['output_size_mb']:.0f} MB)")
+    return 0
+
+
+def _add_recipes(sub) -> None:
+    p = sub.add_parser("recipes", help="list built-in recipes", description="List built-in recipes, one line each.")
+    p.set_defaults(func=_run_recipes)
+    p = sub.add_parser("passes", help="list registered passes", description="List registered passes with their exactness class.")
+    p.set_defaults(func=_run_passes)
+
+
+def _run_recipes(args) -> int:
+    from edgeq.recipes import DEFAULT_RECIPE, builtin_recipe_names, load_recipe
+
+    for name in builtin_recipe_names():
+        recipe = load_recipe(name)
+        flag = " (default)" if name == DEFAULT_RECIPE else ""
+        passes = ",".join(s.name for s in recipe.passes)
+        print(f"{name:<16} {recipe.description}{flag}  [passes: {passes}]")
+    return 0
+
+
+def _run_passes(args) -> int:
+    from edgeq.registry import all_passes
+
+    for name, cls in all_passes().items():
+        print(f"{name:<12} {cls.exactness.value:<12} {cls.summary_line}")
+    return 0
+
+
+def _add_inspect(sub) -> None:
+    p = sub.add_parser("inspect", help="print a model's structure (and activation ranges with --calib)",
+                       description="Print the recognised structure (linears, norms, blocks); with --calib, per-linear "
+                                   "input activation ranges and outlier channels.")
+    p.add_argument("model", type=Path)
+    p.add_argument("--calib", type=Path, help="calibration text or .npz: adds per-linear activation ranges")
+    p.add_argument("--tokenizer", type=Path, help="folder with tokenizer.json (default: the model's folder)")
+    p.add_argument("--calib-windows", type=int, default=4, help="windows to observe (default 4)")
+    p.add_argument("--seq-len", type=int, default=512)
+    p.add_argument("--outlier-threshold", type=float, default=6.0, help="|x| above this marks an outlier channel (default 6)")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.set_defaults(func=_run_inspect)
+
+
+def _run_inspect(args) -> int:
+    from edgeq.inspect import inspect_model
+
+    print(inspect_model(args.model, args.calib, args.tokenizer, args.calib_windows, args.seq_len,
+                        args.outlier_threshold, as_json=args.json))
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="edgeq", description="edgeq: graph-level ONNX compiler for static quantization on NPUs "
+                     "and edge runtimes.", epilog=_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    from edgeq import __version__
+
+    parser.add_argument("--version", action="version", version=f"edgeq {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
+    _add_compile(sub)
+    _add_inspect(sub)
+    from edgeq.evaluate.cli import register as register_eval
+    from edgeq.models.cli import register as register_export
+
+    register_eval(sub)
+    register_export(sub)
+    _add_recipes(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not getattr(args, "func", None):
+        parser.print_help()
+        return 2
+    try:
+        return int(args.func(args) or 0)
+    except UserInputError as exc:
+        print(f"edgeq: error: {exc}", file=sys.stderr)
+        return exc.exit_code
+    except EdgeqError as exc:
+        print(f"edgeq: error: {exc}", file=sys.stderr)
+        return exc.exit_code
+    except KeyboardInterrupt:
+        print("edgeq: interrupted", file=sys.stderr)
+        return 130
+    except Exception as exc:  # noqa: BLE001 (last resort: one line, exit 1)
+        print(f"edgeq: internal error: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,134 @@
+"""``edgeq compile``: load, calibrate, run the recipe's pipeline, write outputs atomically.
+
+Outputs (all written into a temporary folder that replaces OUTDIR only on success):
+``model.onnx`` + ``model.onnx.data``, ``report.json`` (each pass: time, what it changed;
+calibration summary; numerics if asked) and ``encodings.json`` (every quantized tensor).
+"""
+
+from __future__ import annotations
+
+import json
+import resource
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import onnx
+
+import edgeq
+from edgeq import ir
+from edgeq.calib.dataset import build_calibration_set
+from edgeq.calib.session import Calibrator
+from edgeq.encodings import collect_encodings
+from edgeq.errors import UserInputError
+from edgeq.passbase import PassContext
+from edgeq.pipeline import Pipeline, PipelineOptions
+from edgeq.recipes import load_recipe
+
+
+@dataclass(frozen=True)
+class CompileRequest:
+    model: Path
+    out_dir: Path
+    recipe: str = "w8a8"
+    calib: Path | None = None
+    tokenizer: Path | None = None
+    calib_windows: int | None = None
+    seq_len: int | None = None
+    dump_each: Path | None = None
+    verify: bool = False
+    check_numerics: bool = False
+    use_cache: bool = True
+    seed: int = 0
+
+
+def default_tokenizer_dir(model_path: Path) -> Path | None:
+    """The model's own folder when it holds tokenizer files (what ``edgeq export`` writes)."""
+    folder = model_path.resolve().parent
+    return folder if (folder / "tokenizer.json").is_file() else None
+
+
+def _check_out_dir(req: CompileRequest) -> None:
+    out = req.out_dir.resolve()
+    if out.exists() and not out.is_dir():
+        raise UserInputError(f"output path exists and is not a folder: {req.out_dir}")
+    model_dir = req.model.resolve().parent
+    if out == model_dir or out in model_dir.parents:
+        raise UserInputError(f"output folder {req.out_dir} contains the input model; choose another -o")
+
+
+def compile_model(req: CompileRequest) -> dict:
+    start = time.perf_counter()
+    _check_out_dir(req)
+    recipe = load_recipe(req.recipe)
+    passes = [spec.build() for spec in recipe.passes]
+    model = ir.load_model(req.model)
+    ir.check_opset(model)
+    windows = req.calib_windows or recipe.calibration.windows
+    seq_len = req.seq_len or recipe.calibration.seq_len
+    if windows < 1 or seq_len < 2:
+        raise UserInputError("--calib-windows must be >= 1 and --seq-len >= 2")
+    needs_calib = any(p.needs_calibration for p in passes) or req.check_numerics
+    calibrator = None
+    sample = None
+    calib_summary = None
+    if needs_calib:
+        if req.calib is None:
+            raise UserInputError(f"recipe '{recipe.name}' needs calibration data: pass --calib FILE (text or .npz)")
+        input_specs = ir.make_session(model).get_inputs()
+        tokenizer = req.tokenizer or default_tokenizer_dir(req.model)
+        data = build_calibration_set(req.calib, input_specs, tokenizer, windows, seq_len, recipe.calibration.batch_size)
+        calibrator = Calibrator(data, use_cache=req.use_cache)
+        sample = data.batches[0]
+        calib_summary = {"data": data.description, "samples": data.samples, "tokens": data.tokens}
+    options = PipelineOptions(req.dump_each, req.verify, req.check_numerics)
+    ctx = PassContext(calibrator=calibrator, seed=req.seed)
+    fingerprint = ir.model_fingerprint(model)
+    out_model, records = Pipeline(passes, options).run(model, ctx, sample)
+    ir.set_metadata(out_model, "edgeq.version", edgeq.__version__)
+    ir.set_metadata(out_model, "edgeq.recipe", recipe.name)
+    del model
+    if calibrator is not None:
+        log = calibrator.log
+        calib_summary.update({"onnxruntime_runs": log.runs, "cache_hits": log.cache_hits,
+                              "seconds": round(log.seconds, 2), "tensors_observed": log.tensors_observed,
+                              "ranges": log.ranges})
+    report = {
+        "edgeq_version": edgeq.__version__,
+        "input_model": str(req.model),
+        "input_fingerprint": fingerprint,
+        "recipe": {"name": recipe.name, "description": recipe.description,
+                   "calibration": asdict(recipe.calibration)},
+        "passes": records,
+        "calibration": calib_summary,
+    }
+    with ir.atomic_output_dir(req.out_dir) as tmp:
+        model_path = ir.save_model(out_model, tmp / "model.onnx")
+        ir.make_session(onnx.load_model(str(model_path)))  # the output must load in onnxruntime
+        encodings = collect_encodings(out_model)
+        (tmp / "encodings.json").write_text(json.dumps(encodings, indent=1))
+        report["quantized_tensors"] = {"activations": len(encodings["activations"]), "weights": len(encodings["weights"])}
+        report["seconds_total"] = round(time.perf_counter() - start, 2)
+        report["peak_rss_mb"] = round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1)
+        report["input_size_mb"] = round(_model_bytes(req.model) / 2**20, 1)
+        report["output_size_mb"] = round(_model_bytes(model_path) / 2**20, 1)
+        (tmp / "report.json").write_text(json.dumps(report, indent=1, default=_json_default))
+    return report
+
+
+def _model_bytes(path: Path) -> int:
+    """The model file plus its external data files."""
+    path = Path(path)
+    total = path.stat().st_size
+    for sibling in path.parent.glob(path.name + "*"):
+        if sibling != path and sibling.is_file():
+            total += sibling.stat().st_size
+    return total
+
+
+def _json_default(obj):
+    if hasattr(obj, "item"):
+        return obj.item()
+    if isinstance(obj, Path):
+        return str(obj)
+    return str(obj)

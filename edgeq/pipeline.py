@@ -1,0 +1,119 @@
+"""The pass manager: runs passes in order under instruments (MLIR-style).
+
+Every pass is timed. Optional instruments, each after every pass:
+- ``dump_each``: save the graph as ``NN_<pass>.onnx`` (external data) in a folder;
+- ``verify``: onnx checker plus an onnxruntime session on the new graph;
+- ``check_numerics``: run the graph on one reference sample and log the drift of every output
+  against the input model's (max abs error, SQNR in dB).
+A pass that raises, or whose output fails verification, becomes a ``PassFailure`` naming it
+(exit 1); a ``UserInputError`` from a pass passes through unchanged (exit 2).
+"""
+
+from __future__ import annotations
+
+import collections
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import onnx
+
+from edgeq import ir
+from edgeq.errors import EdgeqError, PassFailure
+from edgeq.passbase import Pass, PassContext
+
+
+@dataclass(frozen=True)
+class PipelineOptions:
+    dump_each: Path | None = None
+    verify: bool = False
+    check_numerics: bool = False
+
+
+def sqnr_db(ref: np.ndarray, out: np.ndarray) -> float:
+    """Signal-to-quantization-noise ratio in dB (inf when equal)."""
+    ref = np.asarray(ref, np.float64)
+    err = ref - np.asarray(out, np.float64)
+    noise = float(np.sum(err * err))
+    signal = float(np.sum(ref * ref))
+    if noise == 0.0:
+        return float("inf")
+    return 10.0 * np.log10(max(signal, 1e-300) / noise)
+
+
+def output_drift(ref: list[np.ndarray], out: list[np.ndarray], names: list[str]) -> dict[str, dict[str, float]]:
+    drift = {}
+    for name, r, o in zip(names, ref, out):
+        if not np.issubdtype(np.asarray(r).dtype, np.floating):
+            drift[name] = {"equal": bool(np.array_equal(r, o))}
+            continue
+        diff = np.abs(np.asarray(r, np.float64) - np.asarray(o, np.float64))
+        drift[name] = {"max_abs": float(diff.max(initial=0.0)), "mean_abs": float(diff.mean()) if diff.size else 0.0,
+                       "sqnr_db": sqnr_db(r, o)}
+    return drift
+
+
+class Pipeline:
+    def __init__(self, passes: list[Pass], options: PipelineOptions | None = None):
+        self.passes = passes
+        self.options = options or PipelineOptions()
+
+    def run(self, model: onnx.ModelProto, ctx: PassContext, sample: dict[str, np.ndarray] | None = None):
+        """Run every pass on ``model``; returns (new model, list of per-pass records)."""
+        opts = self.options
+        reference = None
+        if opts.check_numerics:
+            if sample is None:
+                raise ValueError("check_numerics needs a sample input")
+            ref_session = ir.make_session(model)
+            out_names = [o.name for o in ref_session.get_outputs()]
+            reference = ref_session.run(out_names, sample)
+            del ref_session
+        if opts.dump_each is not None:
+            Path(opts.dump_each).mkdir(parents=True, exist_ok=True)
+        graph = ir.to_graph(model)
+        records: list[dict[str, Any]] = []
+        for i, p in enumerate(self.passes):
+            ops_before = collections.Counter(n.op for n in graph.nodes)
+            start = time.perf_counter()
+            try:
+                result = p.run(graph, ctx)
+                graph.cleanup().toposort()
+            except EdgeqError:
+                raise
+            except Exception as exc:  # noqa: BLE001 (any other exception is a bug in the pass)
+                raise PassFailure(p.name, f"{type(exc).__name__}: {exc}") from exc
+            seconds = time.perf_counter() - start
+            ops_after = collections.Counter(n.op for n in graph.nodes)
+            record = {**p.describe(), "seconds": round(seconds, 3), "modified": result.modified,
+                      "summary": result.summary, "ops_added": _counter_delta(ops_after, ops_before),
+                      "ops_removed": _counter_delta(ops_before, ops_after)}
+            if opts.verify or opts.dump_each is not None or opts.check_numerics:
+                current = ir.to_model(graph)
+                if opts.dump_each is not None:
+                    ir.save_model(current, Path(opts.dump_each) / f"{i:02d}_{p.name}.onnx")
+                if opts.verify:
+                    self._verify(current, p.name)
+                    record["verified"] = True
+                if reference is not None:
+                    session = ir.make_session(current)
+                    out = session.run(out_names, sample)
+                    record["numerics"] = output_drift(reference, out, out_names)
+            records.append(record)
+        return ir.to_model(graph), records
+
+    @staticmethod
+    def _verify(model: onnx.ModelProto, pass_name: str) -> None:
+        try:
+            if model.ByteSize() < 1_800_000_000:
+                onnx.checker.check_model(model)
+            ir.make_session(model)
+        except Exception as exc:  # noqa: BLE001
+            first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            raise PassFailure(pass_name, f"output graph does not verify: {first_line}") from exc
+
+
+def _counter_delta(a: collections.Counter, b: collections.Counter) -> dict[str, int]:
+    return {k: v for k, v in sorted((a - b).items())}

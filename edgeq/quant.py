@@ -1,0 +1,154 @@
+"""Quantization specs and the numpy math behind every QDQ edgeq writes.
+
+Specs are frozen dataclasses (pt2e style); scales and zero points are derived here and nowhere
+else, so the graph, ``encodings.json`` and the numpy fake-quant reference used by tests agree.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import onnx
+
+from edgeq.errors import UserInputError
+
+# dtype name -> (qmin, qmax, onnx elem type, numpy storage dtype, minimum default-domain opset)
+_DTYPES = {
+    "int8": (-128, 127, onnx.TensorProto.INT8, np.int8, 13),
+    "uint8": (0, 255, onnx.TensorProto.UINT8, np.uint8, 13),
+    "int16": (-32768, 32767, onnx.TensorProto.INT16, np.int16, 21),
+    "uint16": (0, 65535, onnx.TensorProto.UINT16, np.uint16, 21),
+    "int4": (-8, 7, onnx.TensorProto.INT4, np.int8, 21),
+    "uint4": (0, 15, onnx.TensorProto.UINT4, np.uint8, 21),
+}
+
+
+@dataclass(frozen=True)
+class QuantSpec:
+    """One quantization choice: integer type, symmetry, and granularity.
+
+    ``axis`` is the channel axis for per-channel scales (None: per-tensor); ``block_size`` > 0
+    means blocks of that many elements along ``axis`` (opset 21 block quantization).
+    Symmetric specs use the restricted range [-qmax, qmax] (zero point 0, or the midpoint for
+    unsigned types) so that negation is exact and integer kernels need no zero-point correction.
+    """
+
+    dtype: str = "int8"
+    symmetric: bool = True
+    axis: int | None = None
+    block_size: int = 0
+
+    def __post_init__(self):
+        if self.dtype not in _DTYPES:
+            raise UserInputError(f"unknown quantized dtype '{self.dtype}' (known: {', '.join(_DTYPES)})")
+
+    @property
+    def qmin(self) -> int:
+        return _DTYPES[self.dtype][0]
+
+    @property
+    def qmax(self) -> int:
+        return _DTYPES[self.dtype][1]
+
+    @property
+    def onnx_type(self) -> int:
+        return _DTYPES[self.dtype][2]
+
+    @property
+    def np_dtype(self):
+        return _DTYPES[self.dtype][3]
+
+    @property
+    def min_opset(self) -> int:
+        return _DTYPES[self.dtype][4]
+
+    @property
+    def bits(self) -> int:
+        return int(np.log2(self.qmax - self.qmin + 1))
+
+    @property
+    def signed(self) -> bool:
+        return self.qmin < 0
+
+
+def scale_zero_point(lo: np.ndarray, hi: np.ndarray, spec: QuantSpec) -> tuple[np.ndarray, np.ndarray]:
+    """Scale and zero point covering [lo, hi] (arrays broadcast; zero is always representable)."""
+    lo = np.minimum(np.asarray(lo, np.float64), 0.0)
+    hi = np.maximum(np.asarray(hi, np.float64), 0.0)
+    tiny = np.finfo(np.float32).tiny
+    if spec.symmetric:
+        half = (spec.qmax - spec.qmin) // 2  # 127 for int8/uint8, 7 for int4
+        scale = np.maximum(np.maximum(-lo, hi) / half, tiny)
+        mid = 0 if spec.signed else (spec.qmax + spec.qmin + 1) // 2
+        zp = np.full(scale.shape, mid, np.int64)
+    else:
+        scale = np.maximum((hi - lo) / (spec.qmax - spec.qmin), tiny)
+        zp = np.clip(np.round(spec.qmin - lo / scale), spec.qmin, spec.qmax).astype(np.int64)
+    return scale.astype(np.float32), zp.astype(spec.np_dtype)
+
+
+def quantize(x: np.ndarray, scale: np.ndarray, zp: np.ndarray, spec: QuantSpec) -> np.ndarray:
+    """QuantizeLinear semantics: round half to even, saturate."""
+    q = np.round(x.astype(np.float32) / scale) + zp.astype(np.float32)
+    return np.clip(q, spec.qmin, spec.qmax).astype(spec.np_dtype)
+
+
+def dequantize(q: np.ndarray, scale: np.ndarray, zp: np.ndarray) -> np.ndarray:
+    return ((q.astype(np.float32) - zp.astype(np.float32)) * scale).astype(np.float32)
+
+
+def fake_quant(x: np.ndarray, scale, zp, spec: QuantSpec) -> np.ndarray:
+    """The numpy reference of a Q->DQ pair (per-tensor or already broadcast parameters)."""
+    scale = np.asarray(scale, np.float32)
+    zp = np.asarray(zp)
+    return dequantize(quantize(x, scale, zp, spec), scale, zp)
+
+
+def expand_blocks(param: np.ndarray, axis: int, block_size: int, length: int) -> np.ndarray:
+    """Repeat block parameters along ``axis`` so they broadcast against the full tensor."""
+    return np.repeat(param, block_size, axis=axis).take(np.arange(length), axis=axis)
+
+
+def quantize_weight(w: np.ndarray, spec: QuantSpec) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Quantize a constant weight per tensor, per channel (``spec.axis``) or per block.
+
+    Returns (q, scale, zero_point) in the layout DequantizeLinear expects: per-channel parameters
+    are 1-D along ``axis``; block parameters have the weight's shape with ``axis`` divided
+    (rounded up) by ``block_size``.
+    """
+    w = np.asarray(w, np.float32)
+    if spec.axis is None:
+        scale, zp = scale_zero_point(w.min(), w.max(), spec)
+        return quantize(w, scale, zp, spec), scale, zp
+    axis = spec.axis % w.ndim
+    if spec.block_size:
+        n = w.shape[axis]
+        nblocks = -(-n // spec.block_size)
+        pad = nblocks * spec.block_size - n
+        padded = np.pad(w, [(0, pad) if a == axis else (0, 0) for a in range(w.ndim)])
+        shape = list(padded.shape)
+        shape[axis:axis + 1] = [nblocks, spec.block_size]
+        blocks = padded.reshape(shape)
+        scale, zp = scale_zero_point(blocks.min(axis=axis + 1), blocks.max(axis=axis + 1), spec)
+        full_scale = expand_blocks(scale, axis, spec.block_size, n)
+        full_zp = expand_blocks(zp, axis, spec.block_size, n)
+        return quantize(w, full_scale, full_zp, spec), scale, zp
+    reduce_axes = tuple(a for a in range(w.ndim) if a != axis)
+    scale, zp = scale_zero_point(w.min(axis=reduce_axes), w.max(axis=reduce_axes), spec)
+    bshape = [1] * w.ndim
+    bshape[axis] = -1
+    return quantize(w, scale.reshape(bshape), zp.reshape(bshape), spec), scale, zp
+
+
+def dequantize_weight(q: np.ndarray, scale: np.ndarray, zp: np.ndarray, spec: QuantSpec) -> np.ndarray:
+    """Inverse of ``quantize_weight`` (the numpy reference of the weight's DequantizeLinear)."""
+    if spec.axis is None:
+        return dequantize(q, scale, zp)
+    axis = spec.axis % q.ndim
+    if spec.block_size:
+        n = q.shape[axis]
+        return dequantize(q, expand_blocks(scale, axis, spec.block_size, n), expand_blocks(zp, axis, spec.block_size, n))
+    bshape = [1] * q.ndim
+    bshape[axis] = -1
+    return dequantize(q, scale.reshape(bshape), zp.reshape(bshape))

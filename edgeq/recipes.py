@@ -1,0 +1,145 @@
+"""Recipes: TOML files validated into frozen dataclasses.
+
+A recipe names a pipeline of passes with their configs and the calibration defaults::
+
+    description = "static per-tensor INT8 activations, per-channel INT8 weights"
+    [calibration]
+    windows = 16
+    seq_len = 512
+    [[pass]]
+    name = "qdq"
+    activation_dtype = "int8"
+
+Unknown top-level keys, unknown calibration keys, unknown passes and unknown pass-config keys are
+all errors (a typo must never silently fall back to a default). Built-in recipes live in
+``edgeq/recipes/*.toml``; ``--recipe`` also accepts a path to a .toml file.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+import types
+import typing
+from dataclasses import dataclass
+from importlib import resources
+from pathlib import Path
+
+from edgeq.errors import UserInputError
+from edgeq.passbase import Pass, PassConfig
+from edgeq.registry import get_pass
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
+
+DEFAULT_RECIPE = "w8a8"
+
+
+@dataclass(frozen=True)
+class CalibrationSettings:
+    windows: int = 16
+    seq_len: int = 512
+    batch_size: int = 1
+
+
+@dataclass(frozen=True)
+class PassSpec:
+    name: str
+    config: PassConfig
+
+    def build(self) -> Pass:
+        return get_pass(self.name)(self.config)
+
+
+@dataclass(frozen=True)
+class Recipe:
+    name: str
+    description: str
+    calibration: CalibrationSettings
+    passes: tuple[PassSpec, ...]
+
+
+def builtin_recipe_names() -> list[str]:
+    folder = resources.files("edgeq") / "recipes"
+    return sorted(p.name[:-5] for p in folder.iterdir() if p.name.endswith(".toml"))
+
+
+def load_recipe(name_or_path: str) -> Recipe:
+    """A built-in recipe by name, or a recipe file by path."""
+    if name_or_path.endswith(".toml") or "/" in name_or_path:
+        path = Path(name_or_path)
+        if not path.is_file():
+            raise UserInputError(f"recipe file not found: {path}")
+        return parse_recipe(path.read_text(), path.stem, source=str(path))
+    if name_or_path not in builtin_recipe_names():
+        raise UserInputError(f"unknown recipe '{name_or_path}' (known: {', '.join(builtin_recipe_names())})")
+    text = (resources.files("edgeq") / "recipes" / f"{name_or_path}.toml").read_text()
+    return parse_recipe(text, name_or_path, source=f"recipe '{name_or_path}'")
+
+
+def parse_recipe(text: str, name: str, source: str = "recipe") -> Recipe:
+    try:
+        data = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as exc:
+        raise UserInputError(f"{source}: invalid TOML: {exc}") from None
+    _reject_unknown(data, {"description", "calibration", "pass"}, source)
+    calibration = _build_dataclass(CalibrationSettings, data.get("calibration", {}), f"{source} [calibration]")
+    raw_passes = data.get("pass", [])
+    if not isinstance(raw_passes, list) or not raw_passes:
+        raise UserInputError(f"{source}: needs at least one [[pass]] table")
+    specs = []
+    for i, entry in enumerate(raw_passes):
+        if "name" not in entry:
+            raise UserInputError(f"{source}: [[pass]] #{i + 1} has no 'name'")
+        entry = dict(entry)
+        pass_cls = get_pass(entry.pop("name"))
+        config = _build_dataclass(pass_cls.Config, entry, f"{source} pass '{pass_cls.name}'")
+        specs.append(PassSpec(pass_cls.name, config))
+    return Recipe(name, str(data.get("description", "")), calibration, tuple(specs))
+
+
+def _reject_unknown(data: dict, allowed: set[str], where: str) -> None:
+    unknown = sorted(set(data) - allowed)
+    if unknown:
+        raise UserInputError(f"{where}: unknown key(s) {', '.join(unknown)} (allowed: {', '.join(sorted(allowed))})")
+
+
+def _build_dataclass(cls, values: dict, where: str):
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    _reject_unknown(values, set(fields), where)
+    hints = typing.get_type_hints(cls)
+    kwargs = {}
+    for key, value in values.items():
+        kwargs[key] = _coerce(value, hints[key], f"{where} key '{key}'")
+    try:
+        return cls(**kwargs)
+    except (TypeError, ValueError) as exc:
+        raise UserInputError(f"{where}: {exc}") from None
+
+
+def _coerce(value, hint, where: str):
+    """Check a TOML value against a field's type hint (lists become tuples)."""
+    origin = typing.get_origin(hint)
+    args = typing.get_args(hint)
+    if origin in (typing.Union, types.UnionType):
+        for arg in args:
+            if arg is type(None):
+                continue
+            try:
+                return _coerce(value, arg, where)
+            except UserInputError:
+                pass
+        raise UserInputError(f"{where}: {value!r} does not match {hint}")
+    if origin is tuple:
+        if not isinstance(value, list):
+            raise UserInputError(f"{where}: expected a list, got {value!r}")
+        return tuple(_coerce(v, args[0], where) for v in value)
+    if hint is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if hint is bool and not isinstance(value, bool):
+        raise UserInputError(f"{where}: expected true or false, got {value!r}")
+    if hint in (int, float, str) and (not isinstance(value, hint) or isinstance(value, bool)):
+        raise UserInputError(f"{where}: expected {hint.__name__}, got {value!r}")
+    return value

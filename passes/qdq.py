@@ -1,0 +1,196 @@
+"""``qdq``: static quantization of every linear: activation Q/DQ from calibration, weight DQ.
+
+The pattern is the one onnxruntime's QDQ transformers turn into integer kernels:
+``x -> QuantizeLinear -> DequantizeLinear -> MatMul <- DequantizeLinear <- int8 weight``.
+onnxruntime fuses it into ``MatMulIntegerToFloat`` (or ``QLinearMatMul`` when the output is
+re-quantized by the next linear), and blockwise int4 weights into ``MatMulNBits``. Weights stored
+behind a Transpose are pre-transposed so no Transpose sits between the weight DQ and the MatMul
+(that would stop the fusion). One Q/DQ pair is shared by all linears reading the same tensor
+(q/k/v, gate/up), so the integer activation is computed once.
+
+Activation scales are static per tensor (the NPU case). Weights are per output channel,
+per group along K (opset 21 ``block_size``), or per tensor.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import onnx_graphsurgeon as gs
+
+from edgeq import ir
+from edgeq.calib.observers import HistogramObserver, MinMaxObserver
+from edgeq.errors import UserInputError
+from edgeq.passbase import Exactness, Pass, PassConfig, PassContext, PassResult
+from edgeq.quant import QuantSpec, quantize_weight, scale_zero_point
+from edgeq.registry import register_pass
+from edgeq.structure import Linear, find_linears
+
+_ACT_DTYPES = ("int8", "uint8", "int16", "uint16")
+_WEIGHT_DTYPES = ("int8", "int4", "uint8", "uint4")
+_GRANULARITIES = ("channel", "group", "tensor")
+_OBSERVERS = ("minmax", "percentile", "mse")
+
+
+@dataclass(frozen=True)
+class QDQConfig(PassConfig):
+    activation_dtype: str = "int8"
+    activation_symmetric: bool = True
+    activation_observer: str = "minmax"
+    percentile: float = 99.99
+    weight_dtype: str = "int8"
+    weight_symmetric: bool = True
+    weight_granularity: str = "channel"
+    group_size: int = 128
+    skip_roles: tuple[str, ...] = ()
+
+    def __post_init__(self):
+        checks = [
+            ("activation_dtype", self.activation_dtype, _ACT_DTYPES),
+            ("weight_dtype", self.weight_dtype, _WEIGHT_DTYPES),
+            ("weight_granularity", self.weight_granularity, _GRANULARITIES),
+            ("activation_observer", self.activation_observer, _OBSERVERS),
+        ]
+        for key, value, allowed in checks:
+            if value not in allowed:
+                raise UserInputError(f"qdq: {key} must be one of {', '.join(allowed)}, got '{value}'")
+        if self.weight_granularity == "group" and (self.group_size < 16 or self.group_size & (self.group_size - 1)):
+            raise UserInputError(f"qdq: group_size must be a power of two >= 16, got {self.group_size}")
+        if not 0.0 < self.percentile <= 100.0:
+            raise UserInputError(f"qdq: percentile must be in (0, 100], got {self.percentile}")
+
+
+@register_pass
+class QDQPass(Pass):
+    name = "qdq"
+    exactness = Exactness.LOSSY
+    Config = QDQConfig
+    needs_calibration = True
+    summary_line = "static per-tensor activation QDQ and per-channel/group weight DQ on every linear"
+
+    def run(self, graph: gs.Graph, ctx: PassContext) -> PassResult:
+        cfg: QDQConfig = self.config
+        index = ir.GraphIndex(graph)
+        linears = [
+            lin for lin in find_linears(graph)
+            if lin.role not in cfg.skip_roles and not _is_dequantized(index, lin.input)
+        ]
+        if not linears:
+            return PassResult(False, {"linears_quantized": 0})
+        act_spec = QuantSpec(cfg.activation_dtype, cfg.activation_symmetric)
+        _ensure_opset(graph, act_spec, self._weight_spec(axis=0))
+        observers = self._calibrate(graph, ctx, sorted({lin.input for lin in linears}), act_spec)
+        nodes = {n.name: n for n in graph.nodes}
+        act_sites = {}
+        for name, obs in observers.items():
+            lo, hi = obs.range()
+            act_sites[name] = _insert_activation_qdq(graph, index, name, lo, hi, act_spec)
+        quantized_weights: dict[tuple[str, bool], gs.Variable] = {}
+        for lin in linears:
+            node = nodes[lin.node]
+            node.inputs[0] = act_sites[lin.input]
+            key = (lin.weight, lin.weight_transposed)
+            if key not in quantized_weights:
+                quantized_weights[key] = self._quantize_weight(graph, index, lin)
+            node.inputs[1] = quantized_weights[key]
+            if lin.op == "Gemm" and lin.weight_transposed:
+                node.attrs["transB"] = 1  # the DQ'd weight keeps the stored [N, K] layout
+        roles: dict[str, int] = {}
+        for lin in linears:
+            roles[lin.role] = roles.get(lin.role, 0) + 1
+        return PassResult(True, {
+            "linears_quantized": len(linears),
+            "activation_sites": len(act_sites),
+            "weights_quantized": len(quantized_weights),
+            "roles": roles,
+            "activation": f"{act_spec.dtype} {'symmetric' if act_spec.symmetric else 'asymmetric'} per-tensor static ({cfg.activation_observer})",
+            "weight": f"{cfg.weight_dtype} {'symmetric' if cfg.weight_symmetric else 'asymmetric'} per-{cfg.weight_granularity}"
+                      + (f" (group {cfg.group_size})" if cfg.weight_granularity == "group" else ""),
+        })
+
+    def _weight_spec(self, axis: int) -> QuantSpec:
+        cfg: QDQConfig = self.config
+        if cfg.weight_granularity == "tensor":
+            return QuantSpec(cfg.weight_dtype, cfg.weight_symmetric)
+        block = cfg.group_size if cfg.weight_granularity == "group" else 0
+        return QuantSpec(cfg.weight_dtype, cfg.weight_symmetric, axis=axis, block_size=block)
+
+    def _calibrate(self, graph, ctx: PassContext, names: list[str], spec: QuantSpec):
+        cfg: QDQConfig = self.config
+        if cfg.activation_observer == "minmax":
+            factory = MinMaxObserver
+        else:
+            def factory():
+                return HistogramObserver(method=cfg.activation_observer, percentile=cfg.percentile, bits=spec.bits)
+        key = f"qdq:{cfg.activation_observer}:{cfg.percentile}:{spec.bits}"
+        return ctx.require_calibrator(self.name).observe(graph, {n: factory for n in names}, key)
+
+    def _quantize_weight(self, graph: gs.Graph, index: ir.GraphIndex, lin: Linear) -> gs.Variable:
+        """Replace a float weight by integer constant -> DequantizeLinear, in the layout the node reads.
+
+        MatMul reads [K, N]: a weight stored transposed is transposed here, offline. Gemm keeps
+        its stored layout and ``transB``. Channels are the N axis; groups run along K.
+        """
+        w = np.asarray(index.constant_value(index.tensors[lin.weight]), np.float32)
+        if lin.op == "MatMul" and lin.weight_transposed:
+            w = np.ascontiguousarray(w.T)
+        stored_nk = lin.op == "Gemm" and lin.weight_transposed
+        n_axis, k_axis = (0, 1) if stored_nk else (1, 0)
+        if self.config.weight_granularity == "group":
+            spec = self._weight_spec(axis=k_axis)
+        else:
+            spec = self._weight_spec(axis=n_axis)
+        q, scale, zp = quantize_weight(w, spec)
+        base = f"{lin.weight}_{spec.dtype}"
+        q_const = gs.Constant(ir.unique_name(index, base), q)
+        if spec.dtype in ("int4", "uint4"):
+            q_const.export_dtype = spec.onnx_type
+        s_const = gs.Constant(ir.unique_name(index, base + "_scale"), scale.astype(np.float32))
+        z_const = gs.Constant(ir.unique_name(index, base + "_zero_point"), zp)
+        if spec.dtype in ("int4", "uint4"):
+            z_const.export_dtype = spec.onnx_type
+        out = gs.Variable(ir.unique_name(index, f"{lin.weight}_dequantized"), dtype=np.float32, shape=list(w.shape))
+        attrs = {}
+        if spec.axis is not None:
+            attrs["axis"] = spec.axis
+        if spec.block_size:
+            attrs["block_size"] = spec.block_size
+        graph.nodes.append(gs.Node("DequantizeLinear", f"{lin.weight}_DequantizeLinear", attrs, [q_const, s_const, z_const], [out]))
+        return out
+
+
+def _is_dequantized(index: ir.GraphIndex, name: str) -> bool:
+    producer = index.producer(name)
+    return producer is not None and producer.op == "DequantizeLinear"
+
+
+def _insert_activation_qdq(graph, index, name: str, lo: float, hi: float, spec: QuantSpec) -> gs.Variable:
+    if not (np.isfinite(lo) and np.isfinite(hi)):
+        raise UserInputError(f"calibration saw no finite values for '{name}'")
+    scale, zp = scale_zero_point(np.array(lo), np.array(hi), spec)
+    src = index.tensors[name]
+    s_const = gs.Constant(ir.unique_name(index, f"{name}_scale"), np.asarray(scale, np.float32).reshape(()))
+    z_const = gs.Constant(ir.unique_name(index, f"{name}_zero_point"), np.asarray(zp).reshape(()))
+    quant = gs.Variable(ir.unique_name(index, f"{name}_quantized"), dtype=spec.np_dtype)
+    deq = gs.Variable(ir.unique_name(index, f"{name}_dequantized"), dtype=np.float32)
+    graph.nodes.append(gs.Node("QuantizeLinear", f"{name}_QuantizeLinear", {}, [src, s_const, z_const], [quant]))
+    graph.nodes.append(gs.Node("DequantizeLinear", f"{name}_DequantizeLinear", {}, [quant, s_const, z_const], [deq]))
+    return deq
+
+
+def _ensure_opset(graph: gs.Graph, *specs: QuantSpec) -> None:
+    """int16 and int4 Q/DQ and block sizes need opset 21.
+
+    Bumping an opset-18+ graph to 21 is safe for the ops transformer exports use (18 -> 21 only
+    widened types and added attributes with backward-compatible defaults); older graphs would
+    need real conversion (e.g. ReduceMean's axes moved to an input in 18), so they are refused.
+    """
+    need = max(s.min_opset for s in specs)
+    if any(s.block_size for s in specs):
+        need = max(need, 21)
+    if graph.opset >= need:
+        return
+    if graph.opset < 18:
+        raise UserInputError(f"this quantization needs opset {need}; the model has opset {graph.opset} (re-export with opset >= 18)")
+    graph.opset = need

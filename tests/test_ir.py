@@ -1,0 +1,112 @@
+"""IR helpers: validated loading, external data, atomic outputs, metadata preservation."""
+
+import numpy as np
+import onnx
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+
+from edgeq import ir
+from edgeq.errors import UserInputError
+
+
+def _model(opset=18):
+    w = numpy_helper.from_array(np.arange(64 * 4, dtype=np.float32).reshape(64, 4), "w")
+    g = helper.make_graph([helper.make_node("MatMul", ["x", "w"], ["y"], name="mm")], "g",
+                          [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 64])],
+                          [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 4])], [w])
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", opset)], ir_version=9)
+    m.metadata_props.add(key="author", value="test")
+    return m
+
+
+def test_save_uses_external_data_and_round_trips(tmp_path):
+    m = _model()
+    path = ir.save_model(m, tmp_path / "m" / "model.onnx")
+    assert (tmp_path / "m" / "model.onnx.data").stat().st_size == 64 * 4 * 4
+    assert m.graph.initializer[0].raw_data  # the caller's proto keeps its data
+    back = ir.load_model(path)
+    np.testing.assert_array_equal(numpy_helper.to_array(back.graph.initializer[0]), numpy_helper.to_array(m.graph.initializer[0]))
+
+
+def test_graph_round_trip_keeps_metadata_and_ir_version():
+    m = _model()
+    back = ir.to_model(ir.to_graph(m))
+    assert {p.key: p.value for p in back.metadata_props} == {"author": "test"}
+    assert back.ir_version == 9
+    assert ir.default_opset(back) == 18
+
+
+def test_missing_file(tmp_path):
+    with pytest.raises(UserInputError, match="not found"):
+        ir.load_model(tmp_path / "nope.onnx")
+
+
+def test_not_onnx(tmp_path):
+    p = tmp_path / "x.onnx"
+    p.write_text("hello, I am not a model")
+    with pytest.raises(UserInputError):
+        ir.load_model(p)
+
+
+def test_truncated(tmp_path):
+    p = tmp_path / "m.onnx"
+    onnx.save_model(_model(), str(p))
+    data = p.read_bytes()
+    p.write_bytes(data[: len(data) // 2])
+    with pytest.raises(UserInputError):
+        ir.load_model(p)
+
+
+def test_missing_external_data(tmp_path):
+    path = ir.save_model(_model(), tmp_path / "model.onnx")
+    (tmp_path / "model.onnx.data").unlink()
+    with pytest.raises(UserInputError, match="missing external data"):
+        ir.load_model(path)
+
+
+def test_external_data_escaping_folder(tmp_path):
+    m = _model()
+    (tmp_path / "sub").mkdir()
+    ir.save_model(m, tmp_path / "model.onnx")
+    bad = onnx.load_model(str(tmp_path / "model.onnx"), load_external_data=False)
+    for e in bad.graph.initializer[0].external_data:
+        if e.key == "location":
+            e.value = "../model.onnx.data"
+    onnx.save_model(bad, str(tmp_path / "sub" / "model.onnx"))
+    with pytest.raises(UserInputError, match="outside"):
+        ir.load_model(tmp_path / "sub" / "model.onnx")
+
+
+def test_opset_check():
+    with pytest.raises(UserInputError, match="opset 11"):
+        ir.check_opset(_model(opset=11))
+    assert ir.check_opset(_model()) == 18
+
+
+def test_atomic_output_dir_leaves_nothing_on_failure(tmp_path):
+    out = tmp_path / "out"
+    with pytest.raises(RuntimeError):
+        with ir.atomic_output_dir(out) as tmp:
+            (tmp / "half.txt").write_text("x")
+            raise RuntimeError("boom")
+    assert not out.exists()
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_atomic_output_dir_replaces_on_success(tmp_path):
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "old.txt").write_text("old")
+    with ir.atomic_output_dir(out) as tmp:
+        (tmp / "new.txt").write_text("new")
+    assert sorted(p.name for p in out.iterdir()) == ["new.txt"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
+
+
+def test_graph_index_lookups():
+    g = ir.to_graph(_model())
+    idx = ir.GraphIndex(g)
+    assert idx.producer("y").name == "mm"
+    assert [n.name for n in idx.consumers("x")] == ["mm"]
+    assert idx.constant_value(idx.tensors["w"]).shape == (64, 4)
+    assert idx.constant_value(idx.tensors["x"]) is None

@@ -1,0 +1,190 @@
+"""CLI contract: every bad input is one line on stderr, exit 2, and nothing half-written;
+an internal error in a pass exits 1 naming the pass; a good compile writes the three outputs."""
+
+import json
+from dataclasses import dataclass
+
+import numpy as np
+import onnx
+import pytest
+from toy import VOCAB, toy_model_dir, write_text
+
+from edgeq import ir
+from edgeq.cli import main
+from edgeq.passbase import Exactness, Pass, PassConfig, PassResult
+from edgeq.registry import _PASSES, register_pass
+
+
+@pytest.fixture
+def toy(tmp_path):
+    model = toy_model_dir(tmp_path / "toy")
+    calib = write_text(tmp_path / "calib.txt", 400)
+    return model, calib
+
+
+def _run(capsys, *argv):
+    code = main([str(a) for a in argv])
+    err = capsys.readouterr().err.strip()
+    return code, err
+
+
+def _assert_user_error(capsys, out_dir, argv, needle):
+    code, err = _run(capsys, *argv)
+    assert code == 2, err
+    assert len(err.splitlines()) == 1, err
+    assert needle in err, err
+    assert not out_dir.exists()
+    assert not [p for p in out_dir.parent.iterdir() if p.name.startswith(f".{out_dir.name}.tmp")]
+
+
+def test_compile_writes_model_report_and_encodings(toy, tmp_path, capsys):
+    model, calib = toy
+    out = tmp_path / "out"
+    code, err = _run(capsys, "compile", model, "--calib", calib, "--seq-len", 16, "--calib-windows", 4, "-o", out,
+                     "--verify", "--check-numerics")
+    assert code == 0, err
+    assert sorted(p.name for p in out.iterdir()) == ["encodings.json", "model.onnx", "model.onnx.data", "report.json"]
+    report = json.loads((out / "report.json").read_text())
+    assert report["passes"][0]["name"] == "qdq" and report["passes"][0]["modified"]
+    assert report["calibration"]["samples"] == 4
+    assert "logits" in report["passes"][0]["numerics"]
+    enc = json.loads((out / "encodings.json").read_text())
+    assert set(enc["activations"]) == {"h0", "h2"}
+    assert enc["weights"] and all(e["bits"] == 8 and e["granularity"] == "channel" for e in enc["weights"].values())
+    sess = ir.make_session(ir.load_model(out / "model.onnx"))
+    (logits,) = sess.run(None, {"input_ids": np.zeros((1, 8), np.int64)})
+    assert logits.shape == (1, 8, VOCAB)
+
+
+def test_missing_model(tmp_path, capsys):
+    out = tmp_path / "out"
+    _assert_user_error(capsys, out, ["compile", tmp_path / "nope.onnx", "-o", out], "not found")
+
+
+def test_not_onnx(tmp_path, toy, capsys):
+    bad = tmp_path / "bad.onnx"
+    bad.write_text("definitely not a protobuf model")
+    out = tmp_path / "out"
+    _assert_user_error(capsys, out, ["compile", bad, "--calib", toy[1], "-o", out], "not")
+
+
+def test_truncated_protobuf(tmp_path, toy, capsys):
+    model, calib = toy
+    data = model.read_bytes()
+    trunc = tmp_path / "trunc" / "model.onnx"
+    trunc.parent.mkdir()
+    trunc.write_bytes(data[: len(data) - 7])
+    out = tmp_path / "out"
+    _assert_user_error(capsys, out, ["compile", trunc, "--calib", calib, "-o", out], "")
+
+
+def test_missing_external_data(toy, tmp_path, capsys):
+    model, calib = toy
+    (model.parent / "model.onnx.data").unlink()
+    out = tmp_path / "out"
+    _assert_user_error(capsys, out, ["compile", model, "--calib", calib, "-o", out], "missing external data")
+
+
+def test_external_data_escaping_folder(toy, tmp_path, capsys):
+    model, calib = toy
+    m = onnx.load_model(str(model), load_external_data=False)
+    for t in m.graph.initializer:
+        for e in t.external_data:
+            if e.key == "location":
+                e.value = "../../etc/passwd"
+    onnx.save_model(m, str(model))
+    out = tmp_path / "out"
+    _assert_user_error(capsys, out, ["compile", model, "--calib", calib, "-o", out], "outside")
+
+
+def test_unknown_recipe(toy, tmp_path, capsys):
+    out = tmp_path / "out"
+    _assert_user_error(capsys, out, ["compile", toy[0], "--calib", toy[1], "--recipe", "w9a9", "-o", out], "unknown recipe")
+
+
+def test_unknown_pass_in_recipe(toy, tmp_path, capsys):
+    recipe = tmp_path / "r.toml"
+    recipe.write_text('[[pass]]\nname = "warp-drive"\n')
+    out = tmp_path / "out"
+    _assert_user_error(capsys, out, ["compile", toy[0], "--calib", toy[1], "--recipe", recipe, "-o", out], "unknown pass")
+
+
+def test_unknown_recipe_key(toy, tmp_path, capsys):
+    recipe = tmp_path / "r.toml"
+    recipe.write_text('[[pass]]\nname = "qdq"\nweight_bitz = 4\n')
+    out = tmp_path / "out"
+    _assert_user_error(capsys, out, ["compile", toy[0], "--calib", toy[1], "--recipe", recipe, "-o", out], "weight_bitz")
+
+
+def test_calibration_text_shorter_than_one_window(toy, tmp_path, capsys):
+    short = write_text(tmp_path / "short.txt", 10)
+    out = tmp_path / "out"
+    _assert_user_error(capsys, out, ["compile", toy[0], "--calib", short, "--seq-len", 512, "-o", out], "")
+
+
+@pytest.mark.parametrize("arrays,needle", [
+    ({"input_idz": np.zeros((2, 1, 8), np.int64)}, "input_id"),
+    ({"input_ids": np.zeros((2, 1, 8), np.float32)}, "dtype"),
+    ({"input_ids": np.zeros((2, 1, 8, 3), np.int64)}, ""),
+])
+def test_npz_not_matching_inputs(toy, tmp_path, capsys, arrays, needle):
+    npz = tmp_path / "calib.npz"
+    np.savez(npz, **arrays)
+    out = tmp_path / "out"
+    _assert_user_error(capsys, out, ["compile", toy[0], "--calib", npz, "-o", out], needle)
+
+
+def test_unsupported_opset(tmp_path, capsys):
+    model = toy_model_dir(tmp_path / "old", opset=11)
+    calib = write_text(tmp_path / "c.txt", 400)
+    out = tmp_path / "out"
+    _assert_user_error(capsys, out, ["compile", model, "--calib", calib, "-o", out], "opset 11")
+
+
+def test_output_folder_containing_input_refused(toy, capsys):
+    model, calib = toy
+    out = model.parent
+    code, err = _run(capsys, "compile", model, "--calib", calib, "-o", out)
+    assert code == 2 and "contains the input model" in err
+    assert model.exists()
+
+
+@dataclass(frozen=True)
+class _BoomConfig(PassConfig):
+    pass
+
+
+class _BoomPass(Pass):
+    name = "test-boom"
+    exactness = Exactness.EXACT
+    Config = _BoomConfig
+
+    def run(self, graph, ctx):
+        raise ZeroDivisionError("simulated bug")
+
+
+def test_internal_error_names_pass(toy, tmp_path, capsys):
+    register_pass(_BoomPass)
+    try:
+        recipe = tmp_path / "r.toml"
+        recipe.write_text('[[pass]]\nname = "test-boom"\n')
+        out = tmp_path / "out"
+        code, err = _run(capsys, "compile", toy[0], "--calib", toy[1], "--recipe", recipe, "-o", out)
+        assert code == 1
+        assert "pass 'test-boom' failed" in err and "ZeroDivisionError" in err
+        assert not out.exists()
+    finally:
+        _PASSES.pop("test-boom", None)
+
+
+def test_recipes_lists_default(capsys):
+    assert main(["recipes"]) == 0
+    text = capsys.readouterr().out
+    assert "w8a8" in text and "(default)" in text
+
+
+def test_help_exits_zero(capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(["compile", "--help"])
+    assert exc.value.code == 0
+    assert "--calib" in capsys.readouterr().out

@@ -1,0 +1,82 @@
+"""Hand-built toy models and data for CLI and pipeline tests (no torch needed)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+from onnx import TensorProto, helper, numpy_helper
+
+from edgeq import ir
+
+VOCAB = 64
+WORDS = [f"w{i}" for i in range(VOCAB - 1)]
+
+
+def toy_lm(opset: int = 18, hidden: int = 16, seed: int = 0):
+    """input_ids -> Gather -> MatMul -> Relu -> MatMul -> logits: two linears, one vocab head."""
+    rng = np.random.default_rng(seed)
+    inits = [
+        numpy_helper.from_array(rng.standard_normal((VOCAB, hidden)).astype(np.float32), "embed"),
+        numpy_helper.from_array(rng.standard_normal((hidden, hidden)).astype(np.float32) * 0.3, "w1"),
+        numpy_helper.from_array(rng.standard_normal((hidden, VOCAB)).astype(np.float32) * 0.3, "w2"),
+    ]
+    nodes = [
+        helper.make_node("Gather", ["embed", "input_ids"], ["h0"], name="embed_gather"),
+        helper.make_node("MatMul", ["h0", "w1"], ["h1"], name="fc1"),
+        helper.make_node("Relu", ["h1"], ["h2"], name="act"),
+        helper.make_node("MatMul", ["h2", "w2"], ["logits"], name="lm_head"),
+    ]
+    graph = helper.make_graph(
+        nodes, "toy", [helper.make_tensor_value_info("input_ids", TensorProto.INT64, ["batch", "seq"])],
+        [helper.make_tensor_value_info("logits", TensorProto.FLOAT, ["batch", "seq", VOCAB])], inits)
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)], ir_version=9)
+
+
+def write_tokenizer(folder: Path) -> Path:
+    """A whitespace WordLevel tokenizer over WORDS, saved as tokenizer.json."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    vocab = {"[UNK]": 0, **{w: i + 1 for i, w in enumerate(WORDS)}}
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    folder.mkdir(parents=True, exist_ok=True)
+    tok.save(str(folder / "tokenizer.json"))
+    return folder
+
+
+def write_text(path: Path, n_words: int, seed: int = 0) -> Path:
+    rng = np.random.default_rng(seed)
+    path.write_text(" ".join(rng.choice(WORDS, size=n_words)) + "\n")
+    return path
+
+
+def toy_model_dir(folder: Path, opset: int = 18) -> Path:
+    """A model folder as `edgeq export` writes it: model.onnx (+ data) and tokenizer.json."""
+    ir.save_model(toy_lm(opset), folder / "model.onnx", size_threshold=0)
+    write_tokenizer(folder)
+    (folder / "config.json").write_text(json.dumps({"vocab_size": VOCAB}))
+    return folder / "model.onnx"
+
+
+def random_feeds(input_specs, seed: int = 0, batch: int = 1, seq: int = 16) -> dict[str, np.ndarray]:
+    """Plausible random inputs from onnxruntime input specs (ids, masks, positions, pixels)."""
+    rng = np.random.default_rng(seed)
+    feeds = {}
+    for spec in input_specs:
+        shape = [d if isinstance(d, int) else (batch if i == 0 else seq) for i, d in enumerate(spec.shape)]
+        if "int" in spec.type:
+            dtype = np.int64 if "int64" in spec.type else np.int32
+            if "mask" in spec.name:
+                value = np.ones(shape, dtype)
+            elif "position" in spec.name:
+                value = np.broadcast_to(np.arange(shape[-1], dtype=dtype), shape).copy()
+            elif "token_type" in spec.name:
+                value = np.zeros(shape, dtype)
+            else:
+                value = rng.integers(0, 32, shape).astype(dtype)
+        else:
+            value = rng.standard_normal(shape).astype(np.float32)
+        feeds[spec.name] = value
+    return feeds

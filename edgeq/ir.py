@@ -186,6 +186,9 @@ def atomic_output_dir(out_dir: str | os.PathLike) -> Iterator[Path]:
     out_dir = Path(out_dir).resolve()
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
+    umask = os.umask(0)
+    os.umask(umask)
+    tmp.chmod(0o777 & ~umask)  # mkdtemp makes it 0700; the final folder gets the usual mode
     try:
         yield tmp
     except BaseException:
@@ -209,7 +212,7 @@ def model_fingerprint(model: onnx.ModelProto) -> str:
     h = hashlib.sha256()
     for init in model.graph.initializer:
         h.update(init.name.encode())
-        h.update(bytes(init.dims))
+        h.update(repr(list(init.dims)).encode())
         h.update(onnx.numpy_helper.to_array(init).tobytes() if not init.raw_data else init.raw_data)
     skeleton = onnx.GraphProto()
     skeleton.CopyFrom(model.graph)

@@ -5,8 +5,10 @@ The pattern is the one onnxruntime's QDQ transformers turn into integer kernels:
 onnxruntime fuses it into ``MatMulIntegerToFloat`` (or ``QLinearMatMul`` when the output is
 re-quantized by the next linear), and blockwise int4 weights into ``MatMulNBits``. Weights stored
 behind a Transpose are pre-transposed so no Transpose sits between the weight DQ and the MatMul
-(that would stop the fusion). One Q/DQ pair is shared by all linears reading the same tensor
-(q/k/v, gate/up), so the integer activation is computed once.
+(that would stop the fusion). One QuantizeLinear is shared by all linears reading the same tensor
+(q/k/v, gate/up), so the integer activation is computed once, but each linear gets its own
+DequantizeLinear: onnxruntime's QDQ selectors only fuse a DQ with a single consumer (measured on
+SmolLM2: with shared DQs only o_proj/down_proj/lm_head became integer kernels).
 
 Activation scales are static per tensor (the NPU case). Weights are per output channel,
 per group along K (opset 21 ``block_size``), or per tensor.
@@ -85,17 +87,17 @@ class QDQPass(Pass):
         act_sites = {}
         for name, obs in observers.items():
             lo, hi = obs.range()
-            act_sites[name] = _insert_activation_qdq(graph, index, name, lo, hi, act_spec)
+            act_sites[name] = _insert_activation_quantize(graph, index, name, lo, hi, act_spec)
         quantized_weights: dict[tuple[str, bool], gs.Variable] = {}
         for lin in linears:
             node = nodes[lin.node]
-            node.inputs[0] = act_sites[lin.input]
+            node.inputs[0] = _dequantize(graph, index, act_sites[lin.input], lin.node)
             key = (lin.weight, lin.weight_transposed)
             if key not in quantized_weights:
                 quantized_weights[key] = self._quantize_weight(graph, index, lin)
             node.inputs[1] = quantized_weights[key]
-            if lin.op == "Gemm" and lin.weight_transposed:
-                node.attrs["transB"] = 1  # the DQ'd weight keeps the stored [N, K] layout
+            if lin.op == "Gemm":
+                node.attrs["transB"] = int(lin.weight_transposed)  # the DQ'd weight keeps the stored layout
         roles: dict[str, int] = {}
         for lin in linears:
             roles[lin.role] = roles.get(lin.role, 0) + 1
@@ -165,17 +167,23 @@ def _is_dequantized(index: ir.GraphIndex, name: str) -> bool:
     return producer is not None and producer.op == "DequantizeLinear"
 
 
-def _insert_activation_qdq(graph, index, name: str, lo: float, hi: float, spec: QuantSpec) -> gs.Variable:
+def _insert_activation_quantize(graph, index, name: str, lo: float, hi: float, spec: QuantSpec) -> gs.Node:
     if not (np.isfinite(lo) and np.isfinite(hi)):
         raise UserInputError(f"calibration saw no finite values for '{name}'")
     scale, zp = scale_zero_point(np.array(lo), np.array(hi), spec)
-    src = index.tensors[name]
     s_const = gs.Constant(ir.unique_name(index, f"{name}_scale"), np.asarray(scale, np.float32).reshape(()))
     z_const = gs.Constant(ir.unique_name(index, f"{name}_zero_point"), np.asarray(zp).reshape(()))
     quant = gs.Variable(ir.unique_name(index, f"{name}_quantized"), dtype=spec.np_dtype)
-    deq = gs.Variable(ir.unique_name(index, f"{name}_dequantized"), dtype=np.float32)
-    graph.nodes.append(gs.Node("QuantizeLinear", f"{name}_QuantizeLinear", {}, [src, s_const, z_const], [quant]))
-    graph.nodes.append(gs.Node("DequantizeLinear", f"{name}_DequantizeLinear", {}, [quant, s_const, z_const], [deq]))
+    node = gs.Node("QuantizeLinear", f"{name}_QuantizeLinear", {}, [index.tensors[name], s_const, z_const], [quant])
+    graph.nodes.append(node)
+    return node
+
+
+def _dequantize(graph, index, quantize: gs.Node, consumer: str) -> gs.Variable:
+    """A DequantizeLinear of ``quantize``'s output dedicated to one consumer node."""
+    quant, s_const, z_const = quantize.outputs[0], quantize.inputs[1], quantize.inputs[2]
+    deq = gs.Variable(ir.unique_name(index, f"{quantize.inputs[0].name}_dequantized"), dtype=np.float32)
+    graph.nodes.append(gs.Node("DequantizeLinear", f"{consumer}_input_DequantizeLinear", {}, [quant, s_const, z_const], [deq]))
     return deq
 
 

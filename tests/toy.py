@@ -65,7 +65,11 @@ def random_feeds(input_specs, seed: int = 0, batch: int = 1, seq: int = 16) -> d
     rng = np.random.default_rng(seed)
     feeds = {}
     for spec in input_specs:
-        shape = [d if isinstance(d, int) else (batch if i == 0 else seq) for i, d in enumerate(spec.shape)]
+        if spec.name == "pixel_values":  # tiny ViT exports: 3 channels, 32 x 32 images
+            symbolic = [batch, 3, 32, 32]
+        else:
+            symbolic = [batch] + [seq] * (len(spec.shape) - 1)
+        shape = [d if isinstance(d, int) else symbolic[i] for i, d in enumerate(spec.shape)]
         if "int" in spec.type:
             dtype = np.int64 if "int64" in spec.type else np.int32
             if "mask" in spec.name:

@@ -146,6 +146,8 @@ def _add_outputs(model: onnx.ModelProto, graph: gs.Graph, names: list[str]) -> N
 
 
 def _elem_type(dtype) -> int:
+    if dtype is None:
+        return onnx.TensorProto.FLOAT
     if isinstance(dtype, int):
         return dtype
     try:

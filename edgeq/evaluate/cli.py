@@ -1,0 +1,230 @@
+"""``edgeq eval``: perplexity of one model, or the error of one model against another."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+from typing import Any
+
+from edgeq.errors import UserInputError
+
+_PROTOCOL = (
+    "Protocol: tokenize the whole file with the model's tokenizer in one call (its special tokens "
+    "added once, e.g. a leading <|im_start|> for SmolLM2; --no-special-tokens drops them), cut "
+    "non-overlapping windows of --seq-len tokens from the start, evaluate windows "
+    "[--offset, --offset + --windows); each window predicts tokens 2..seq-len; "
+    "perplexity = exp(total NLL / predicted tokens)"
+)
+
+
+def _positive(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {value}")
+    return value
+
+
+def _non_negative(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {value}")
+    return value
+
+
+def register(subparsers: Any) -> argparse.ArgumentParser:
+    """Add ``eval ppl`` and ``eval compare`` to the top-level subparsers."""
+    ev = subparsers.add_parser(
+        "eval",
+        help="evaluate models: perplexity on text, or error against a reference model",
+        description="Evaluate models with onnxruntime on CPU.",
+    )
+    sub = ev.add_subparsers(dest="eval_command", metavar="{ppl,compare}")
+    ev.set_defaults(func=lambda args: (ev.print_help(), 2)[1])
+
+    ppl = sub.add_parser(
+        "ppl",
+        help="perplexity of a causal LM on a text file",
+        description="Perplexity of a causal LM exported to ONNX (inputs input_ids and optionally "
+        "attention_mask / position_ids, output logits [batch, seq, vocab]) on a text file. "
+        + _PROTOCOL
+        + ".",
+        epilog="example: edgeq eval ppl out/model.onnx --text data/wikitext-2/test.txt "
+        "--tokenizer out/ --windows 40",
+    )
+    ppl.add_argument("model", metavar="MODEL.onnx", help="model to evaluate")
+    ppl.add_argument("--text", required=True, metavar="FILE", help="UTF-8 text file (e.g. data/wikitext-2/test.txt)")
+    ppl.add_argument(
+        "--tokenizer", required=True, metavar="DIR", help="folder holding the model's tokenizer.json (or the file)"
+    )
+    ppl.add_argument("--windows", type=_positive, default=None, metavar="N", help="windows to evaluate (default: all)")
+    ppl.add_argument("--offset", type=_non_negative, default=0, metavar="K", help="first window (default 0)")
+    ppl.add_argument("--seq-len", type=_positive, default=512, metavar="L", help="tokens per window (default 512)")
+    ppl.add_argument("--batch-size", type=_positive, default=1, metavar="B", help="windows per run (default 1)")
+    ppl.add_argument(
+        "--no-special-tokens", dest="special_tokens", action="store_false",
+        help="tokenize without the tokenizer's special tokens (differs from the project's figures)",
+    )
+    ppl.add_argument("--threads", type=_positive, default=None, metavar="T", help="onnxruntime intra-op threads")
+    ppl.add_argument("--json", action="store_true", help="print one JSON object instead of a line")
+    ppl.set_defaults(func=run_ppl)
+
+    cmp = sub.add_parser(
+        "compare",
+        help="error of model B against reference model A, per output (and per layer)",
+        description="Run reference model A and model B on the same inputs and report, per output, "
+        "max |B-A|, mean |B-A| and SQNR = 10 log10(sum A^2 / sum (B-A)^2) in dB. With --layers, "
+        "also for intermediate tensors both graphs produce under the same name (MatMul/Gemm "
+        "outputs and inputs, norm outputs), in A's order. Inputs: token windows (--text and "
+        "--tokenizer), an .npz of named inputs (--npz), or random inputs (--random N, the "
+        "default with N=4).",
+        epilog="example: edgeq eval compare float/model.onnx int8/model.onnx --text "
+        "data/wikitext-2/test.txt --tokenizer float/ --windows 2 --layers",
+    )
+    cmp.add_argument("model_a", metavar="A.onnx", help="reference model")
+    cmp.add_argument("model_b", metavar="B.onnx", help="model under test")
+    src = cmp.add_mutually_exclusive_group()
+    src.add_argument("--text", metavar="FILE", help="text file to cut token windows from (needs --tokenizer)")
+    src.add_argument(
+        "--npz",
+        metavar="FILE",
+        help="inputs as an .npz: one array per model input, named like it, shaped "
+        "[num_samples, *input shape] or the input shape with the batch axis as sample axis",
+    )
+    src.add_argument("--random", type=_positive, metavar="N", help="N random samples (ids in [0,100), "
+                     "masks ones, position ids arange, floats normal)")
+    cmp.add_argument("--tokenizer", metavar="DIR", help="folder holding tokenizer.json (with --text)")
+    cmp.add_argument("--windows", type=_positive, default=4, metavar="N", help="windows with --text (default 4)")
+    cmp.add_argument("--offset", type=_non_negative, default=0, metavar="K", help="first window with --text (default 0)")
+    cmp.add_argument(
+        "--seq-len", type=_positive, default=None, metavar="L",
+        help="tokens per window with --text (default 512); dynamic sequence dims with --random (default 32)",
+    )
+    cmp.add_argument(
+        "--no-special-tokens", dest="special_tokens", action="store_false",
+        help="with --text: tokenize without the tokenizer's special tokens",
+    )
+    cmp.add_argument("--seed", type=int, default=0, help="seed of --random (default 0)")
+    cmp.add_argument("--layers", action="store_true", help="also compare shared intermediate tensors")
+    cmp.add_argument(
+        "--max-layers", type=_positive, default=256, metavar="M",
+        help="compare at most M intermediate tensors, evenly spaced (default 256)",
+    )
+    cmp.add_argument(
+        "--optimize", action="store_true",
+        help="let onnxruntime optimize the graphs (default: run them as written)",
+    )
+    cmp.add_argument("--threads", type=_positive, default=None, metavar="T", help="onnxruntime intra-op threads")
+    cmp.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
+    cmp.set_defaults(func=run_compare)
+    return ev
+
+
+def _json_safe(value: Any) -> Any:
+    """inf / nan are not JSON: write them as strings."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return "nan" if math.isnan(value) else ("inf" if value > 0 else "-inf")
+    if isinstance(value, dict):
+        return {k: _json_safe(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_json_safe(v) for v in value]
+    return value
+
+
+def run_ppl(args: argparse.Namespace) -> int:
+    from edgeq.evaluate.ppl import perplexity
+
+    result = perplexity(
+        args.model,
+        args.text,
+        args.tokenizer,
+        windows=args.windows,
+        offset=args.offset,
+        seq_len=args.seq_len,
+        batch_size=args.batch_size,
+        threads=args.threads,
+        special_tokens=args.special_tokens,
+    )
+    if args.json:
+        print(json.dumps(_json_safe(result)))
+    else:
+        print(
+            f"ppl {result['ppl']:.3f} over {result['tokens']} tokens "
+            f"({result['windows']} windows of {result['seq_len']}) in {result['seconds']:.1f} s"
+        )
+    return 0
+
+
+def _compare_feeds(args: argparse.Namespace, specs: Any, ids: Any) -> list[dict]:
+    """The samples the compare options ask for, built for A's inputs ``specs``."""
+    from edgeq.textdata import feeds_for_windows, load_npz_samples, random_feeds
+
+    if ids is not None:
+        return [feeds_for_windows(specs, ids[i : i + 1]) for i in range(ids.shape[0])]
+    if args.npz:
+        return load_npz_samples(args.npz, specs)
+    return random_feeds(specs, num_samples=args.random or 4, seq_len=args.seq_len or 32, seed=args.seed)
+
+
+def _fmt_db(value: float) -> str:
+    return f"{value:8.2f}" if math.isfinite(value) else f"{value!s:>8}"
+
+
+def _table(rows: list[dict]) -> list[str]:
+    lines = []
+    for row in rows:
+        label = row["name"] + (f" ({row['op']})" if "op" in row else "")
+        if "problem" in row:
+            lines.append(f"  {'-':>8}  {'-':>11}  {'-':>11}  {label}: {row['problem']}")
+        else:
+            lines.append(
+                f"  {_fmt_db(row['sqnr_db'])}  {row['max_abs']:11.4g}  {row['mean_abs']:11.4g}  {label}"
+            )
+    return lines
+
+
+def run_compare(args: argparse.Namespace) -> int:
+    from edgeq.evaluate.compare import compare
+
+    if args.tokenizer and not args.text:
+        raise UserInputError("--tokenizer is only used with --text")
+    if args.text and not args.tokenizer:
+        raise UserInputError("--text needs --tokenizer DIR")
+    ids = None
+    if args.text:  # tokenize first: a bad text fails before the models load
+        from edgeq.textdata import token_windows
+
+        ids = token_windows(
+            args.text, args.tokenizer, seq_len=args.seq_len or 512, windows=args.windows, offset=args.offset,
+            special_tokens=args.special_tokens,
+        )
+    result = compare(
+        args.model_a,
+        args.model_b,
+        lambda specs: _compare_feeds(args, specs, ids),
+        per_layer=args.layers,
+        max_layers=args.max_layers,
+        threads=args.threads,
+        optimize=args.optimize,
+    )
+    if args.json:
+        print(json.dumps(_json_safe(result)))
+        return 0
+    header = f"  {'SQNR dB':>8}  {'max |B-A|':>11}  {'mean |B-A|':>11}  tensor"
+    print(f"{result['samples']} samples in {result['seconds']:.1f} s")
+    print("outputs:")
+    print(header)
+    print("\n".join(_table(result["outputs"])))
+    if "layers" in result:
+        shown = len(result["layers"])
+        print(f"layers ({shown} of {result['layers_available']} shared):")
+        print(header)
+        if shown:
+            print("\n".join(_table(result["layers"])))
+    return 0

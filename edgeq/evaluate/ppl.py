@@ -1,0 +1,161 @@
+"""Perplexity of a causal LM exported to ONNX, on token windows of a text file, with onnxruntime CPU.
+
+Protocol (``data/wikitext-2/README.md``): tokenize the whole file (as one ``encode`` call with the
+tokenizer's special tokens, see ``edgeq.textdata``), cut non-overlapping windows of
+``seq_len`` tokens, evaluate windows ``[offset, offset + windows)``; each window predicts its
+tokens 2..seq_len from the logits at positions 1..seq_len-1, so a window gives ``seq_len - 1``
+predictions; perplexity = exp(total NLL / total predicted tokens).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from edgeq.errors import UserInputError
+from edgeq.progress import progress
+from edgeq.textdata import feeds_for_windows, token_windows
+
+
+def session_options(threads: int | None = None, optimize: bool = True) -> Any:
+    """onnxruntime SessionOptions: default graph optimizations (or none), ``threads`` intra-op."""
+    import onnxruntime as ort
+
+    opts = ort.SessionOptions()
+    if not optimize:
+        opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    if threads is not None:
+        if threads < 1:
+            raise UserInputError(f"threads must be >= 1, got {threads}")
+        opts.intra_op_num_threads = threads
+    opts.log_severity_level = 3
+    return opts
+
+
+def open_session(
+    model: str | os.PathLike | bytes,
+    threads: int | None = None,
+    optimize: bool = True,
+    options: Any = None,
+) -> Any:
+    """A CPU ``InferenceSession``; a model onnxruntime cannot load is a ``UserInputError``.
+
+    ``model`` is a path (external data next to it is found by onnxruntime) or serialized bytes.
+    """
+    import onnxruntime as ort
+
+    if not isinstance(model, (bytes, bytearray)):
+        path = Path(model)
+        if not path.exists():
+            raise UserInputError(f"model file not found: {path}")
+        if not path.is_file():
+            raise UserInputError(f"model path is not a file: {path}")
+        model = str(path)
+        label = model
+    else:
+        label = "model"
+    opts = options if options is not None else session_options(threads, optimize)
+    try:
+        return ort.InferenceSession(model, sess_options=opts, providers=["CPUExecutionProvider"])
+    except Exception as exc:  # onnxruntime raises its own pybind types (Fail, InvalidGraph, ...)
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise UserInputError(f"onnxruntime cannot load {label}: {first}") from None
+
+
+def _logits_output(session: Any) -> str:
+    names = [o.name for o in session.get_outputs()]
+    return "logits" if "logits" in names else names[0]
+
+
+def window_nll(logits: np.ndarray, ids: np.ndarray) -> float:
+    """Total NLL (float64) of ``ids[1:]`` under ``logits[:-1]`` for one window.
+
+    ``logits`` is [seq_len, vocab] float and is OVERWRITTEN (used as scratch: shifted by the row
+    max and exponentiated in place), so the reduction makes no [seq_len, vocab] copy. The row max
+    shift keeps exp from overflowing; sums and logs are float64.
+    """
+    rows = logits[:-1]
+    targets = ids[1:]
+    n = rows.shape[0]
+    target_logit = rows[np.arange(n), targets].astype(np.float64)
+    row_max = rows.max(axis=-1)
+    if not np.all(np.isfinite(row_max)):
+        raise UserInputError("model produced non-finite logits")
+    np.subtract(rows, row_max[:, None], out=rows)
+    np.exp(rows, out=rows)
+    sum_exp = rows.sum(axis=-1, dtype=np.float64)
+    lse = row_max.astype(np.float64) + np.log(sum_exp)
+    return float(np.sum(lse - target_logit))
+
+
+def perplexity(
+    model_path: str | os.PathLike,
+    text_path: str | os.PathLike,
+    tokenizer_dir: str | os.PathLike,
+    windows: int | None = None,
+    offset: int = 0,
+    seq_len: int = 512,
+    batch_size: int = 1,
+    threads: int | None = None,
+    special_tokens: bool = True,
+) -> dict:
+    """Perplexity of ``model_path`` on the text; see the module docstring for the protocol.
+
+    Returns ``ppl``, ``nll`` (total, nats), ``tokens`` (predicted tokens), ``windows``, ``offset``,
+    ``seq_len``, ``batch_size``, ``special_tokens`` and ``seconds`` (model runs and NLL, not
+    tokenization or loading).
+    """
+    if batch_size < 1:
+        raise UserInputError(f"batch_size must be >= 1, got {batch_size}")
+    ids = token_windows(
+        text_path, tokenizer_dir, seq_len=seq_len, windows=windows, offset=offset, special_tokens=special_tokens
+    )
+    session = open_session(model_path, threads=threads)
+    specs = session.get_inputs()
+    out_name = _logits_output(session)
+    # build the feeds once up front so input problems surface before any compute
+    feeds_for_windows(specs, ids[:1])
+
+    n = ids.shape[0]
+    starts = list(range(0, n, batch_size))
+    total_nll = 0.0
+    start_time = time.perf_counter()
+    for b0 in progress(starts, total=len(starts), desc="ppl"):
+        batch = ids[b0 : b0 + batch_size]
+        feeds = feeds_for_windows(specs, batch)
+        (logits,) = session.run([out_name], feeds)
+        if logits.ndim != 3 or logits.shape[:2] != batch.shape:
+            raise UserInputError(
+                f"model output '{out_name}' has shape {list(logits.shape)}, expected "
+                f"[batch, seq_len, vocab] = [{batch.shape[0]}, {batch.shape[1]}, vocab]"
+            )
+        if b0 == 0 and ids.max() >= logits.shape[-1]:
+            raise UserInputError(
+                f"token id {int(ids.max())} is outside the model's vocab of {logits.shape[-1]}: "
+                "wrong tokenizer for this model?"
+            )
+        if not logits.flags.writeable or logits.dtype not in (np.float32, np.float64):
+            logits = np.array(logits, dtype=np.float32)
+        for row in range(batch.shape[0]):
+            total_nll += window_nll(logits[row], batch[row])
+        del logits
+    seconds = time.perf_counter() - start_time
+    tokens = n * (seq_len - 1)
+    return {
+        "ppl": math.exp(total_nll / tokens),
+        "nll": total_nll,
+        "tokens": tokens,
+        "windows": n,
+        "offset": offset,
+        "seq_len": seq_len,
+        "batch_size": batch_size,
+        "special_tokens": special_tokens,
+        "seconds": seconds,
+        "model": str(model_path),
+        "text": str(text_path),
+    }

@@ -1,0 +1,392 @@
+"""Attention and MLP blocks, linear roles, layers and residual adds, all from data flow.
+
+- Attention: a Softmax whose input comes (through mask/scale arithmetic) from a MatMul of two
+  activations (q.k) and whose output feeds, through Where/Cast/Dropout, the first input of
+  another such MatMul (p.v). Walking upstream from q, k and v finds the projecting linears (one
+  linear on all three sides is a fused ``qkv``); walking downstream from p.v through
+  Transpose/Reshape finds ``o_proj``.
+- MLP: a linear whose input is reached, through elementwise ops, from other linears with an
+  activation (Sigmoid, Erf, Tanh, Relu, Gelu...) on at least one path. Linears behind the
+  activation are ``gate_proj`` (gated) or ``fc1``; linears reached only without crossing it are
+  ``up_proj``; the consumer is ``down_proj`` / ``fc2``.
+- Layers: blocks in topological order; a new layer starts whenever a block kind repeats inside
+  the current one (so attn, mlp, attn, mlp and parallel mlp+attn both pair up).
+- Heads: a linear outside every block whose output becomes a graph output is ``lm_head`` when
+  its N equals an embedding's vocabulary (or it is tied to one), else ``classifier``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from collections import deque
+from dataclasses import dataclass
+
+import onnx_graphsurgeon as gs
+
+from edgeq.structure._graph import MAX_VISITS, PASS_THROUGH, Walker, data_inputs, reaches_graph_output, trace_back
+from edgeq.structure.linears import Embedding, Linear, tie
+from edgeq.structure.norms import Norm
+
+# Between the q.k MatMul and Softmax: scale, mask, soft-capping.
+_SCORE_OPS = frozenset({"Add", "Sub", "Mul", "Div", "Where", "Cast", "Identity", "Reshape", "Tanh",
+                        "Softcap", "QuantizeLinear", "DequantizeLinear"})
+# Between Softmax and the p.v MatMul: NaN guards, casts, dropout.
+_PROB_OPS = frozenset({"Where", "Cast", "Identity", "Dropout", "Reshape", "QuantizeLinear", "DequantizeLinear"})
+# From q / k / v back to their projections: head split, RoPE, GQA repeat, fused-qkv Split.
+_PROJ_OPS = PASS_THROUGH | frozenset({"Transpose", "Expand", "Slice", "Tile", "Split", "Gather",
+                                      "Concat", "Add", "Sub", "Mul", "Div", "Neg", "Where", "Pad"})
+# From p.v forward to o_proj: head merge.
+_MERGE_OPS = PASS_THROUGH | frozenset({"Transpose"})
+_ACTIVATIONS = frozenset({"Sigmoid", "Tanh", "Erf", "Relu", "Gelu", "FastGelu", "BiasGelu", "QuickGelu",
+                          "Silu", "Swish", "HardSigmoid", "HardSwish", "LeakyRelu", "Elu", "Selu",
+                          "Softplus", "Mish"})
+# Inside an MLP around the activation: gating Mul, bias Add, decomposed GELU arithmetic.
+_MLP_OPS = PASS_THROUGH | frozenset({"Add", "Sub", "Mul", "Div", "Pow", "Sqrt", "Neg"})
+
+_SIDE_ROLES = {
+    frozenset("q"): "q_proj", frozenset("k"): "k_proj", frozenset("v"): "v_proj",
+    frozenset("qkv"): "qkv", frozenset("qk"): "qk_proj", frozenset("kv"): "kv_proj",
+}
+# Fallback only, for linears that no structural pattern explains (checked in order).
+_NAME_HINTS = (
+    ("qkv", r"qkv|c_attn|query_key_value"), ("q_proj", r"q_proj|query"), ("k_proj", r"k_proj|key"),
+    ("v_proj", r"v_proj|value"), ("o_proj", r"o_proj|out_proj"), ("gate_proj", r"gate_proj"),
+    ("up_proj", r"up_proj"), ("down_proj", r"down_proj"), ("fc1", r"fc1|c_fc"), ("fc2", r"fc2"),
+    ("lm_head", r"lm_head"),
+)
+
+
+@dataclass(frozen=True)
+class Block:
+    """An attention or MLP block. ``linears``/``roles`` are parallel tuples of node names and
+    roles, input side first; ``input`` is the tensor the input linears read, ``output`` what the
+    output linear writes (after its bias); ``norm`` is the norm producing ``input``, if any."""
+
+    kind: str  # 'attention' | 'mlp'
+    name: str  # 'layers.<layer>'
+    layer: int
+    linears: tuple[str, ...]
+    roles: tuple[str, ...]
+    norm: Norm | None
+    input: str | None
+    output: str | None
+    softmax: str | None = None
+    qk_matmul: str | None = None
+    pv_matmul: str | None = None
+    activation: str | None = None
+    gated: bool = False
+
+
+@dataclass(frozen=True)
+class ResidualAdd:
+    """An add of a block's output (``branch``) into the residual ``stream``. ``fused`` marks a
+    Skip*LayerNormalization doing the add; its ``output`` is the optional sum output or None."""
+
+    node: str
+    stream: str
+    branch: str
+    output: str | None
+    block: str
+    kind: str
+    fused: bool = False
+
+
+@dataclass
+class _Draft:
+    kind: str
+    anchor: gs.Node
+    roles: dict[str, str]  # linear node name -> role, input side first
+    output_linear: str | None
+    softmax: str | None = None
+    qk: str | None = None
+    pv: str | None = None
+    activation: str | None = None
+    gated: bool = False
+
+
+class _Lookup:
+    """Linears by node name, by output tensor (raw and after bias) and by input tensor."""
+
+    def __init__(self, linears: list[Linear], w: Walker):
+        self.by_node = {lin.node: lin for lin in linears}
+        self.by_output: dict[str, Linear] = {}
+        self.by_input: dict[str, list[Linear]] = {}
+        nodes = {n.name: n for n in w.graph.nodes if n.name in self.by_node}
+        for lin in linears:
+            self.by_output[lin.output] = lin
+            self.by_output[nodes[lin.node].outputs[0].name] = lin
+            self.by_input.setdefault(lin.input, []).append(lin)
+        self.nodes = nodes
+
+
+def _search_up(w: Walker, start: gs.Tensor, ops: frozenset[str], want) -> gs.Node | None:
+    """Breadth-first upstream search through ``ops`` for the first node satisfying ``want``."""
+    queue, seen = deque([start]), set()
+    while queue and len(seen) < MAX_VISITS:
+        tensor = queue.popleft()
+        if tensor.name in seen:
+            continue
+        seen.add(tensor.name)
+        node = w.producer(tensor.name)
+        if node is None:
+            continue
+        if want(node):
+            return node
+        if node.op in ops:
+            queue.extend(data_inputs(w, node))
+    return None
+
+
+def _upstream_linears(w: Walker, start: gs.Tensor, look: _Lookup) -> list[Linear]:
+    """Linears whose outputs reach ``start`` through data-movement and elementwise ops only."""
+    found, queue, seen = [], deque([start]), set()
+    while queue and len(seen) < MAX_VISITS:
+        tensor = queue.popleft()
+        if tensor.name in seen:
+            continue
+        seen.add(tensor.name)
+        lin = look.by_output.get(tensor.name)
+        if lin is not None:
+            if lin not in found:
+                found.append(lin)
+            continue
+        node = w.producer(tensor.name)
+        if node is not None and node.op in _PROJ_OPS:
+            queue.extend(data_inputs(w, node))
+    return found
+
+
+def _downstream_linear(w: Walker, start: gs.Tensor, look: _Lookup) -> Linear | None:
+    """The first linear reading ``start`` through Transpose/Reshape-like ops (the o_proj)."""
+    queue, seen = deque([start]), set()
+    while queue and len(seen) < MAX_VISITS:
+        tensor = queue.popleft()
+        if tensor.name in seen:
+            continue
+        seen.add(tensor.name)
+        for lin in look.by_input.get(tensor.name, []):
+            return lin
+        for user in w.consumers(tensor.name):
+            if user.op in _MERGE_OPS and user.inputs[0].name == tensor.name:
+                queue.extend(user.outputs[:1])
+    return None
+
+
+def _is_act_matmul(w: Walker, look: _Lookup, node: gs.Node) -> bool:
+    return (node.op == "MatMul" and node.name not in look.by_node
+            and not any(w.is_const(t) for t in node.inputs))
+
+
+def _attention(w: Walker, softmax: gs.Node, look: _Lookup) -> _Draft | None:
+    qk = _search_up(w, softmax.inputs[0], _SCORE_OPS, lambda n: _is_act_matmul(w, look, n))
+    if qk is None:
+        return None
+    pv = _find_pv(w, softmax, look)
+    if pv is None:
+        return None
+    sides: dict[str, set[str]] = {}
+    order: list[str] = []
+    for side, tensor in (("q", qk.inputs[0]), ("k", qk.inputs[1]), ("v", pv.inputs[1])):
+        for lin in _upstream_linears(w, tensor, look):
+            sides.setdefault(lin.node, set()).add(side)
+            if lin.node not in order:
+                order.append(lin.node)
+    roles = {name: _SIDE_ROLES.get(frozenset(sides[name]), "qkv") for name in order}
+    o = _downstream_linear(w, pv.outputs[0], look)
+    output = None
+    if o is not None and o.node not in roles:
+        roles[o.node], output = "o_proj", o.node
+    return _Draft("attention", softmax, roles, output, softmax=softmax.name, qk=qk.name, pv=pv.name)
+
+
+def _find_pv(w: Walker, softmax: gs.Node, look: _Lookup) -> gs.Node | None:
+    queue, seen = deque([softmax.outputs[0]]), set()
+    while queue and len(seen) < 32:
+        tensor = queue.popleft()
+        if tensor.name in seen:
+            continue
+        seen.add(tensor.name)
+        for user in w.consumers(tensor.name):
+            if _is_act_matmul(w, look, user) and user.inputs[0].name == tensor.name:
+                return user
+            if user.op in _PROB_OPS:
+                queue.extend(user.outputs[:1])
+    return None
+
+
+def _mlp_sources(w: Walker, down: Linear, look: _Lookup):
+    """Upstream linears of ``down`` with, per linear, whether some path crossed an activation;
+    also the activation's name."""
+    crossed: dict[str, bool] = {}
+    acts: set[str] = set()
+    queue, seen = deque([(down.input, False)]), set()
+    while queue and len(seen) < MAX_VISITS:
+        name, through = queue.popleft()
+        if (name, through) in seen:
+            continue
+        seen.add((name, through))
+        lin = look.by_output.get(name)
+        if lin is not None:
+            crossed[lin.node] = crossed.get(lin.node, False) or through
+            continue
+        node = w.producer(name)
+        if node is None:
+            continue
+        if node.op in _ACTIVATIONS:
+            acts.add(_silu_or(w, node))
+            queue.extend((t.name, True) for t in data_inputs(w, node)[:1])
+        elif node.op in _MLP_OPS:
+            if node.op == "Pow":
+                acts.add("Pow")
+            queue.extend((t.name, through) for t in data_inputs(w, node))
+    return crossed, acts
+
+
+def _silu_or(w: Walker, node: gs.Node) -> str:
+    """'Silu' for a Sigmoid whose output multiplies its own input (x * sigmoid(x)), else the op."""
+    if node.op != "Sigmoid":
+        return node.op
+    x = node.inputs[0].name
+    for user in w.consumers(node.outputs[0].name):
+        if user.op == "Mul" and any(t.name == x for t in user.inputs):
+            return "Silu"
+    return node.op
+
+
+def _activation_name(acts: set[str]) -> str:
+    table = ((("Gelu", "FastGelu", "BiasGelu", "Erf"), "gelu"), (("QuickGelu",), "quick_gelu"),
+             (("Silu", "Swish"), "silu"), (("Relu",), "relu"), (("HardSwish",), "hard_swish"))
+    for ops, name in table:
+        if acts & set(ops):
+            return name
+    if "Tanh" in acts:
+        return "gelu_tanh" if "Pow" in acts else "tanh"
+    return sorted(acts - {"Pow"})[0].lower()
+
+
+def _mlp(w: Walker, down: Linear, look: _Lookup) -> _Draft | None:
+    crossed, acts = _mlp_sources(w, down, look)
+    if not any(crossed.values()):
+        return None
+    activated = [n for n, c in crossed.items() if c]
+    plain = [n for n, c in crossed.items() if not c]
+    gated = bool(plain)
+    roles = {n: ("gate_proj" if gated else "fc1") for n in activated}
+    roles.update({n: "up_proj" for n in plain})
+    roles[down.node] = "down_proj" if gated else "fc2"
+    return _Draft("mlp", look.nodes[down.node], roles, down.node,
+                  activation=_activation_name(acts), gated=gated)
+
+
+def detect_drafts(w: Walker, linears: list[Linear]) -> list[_Draft]:
+    """Attention drafts from every Softmax, then MLP drafts from linears no attention claimed."""
+    look = _Lookup(linears, w)
+    drafts = [d for d in (_attention(w, n, look) for n in w.graph.nodes if n.op == "Softmax") if d]
+    used = {name for d in drafts for name in d.roles}
+    for lin in linears:
+        if lin.node in used:
+            continue
+        draft = _mlp(w, lin, look)
+        if draft is not None and not used.intersection(draft.roles):
+            drafts.append(draft)
+            used.update(draft.roles)
+    drafts.sort(key=lambda d: w.position(_first_node(d, look)))
+    return drafts
+
+
+def _first_node(draft: _Draft, look: _Lookup) -> gs.Node:
+    inputs = [look.nodes[n] for n, role in draft.roles.items() if n != draft.output_linear]
+    return inputs[0] if inputs else draft.anchor
+
+
+def _layers(drafts: list[_Draft]) -> list[int]:
+    """Layer number per draft: a new layer whenever a kind repeats within the current one."""
+    layers, current, kinds = [], -1, set()
+    for draft in drafts:
+        if current < 0 or draft.kind in kinds:
+            current, kinds = current + 1, set()
+        kinds.add(draft.kind)
+        layers.append(current)
+    return layers
+
+
+def build_blocks(w: Walker, drafts: list[_Draft], linears: list[Linear], norms: list[Norm]) -> list[Block]:
+    by_node = {lin.node: lin for lin in linears}
+    norm_by_output = {n.output: n for n in norms}
+    blocks = []
+    for draft, layer in zip(drafts, _layers(drafts)):
+        names = tuple(draft.roles)
+        inputs = [by_node[n] for n in names if n != draft.output_linear]
+        block_input = inputs[0].input if inputs else None
+        norm = None
+        if block_input is not None:
+            origin = trace_back(w, w.index.tensors[block_input])
+            norm = norm_by_output.get(origin.name) or norm_by_output.get(block_input)
+        out = by_node[draft.output_linear].output if draft.output_linear else None
+        blocks.append(Block(
+            kind=draft.kind, name=f"layers.{layer}", layer=layer, linears=names,
+            roles=tuple(draft.roles[n] for n in names), norm=norm, input=block_input, output=out,
+            softmax=draft.softmax, qk_matmul=draft.qk, pv_matmul=draft.pv,
+            activation=draft.activation, gated=draft.gated,
+        ))
+    return blocks
+
+
+def assign_roles(w: Walker, linears: list[Linear], blocks: list[Block],
+                 embeddings: list[Embedding]) -> list[Linear]:
+    """Roles and blocks from structure; heads from graph outputs; names only as a last hint."""
+    placed = {name: (role, b) for b in blocks for name, role in zip(b.linears, b.roles)}
+    vocab = max((e.rows for e in embeddings), default=None)  # the token table is the largest
+    result = []
+    for lin in linears:
+        if lin.node in placed:
+            role, b = placed[lin.node]
+            lin = dataclasses.replace(lin, role=role, block=b.name, layer=b.layer, role_source="structure")
+        elif reaches_graph_output(w, w.index.tensors[lin.output]):
+            lin = tie(w, lin, embeddings, check_values=True)
+            role = "lm_head" if lin.tied_embedding or lin.n == vocab else "classifier"
+            lin = dataclasses.replace(lin, role=role, role_source="structure")
+        else:
+            lin = _name_hint(tie(w, lin, embeddings, check_values=False))
+        result.append(lin)
+    return result
+
+
+def _name_hint(lin: Linear) -> Linear:
+    text = f"{lin.node} {lin.weight}".lower()
+    for role, pattern in _NAME_HINTS:
+        if re.search(pattern, text):
+            return dataclasses.replace(lin, role=role, role_source="name")
+    return lin
+
+
+def find_residual_adds(w: Walker, blocks: list[Block], norms: list[Norm]) -> list[ResidualAdd]:
+    """Adds of two activations where exactly one side is a block's output (traced back through
+    Reshape/Cast-like ops); fused Skip norms count when one of their inputs is."""
+    outputs = {b.output: b for b in blocks if b.output}
+    found = []
+    for node in w.graph.nodes:
+        if node.op == "Add" and len(node.inputs) == 2 and not any(w.is_const(t) for t in node.inputs):
+            add = _residual(w, node.name, node.inputs, node.outputs[0].name, outputs, False)
+            if add is not None:
+                found.append(add)
+    for norm in norms:
+        if norm.skip is not None:
+            tensors = [w.index.tensors[norm.input], w.index.tensors[norm.skip]]
+            node = next(n for n in w.consumers(norm.input) if n.name == norm.name)
+            total = node.outputs[3].name if len(node.outputs) > 3 and node.outputs[3].name else None
+            add = _residual(w, norm.name, tensors, total, outputs, True)
+            if add is not None:
+                found.append(add)
+    return found
+
+
+def _residual(w, name, tensors, output, block_outputs, fused) -> ResidualAdd | None:
+    hits = [block_outputs.get(trace_back(w, t).name) for t in tensors]
+    if sum(h is not None for h in hits) != 1:
+        return None
+    i = 0 if hits[0] is not None else 1
+    block = hits[i]
+    return ResidualAdd(node=name, stream=tensors[1 - i].name, branch=tensors[i].name, output=output,
+                       block=block.name, kind=block.kind, fused=fused)

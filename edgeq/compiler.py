@@ -75,7 +75,7 @@ def compile_model(req: CompileRequest) -> dict:
     if needs_calib:
         if req.calib is None:
             raise UserInputError(f"recipe '{recipe.name}' needs calibration data: pass --calib FILE (text or .npz)")
-        input_specs = ir.make_session(model).get_inputs()
+        input_specs = ir.input_specs(model)
         tokenizer = req.tokenizer or default_tokenizer_dir(req.model)
         data = build_calibration_set(req.calib, input_specs, tokenizer, windows, seq_len, recipe.calibration.batch_size)
         calibrator = Calibrator(data, use_cache=req.use_cache)
@@ -84,7 +84,7 @@ def compile_model(req: CompileRequest) -> dict:
     options = PipelineOptions(req.dump_each, req.verify, req.check_numerics)
     ctx = PassContext(calibrator=calibrator, seed=req.seed)
     fingerprint = ir.model_fingerprint(model)
-    out_model, records = Pipeline(passes, options).run(model, ctx, sample)
+    out_model, records = Pipeline(passes, options).run(model, ctx, sample, consume=True)
     ir.set_metadata(out_model, "edgeq.version", edgeq.__version__)
     ir.set_metadata(out_model, "edgeq.recipe", recipe.name)
     del model

@@ -28,7 +28,7 @@ def inspect_model(model_path: Path, calib: Path | None, tokenizer: Path | None, 
     structure = analyze(graph)
     rows = []
     if calib is not None:
-        specs = ir.make_session(model).get_inputs()
+        specs = ir.input_specs(model)
         data = build_calibration_set(calib, specs, tokenizer or default_tokenizer_dir(model_path), windows, seq_len)
         names = sorted({lin.input for lin in structure.linears})
         observers = Calibrator(data).observe(graph, {n: PerChannelAbsMaxObserver for n in names}, "inspect:absmax")

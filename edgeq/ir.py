@@ -17,6 +17,7 @@ import hashlib
 import os
 import shutil
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
 
@@ -275,6 +276,30 @@ def make_session(model: onnx.ModelProto, optimize: bool = False, threads: int | 
     with tempfile.TemporaryDirectory(prefix="edgeq-session-") as tmp:
         path = save_model(model, Path(tmp) / "model.onnx")
         return ort.InferenceSession(str(path), so, providers=["CPUExecutionProvider"])
+
+
+@dataclass(frozen=True)
+class InputSpec:
+    """A graph input described like onnxruntime's NodeArg (name, 'tensor(int64)', shape with
+    strings for symbolic dims), read from the proto so no session has to be built for it."""
+
+    name: str
+    type: str
+    shape: list
+
+
+def input_specs(model: onnx.ModelProto) -> list[InputSpec]:
+    inits = {t.name for t in model.graph.initializer}
+    specs = []
+    for vi in model.graph.input:
+        if vi.name in inits:
+            continue
+        tt = vi.type.tensor_type
+        type_name = onnx.helper.tensor_dtype_to_np_dtype(tt.elem_type).name if tt.elem_type else "float32"
+        type_name = {"float32": "float", "float64": "double"}.get(type_name, type_name)
+        shape = [d.dim_value if d.HasField("dim_value") else (d.dim_param or None) for d in tt.shape.dim]
+        specs.append(InputSpec(vi.name, f"tensor({type_name})", shape))
+    return specs
 
 
 def unique_name(index: GraphIndex, base: str) -> str:

@@ -60,8 +60,13 @@ class Pipeline:
         self.passes = passes
         self.options = options or PipelineOptions()
 
-    def run(self, model: onnx.ModelProto, ctx: PassContext, sample: dict[str, np.ndarray] | None = None):
-        """Run every pass on ``model``; returns (new model, list of per-pass records)."""
+    def run(self, model: onnx.ModelProto, ctx: PassContext, sample: dict[str, np.ndarray] | None = None,
+            consume: bool = False):
+        """Run every pass on ``model``; returns (new model, list of per-pass records).
+
+        ``consume=True`` clears ``model`` once it is imported, so the weights are not held twice
+        while passes run (the compiler does this; callers that reuse their proto do not).
+        """
         opts = self.options
         reference = None
         if opts.check_numerics:
@@ -74,6 +79,8 @@ class Pipeline:
         if opts.dump_each is not None:
             Path(opts.dump_each).mkdir(parents=True, exist_ok=True)
         graph = ir.to_graph(model)
+        if consume:
+            model.Clear()
         records: list[dict[str, Any]] = []
         for i, p in enumerate(self.passes):
             ops_before = collections.Counter(n.op for n in graph.nodes)

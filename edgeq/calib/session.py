@@ -76,6 +76,7 @@ class Calibrator:
         observers = {name: factories[name]() for name in names}
         _add_outputs(model, graph, names)
         session = ir.make_session(model, optimize=True)
+        del model  # onnxruntime holds its own copy of the weights; free ours before running
         for feeds in progress(self.data.batches, desc=f"calibrating {len(names)} tensors"):
             values = session.run(names, feeds)
             for name, value in zip(names, values):

@@ -188,3 +188,22 @@ def test_help_exits_zero(capsys):
         main(["compile", "--help"])
     assert exc.value.code == 0
     assert "--calib" in capsys.readouterr().out
+
+
+def test_dump_each_and_calibration_cache(toy, tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("EDGEQ_CACHE_DIR", str(tmp_path / "cache"))
+    model, calib = toy
+    args = ["compile", model, "--calib", calib, "--seq-len", 16, "--calib-windows", 3]
+    code, err = _run(capsys, *args, "-o", tmp_path / "a", "--dump-each", tmp_path / "dumps")
+    assert code == 0, err
+    assert [p.name for p in sorted((tmp_path / "dumps").glob("*.onnx"))] == ["00_qdq.onnx"]
+    first = json.loads((tmp_path / "a" / "report.json").read_text())["calibration"]
+    assert (first["onnxruntime_runs"], first["cache_hits"]) == (1, 0)
+
+    code, err = _run(capsys, *args, "-o", tmp_path / "b")
+    assert code == 0, err
+    second = json.loads((tmp_path / "b" / "report.json").read_text())["calibration"]
+    assert (second["onnxruntime_runs"], second["cache_hits"]) == (0, 1)
+    assert second["ranges"] == first["ranges"]
+    a = (tmp_path / "a" / "model.onnx.data").read_bytes()
+    assert a == (tmp_path / "b" / "model.onnx.data").read_bytes()

@@ -34,13 +34,11 @@ class PipelineOptions:
 
 def sqnr_db(ref: np.ndarray, out: np.ndarray) -> float:
     """Signal-to-quantization-noise ratio in dB (inf when equal)."""
+    from edgeq.evaluate.compare import sqnr_db as from_energies
+
     ref = np.asarray(ref, np.float64)
     err = ref - np.asarray(out, np.float64)
-    noise = float(np.sum(err * err))
-    signal = float(np.sum(ref * ref))
-    if noise == 0.0:
-        return float("inf")
-    return 10.0 * np.log10(max(signal, 1e-300) / noise)
+    return from_energies(float(np.sum(ref * ref)), float(np.sum(err * err)))
 
 
 def output_drift(ref: list[np.ndarray], out: list[np.ndarray], names: list[str]) -> dict[str, dict[str, float]]:

@@ -8,6 +8,7 @@ harness checks that for every registered pass.
 
 from __future__ import annotations
 
+import abc
 import dataclasses
 import enum
 from dataclasses import dataclass, field
@@ -57,7 +58,7 @@ class PassContext:
         return self.calibrator
 
 
-class Pass:
+class Pass(abc.ABC):
     """Subclass, set ``name``, ``exactness`` and ``Config``, implement ``run``."""
 
     name: ClassVar[str]
@@ -71,8 +72,9 @@ class Pass:
         if not isinstance(self.config, self.Config):
             raise TypeError(f"{self.name}: config must be {self.Config.__name__}")
 
+    @abc.abstractmethod
     def run(self, graph: gs.Graph, ctx: PassContext) -> PassResult:
-        raise NotImplementedError
+        """Rewrite ``graph`` in place; report whether anything changed."""
 
     def describe(self) -> dict[str, Any]:
         return {"name": self.name, "exactness": self.exactness.value, "config": dataclasses.asdict(self.config)}

@@ -7,26 +7,32 @@ disk. ``range()`` gives the (lo, hi) an activation scale should cover.
 
 from __future__ import annotations
 
+import abc
+
 import numpy as np
 
 from edgeq.errors import UserInputError
 
 
-class Observer:
+class Observer(abc.ABC):
     kind = ""
 
+    @abc.abstractmethod
     def update(self, x: np.ndarray) -> None:
-        raise NotImplementedError
+        """Fold one batch into the state."""
 
+    @abc.abstractmethod
     def state(self) -> dict[str, np.ndarray]:
-        raise NotImplementedError
+        """The whole state as arrays (for the on-disk cache)."""
 
     @classmethod
+    @abc.abstractmethod
     def from_state(cls, state: dict[str, np.ndarray]) -> "Observer":
-        raise NotImplementedError
+        """Inverse of ``state``."""
 
+    @abc.abstractmethod
     def range(self) -> tuple[float, float]:
-        raise NotImplementedError
+        """The (lo, hi) an activation scale should cover."""
 
 
 class MinMaxObserver(Observer):

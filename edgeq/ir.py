@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import json
 import os
 import shutil
 import tempfile
@@ -119,6 +120,10 @@ def to_model(graph: gs.Graph) -> onnx.ModelProto:
     """
     attrs = getattr(graph, "_edgeq_model_attrs", None)
     model = gs.export_onnx(graph, do_type_check=False)
+    if any(node.domain == "edgeq" for node in model.graph.node):
+        from edgeq.runtime_ops import ensure_functions
+
+        ensure_functions(model)  # every edgeq op travels with its ONNX function body
     if attrs is None:
         return model
     opsets = dict(attrs["opsets"])
@@ -132,7 +137,7 @@ def to_model(graph: gs.Graph) -> onnx.ModelProto:
     model.opset_import.extend(onnx.helper.make_opsetid(d, v) for d, v in sorted(opsets.items()))
     # onnx stamps its newest IR version; runtimes (onnxruntime) may not read it yet, so keep the
     # original's unless the opsets now in use need a newer one.
-    model.ir_version = max(attrs["ir_version"], onnx.helper.find_min_ir_version_for(list(model.opset_import)))
+    model.ir_version = max(attrs["ir_version"], onnx.helper.find_min_ir_version_for(list(model.opset_import), ignore_unknown=True))
     model.producer_name = attrs["producer_name"] or "edgeq"
     model.producer_version = attrs["producer_version"]
     model.doc_string = attrs["doc_string"]
@@ -141,6 +146,34 @@ def to_model(graph: gs.Graph) -> onnx.ModelProto:
     for key, value in attrs["metadata"]:
         model.metadata_props.add(key=key, value=value)
     return model
+
+
+def graph_metadata(graph: gs.Graph) -> dict[str, str]:
+    """The model metadata carried with an imported graph (what ``to_model`` writes back)."""
+    attrs = getattr(graph, "_edgeq_model_attrs", None)
+    return dict(attrs["metadata"]) if attrs else {}
+
+
+def set_graph_metadata(graph: gs.Graph, key: str, value: str) -> None:
+    """Record a fact about the graph in its model metadata (e.g. that a rotation was applied),
+    so that passes stay idempotent across save/load."""
+    attrs = getattr(graph, "_edgeq_model_attrs", None)
+    if attrs is None:
+        attrs = graph._edgeq_model_attrs = {"metadata": [], "opsets": {}, "ir_version": 8, "producer_name": "edgeq",
+                                            "producer_version": "", "doc_string": "", "model_version": 0}
+    attrs["metadata"] = [(k, v) for k, v in attrs["metadata"] if k != key] + [(key, value)]
+
+
+KEEP_FLOAT_KEY = "edgeq.keep_float"
+
+
+def keep_float_nodes(graph: gs.Graph) -> set[str]:
+    """Nodes a pass asked quantization passes to leave in float (e.g. RMS's float branch)."""
+    return set(json.loads(graph_metadata(graph).get(KEEP_FLOAT_KEY, "[]")))
+
+
+def add_keep_float(graph: gs.Graph, names) -> None:
+    set_graph_metadata(graph, KEEP_FLOAT_KEY, json.dumps(sorted(keep_float_nodes(graph) | set(names))))
 
 
 def set_metadata(model: onnx.ModelProto, key: str, value: str) -> None:

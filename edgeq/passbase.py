@@ -66,6 +66,9 @@ class Pass(abc.ABC):
     Config: ClassVar[type[PassConfig]] = PassConfig
     needs_calibration: ClassVar[bool] = False
     summary_line: ClassVar[str] = ""
+    # Passes that must have run before this one (MLIR-style declared requirements); the test
+    # harness runs them first, and recipes list them explicitly.
+    requires: ClassVar[tuple[str, ...]] = ()
 
     def __init__(self, config: PassConfig | None = None):
         self.config = config if config is not None else self.Config()

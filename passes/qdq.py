@@ -75,9 +75,10 @@ class QDQPass(Pass):
     def run(self, graph: gs.Graph, ctx: PassContext) -> PassResult:
         cfg: QDQConfig = self.config
         index = ir.GraphIndex(graph)
+        keep_float = ir.keep_float_nodes(graph)
         linears = [
             lin for lin in find_linears(graph)
-            if lin.role not in cfg.skip_roles and not _is_dequantized(index, lin.input)
+            if lin.role not in cfg.skip_roles and lin.node not in keep_float and not _is_dequantized(index, lin.input)
         ]
         if not linears:
             return PassResult(False, {"linears_quantized": 0})

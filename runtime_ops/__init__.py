@@ -1,0 +1,58 @@
+"""edgeq.runtime_ops: the ``edgeq`` custom-op domain and the matrices its ops use.
+
+- ``hadamard``: Hadamard matrices of order K * 2^m by construction, randomized Hadamard and
+  random orthogonal rotations (numpy, float64).
+- ``online_hadamard``: ``edgeq::OnlineHadamard`` (function body, numpy reference, graph helpers).
+- ``schema``: the one table of edgeq ops, ``ensure_functions``, ``reference_evaluator_ops``.
+
+Importing this package imports numpy and onnx only (no graphsurgeon, no torch, no triton).
+"""
+
+from edgeq.runtime_ops.domain import DOMAIN, DOMAIN_VERSION
+from edgeq.runtime_ops.hadamard import (
+    SPEC_BASE_ORDERS,
+    Rotation,
+    hadamard_factor_matrices,
+    hadamard_factors,
+    hadamard_matrix,
+    is_hadamard_size,
+    normalized_hadamard_factors,
+    normalized_hadamard_matrix,
+    random_orthogonal,
+    randomized_hadamard,
+)
+from edgeq.runtime_ops.online_hadamard import (
+    OP_TYPE as ONLINE_HADAMARD,
+    hadamard_matrix_for_fold,
+    insert_online_hadamard,
+    make_online_hadamard_node,
+    online_hadamard_constants,
+    online_hadamard_reference,
+)
+from edgeq.runtime_ops.schema import SCHEMAS, OpSchema, ensure_functions, get_schema, reference_evaluator_ops
+
+__all__ = [
+    "DOMAIN",
+    "DOMAIN_VERSION",
+    "ONLINE_HADAMARD",
+    "SCHEMAS",
+    "SPEC_BASE_ORDERS",
+    "OpSchema",
+    "Rotation",
+    "ensure_functions",
+    "get_schema",
+    "hadamard_factor_matrices",
+    "hadamard_factors",
+    "hadamard_matrix",
+    "hadamard_matrix_for_fold",
+    "insert_online_hadamard",
+    "is_hadamard_size",
+    "make_online_hadamard_node",
+    "normalized_hadamard_factors",
+    "normalized_hadamard_matrix",
+    "online_hadamard_constants",
+    "online_hadamard_reference",
+    "random_orthogonal",
+    "randomized_hadamard",
+    "reference_evaluator_ops",
+]

@@ -21,6 +21,7 @@ from edgeq.ir import GraphIndex
 PASS_THROUGH = frozenset({
     "Identity", "Cast", "Reshape", "Squeeze", "Unsqueeze", "Flatten", "Dropout",
     "QuantizeLinear", "DequantizeLinear",
+    "OnlineHadamard",  # edgeq's per-position rotation (inserted by ``rotate`` before down_proj)
 })
 
 # Ops whose only data operand is input 0 (the others are shapes, indices, scales or axes).

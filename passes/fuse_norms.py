@@ -1,0 +1,98 @@
+"""``fuse-norms``: fold each norm's scale (gamma) and bias (beta) into the linears reading it.
+
+``norm(x) * gamma + beta`` feeding ``y = . @ W + b`` equals ``norm(x)`` feeding
+``W' = diag(gamma) W``, ``b' = b + beta @ W``. Afterwards every norm is weightless, which is what
+makes RMSNorm commute with a rotation of the residual stream (``rotate``). Tied embeddings are
+untied on the way: the head gets its own initializer, the embedding Gather keeps the table.
+
+A norm is folded only when every reader of its output (looking through reshapes) is a linear with
+a constant weight; otherwise another reader would see changed values (e.g. BERT's post-LN, where
+the norm output is also the residual stream). Such norms are left alone and listed in the summary.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import onnx_graphsurgeon as gs
+
+from edgeq import ir
+from edgeq.passbase import Exactness, Pass, PassConfig, PassContext, PassResult
+from edgeq.registry import register_pass
+from edgeq.structure import Norm, analyze
+from edgeq.weights import LinearEditor, is_weightless, norm_weights, position_wise_readers
+
+
+@dataclass(frozen=True)
+class FuseNormsConfig(PassConfig):
+    pass
+
+
+@register_pass
+class FuseNormsPass(Pass):
+    name = "fuse-norms"
+    exactness = Exactness.FLOAT_EQUIV
+    Config = FuseNormsConfig
+    summary_line = "fold norm scales/biases into the linears that read them; untie tied embeddings"
+
+    def run(self, graph: gs.Graph, ctx: PassContext) -> PassResult:
+        structure = analyze(graph)
+        editor = LinearEditor(graph)
+        index = editor.index
+        by_node = {lin.node: lin for lin in structure.linears if not lin.quantized}
+        folded, skipped, untied = [], {}, 0
+        for norm in structure.norms:
+            if norm.skip is not None or is_weightless(index, norm):
+                if norm.skip is not None:
+                    skipped[norm.name] = "fused Skip*Norm (residual add inside the op)"
+                continue
+            readers = position_wise_readers(index, norm.output)
+            linears = [by_node.get(n.name) for n in readers]
+            if not readers or any(lin is None for lin in linears):
+                skipped[norm.name] = "output has readers that are not linears"
+                continue
+            gamma, beta = norm_weights(index, norm)
+            for lin in linears:
+                w = editor.weight(lin)
+                if beta is not None:
+                    b = editor.bias(lin)
+                    editor.set_bias(lin, (b if b is not None else 0.0) + beta @ w)
+                if gamma is not None:
+                    w = gamma[:, None] * w
+                untied += int(lin.tied_embedding is not None)
+                editor.set_weight(lin, w)
+            _drop_norm_affine(graph, index, norm)
+            folded.append(norm.name)
+        return PassResult(bool(folded), {"norms_folded": len(folded), "heads_untied": untied, "norms_skipped": skipped})
+
+
+def _drop_norm_affine(graph: gs.Graph, index: ir.GraphIndex, norm: Norm) -> None:
+    """Make the norm weightless: bypass the decomposed Mul/Add, or give the fused op ones/zeros."""
+    nodes = {n.name: n for n in graph.nodes}
+    if norm.fused:
+        node = nodes[norm.nodes[-1]]
+        scale = index.constant_value(index.tensors[norm.scale]) if norm.scale else None
+        if scale is not None:
+            node.inputs[1] = gs.Constant(ir.unique_name(index, f"{norm.name}_unit_scale"), np.ones_like(scale))
+        if norm.bias is not None:
+            bias = index.constant_value(index.tensors[norm.bias])
+            node.inputs[2] = gs.Constant(ir.unique_name(index, f"{norm.name}_zero_bias"), np.zeros_like(bias))
+        return
+    for name, const in ((norm.bias_node, norm.bias), (norm.scale_node, norm.scale)):
+        if name is None:
+            continue
+        node = nodes[name]
+        other = next(t for t in node.inputs if t.name != const)
+        out = node.outputs[0]
+        for consumer in list(out.outputs):  # graphsurgeon keeps tensor.outputs current
+            for i, t in enumerate(consumer.inputs):
+                if t is out:
+                    consumer.inputs[i] = other
+        for g_out in graph.outputs:
+            if g_out is out:
+                # keep the graph output's name: an Identity carries it
+                node.op, node.inputs, node.attrs = "Identity", [other], {}
+                break
+        else:
+            node.outputs.clear()

@@ -1,0 +1,131 @@
+"""``ln-to-rms``: LayerNorm to RMSNorm by making the residual stream zero-mean (MQuant A.13/A.14,
+SliceGPT).
+
+LayerNorm(x) = RMSNorm(x) when x has zero mean over the hidden axis. The stream is a sum of what
+its writers write, so subtracting each writer's per-row mean makes every stream value zero-mean:
+embedding rows and other stream constants ``E' = E - mean(E)``, a patch-embedding Conv over its
+output channels, and every block output linear ``W' = W - mean_N(W)``, ``b' = b - mean(b)``.
+Every writer must be covered or the equivalence silently breaks, so the pass works from
+``analyze_stream`` and refuses (summary ``not_applicable``) when the stream is not fully known.
+Each LayerNorm then becomes an RMSNorm with the same epsilon, scale and bias: a fused
+LayerNormalization is replaced by its RMS decomposition, a decomposed one loses its mean
+subtraction.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import onnx_graphsurgeon as gs
+
+from edgeq import ir
+from edgeq.passbase import Exactness, Pass, PassConfig, PassContext, PassResult
+from edgeq.registry import register_pass
+from edgeq.stream import NotApplicable, analyze_stream
+from edgeq.structure import Norm
+from edgeq.weights import LinearEditor
+
+
+@dataclass(frozen=True)
+class LnToRmsConfig(PassConfig):
+    pass
+
+
+@register_pass
+class LnToRmsPass(Pass):
+    name = "ln-to-rms"
+    exactness = Exactness.FLOAT_EQUIV
+    Config = LnToRmsConfig
+    summary_line = "LayerNorm -> RMSNorm by making every residual-stream writer zero-mean"
+
+    def run(self, graph: gs.Graph, ctx: PassContext) -> PassResult:
+        try:
+            stream = analyze_stream(graph)
+        except NotApplicable as exc:
+            return PassResult(False, {"not_applicable": str(exc)})
+        layer_norms = [n for n in stream.norms if n.kind == "layer"]
+        if not layer_norms:
+            return PassResult(False, {"layer_norms": 0})
+        editor = LinearEditor(graph)
+        index = editor.index
+        for lin in stream.writers:
+            w = editor.weight(lin)
+            editor.set_weight(lin, w - w.mean(axis=1, keepdims=True))
+            b = editor.bias(lin)
+            if b is not None:
+                editor.set_bias(lin, b - b.mean())
+        nodes = {n.name: n for n in graph.nodes}
+        for src in stream.sources:
+            if src["kind"] == "transpose":
+                continue
+            node = nodes[src["node"]]
+            i = src["operand"]
+            value = np.asarray(index.constant_value(node.inputs[i]))
+            v = value.astype(np.float64)
+            centred = v - v.mean(axis=0, keepdims=True) if src["kind"] == "conv" else v - v.mean(axis=-1, keepdims=True)
+            node.inputs[i] = gs.Constant(ir.unique_name(index, f"{node.name}_zero_mean_{i}"), centred.astype(value.dtype))
+            if src["kind"] == "conv" and len(node.inputs) > 2 and index.constant_value(node.inputs[2]) is not None:
+                b = np.asarray(index.constant_value(node.inputs[2]), np.float64)
+                node.inputs[2] = gs.Constant(ir.unique_name(index, f"{node.name}_zero_mean_bias"), (b - b.mean()).astype(value.dtype))
+        for norm in layer_norms:
+            _to_rms(graph, index, nodes, norm)
+        return PassResult(True, {"layer_norms_converted": len(layer_norms), "writers_centred": len(stream.writers),
+                                 "sources_centred": [s["kind"] for s in stream.sources]})
+
+
+def _to_rms(graph: gs.Graph, index: ir.GraphIndex, nodes: dict, norm: Norm) -> None:
+    if not norm.fused:
+        sub = next(nodes[name] for name in norm.nodes if nodes[name].op == "Sub")
+        centred, x = sub.outputs[0], sub.inputs[0]
+        for consumer in list(centred.outputs):
+            for i, t in enumerate(consumer.inputs):
+                if t is centred:
+                    consumer.inputs[i] = x
+        sub.outputs.clear()
+        return
+    node = nodes[norm.nodes[-1]]
+    x, scale = node.inputs[0], node.inputs[1]
+    bias = node.inputs[2] if len(node.inputs) > 2 else None
+    out = node.outputs[0]
+    node.outputs.clear()
+    eps = float(norm.eps if norm.eps is not None else 1e-5)
+    dtype = np.asarray(index.constant_value(scale)).dtype if index.constant_value(scale) is not None else np.float32
+
+    def var(suffix):
+        return gs.Variable(ir.unique_name(index, f"{norm.name}_rms_{suffix}"), dtype=dtype)
+
+    # the same decomposition optimum exports for Llama's RMSNorm, so structure recognition
+    # (and every later pass) sees an ordinary RMSNorm
+    sq, ms, ms_eps, rms, inv, normed = var("sq"), var("mean_sq"), var("mean_sq_eps"), var("rms"), var("inv"), var("normed")
+    two = gs.Constant(ir.unique_name(index, f"{norm.name}_rms_two"), np.array(2.0, dtype))
+    one = gs.Constant(ir.unique_name(index, f"{norm.name}_rms_one"), np.array(1.0, dtype))
+    eps_c = gs.Constant(ir.unique_name(index, f"{norm.name}_rms_eps"), np.array(eps, dtype))
+    if graph.opset >= 18:
+        axes = gs.Constant(ir.unique_name(index, f"{norm.name}_rms_axes"), np.array([-1], np.int64))
+        mean = gs.Node("ReduceMean", f"{norm.name}_rms_mean", attrs={"keepdims": 1}, inputs=[sq, axes], outputs=[ms])
+    else:
+        mean = gs.Node("ReduceMean", f"{norm.name}_rms_mean", attrs={"keepdims": 1, "axes": [-1]}, inputs=[sq], outputs=[ms])
+    new = [
+        gs.Node("Pow", f"{norm.name}_rms_pow", inputs=[x, two], outputs=[sq]),
+        mean,
+        gs.Node("Add", f"{norm.name}_rms_add_eps", inputs=[ms, eps_c], outputs=[ms_eps]),
+        gs.Node("Sqrt", f"{norm.name}_rms_sqrt", inputs=[ms_eps], outputs=[rms]),
+        gs.Node("Div", f"{norm.name}_rms_inv", inputs=[one, rms], outputs=[inv]),
+        gs.Node("Mul", f"{norm.name}_rms_normalize", inputs=[x, inv], outputs=[normed]),
+    ]
+    scale_v = index.constant_value(scale)
+    bias_v = index.constant_value(bias) if bias is not None else None
+    has_scale = scale_v is None or not np.all(np.asarray(scale_v) == 1)
+    has_bias = bias is not None and (bias_v is None or not np.all(np.asarray(bias_v) == 0))
+    last = normed
+    if has_scale:
+        scaled = out if not has_bias else var("scaled")
+        new.append(gs.Node("Mul", f"{norm.name}_rms_scale", inputs=[last, scale], outputs=[scaled]))
+        last = scaled
+    if has_bias:
+        new.append(gs.Node("Add", f"{norm.name}_rms_bias", inputs=[last, bias], outputs=[out]))
+        last = out
+    if last is not out:
+        new.append(gs.Node("Identity", f"{norm.name}_rms_out", inputs=[last], outputs=[out]))
+    graph.nodes.extend(new)

@@ -1,0 +1,157 @@
+"""``rms``: MQuant's Rotation Magnitude Suppression (section 3.2, appendix A.3 and A.7).
+
+After ``rotate`` an online Hadamard feeds each MLP output linear, whose weight is ``H^T W``.
+Row 0 of that weight is ``sqrt(n) * mean(W[:, j])`` (Eq. 8) and becomes an outlier in layers that
+meet Eq. 9; channel 0 of the rotated activation likewise carries ``sqrt(n) * mean(x)``. RMS splits
+channel 0 off into a GEMV branch::
+
+    y = x_r[:, 1:] @ W_r[1:, :]  +  x_r[:, :1] @ W_r[:1, :]
+
+so neither the main GEMM's weight nor its per-tensor activation scale sees channel 0. The sum is
+exact before quantization. The branch is added back before the next op. Its precision is a
+setting: ``w4a8`` (the paper's: a 4-bit per-output-channel weight row, which a single row
+represents exactly, and an 8-bit static activation), ``w8a8``, or ``float`` (kept out of the QDQ
+pass through the graph's ``edgeq.keep_float`` list).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import onnx_graphsurgeon as gs
+
+from edgeq import ir
+from edgeq.calib.observers import MinMaxObserver
+from edgeq.eq9 import eq9_columns
+from edgeq.errors import UserInputError
+from edgeq.passbase import Exactness, Pass, PassConfig, PassContext, PassResult
+from edgeq.quant import QuantSpec, quantize_weight, scale_zero_point
+from edgeq.registry import register_pass
+from edgeq.runtime_ops.online_hadamard import OP_TYPE, hadamard_matrix_for_fold
+from edgeq.structure import analyze
+from edgeq.weights import LinearEditor
+
+RMS_KEY = "edgeq.rms"
+_BRANCHES = {"float": None, "w8a8": ("int8", "uint8"), "w4a8": ("int4", "uint8")}
+
+
+@dataclass(frozen=True)
+class RmsConfig(PassConfig):
+    mode: str = "eq9"  # eq9: only layers meeting Eq. 9 | all: every linear behind an online Hadamard
+    branch: str = "w4a8"  # float | w8a8 | w4a8
+
+    def __post_init__(self):
+        if self.mode not in ("eq9", "all"):
+            raise UserInputError(f"rms: mode must be eq9 or all, got '{self.mode}'")
+        if self.branch not in _BRANCHES:
+            raise UserInputError(f"rms: branch must be one of {', '.join(_BRANCHES)}, got '{self.branch}'")
+
+
+@register_pass
+class RmsPass(Pass):
+    name = "rms"
+    exactness = Exactness.FLOAT_EQUIV
+    Config = RmsConfig
+    requires = ("fuse-norms", "ln-to-rms", "rotate")
+    summary_line = "MQuant RMS: split rotated channel 0 of Eq. 9 layers into a GEMV branch"
+
+    @property
+    def needs_calibration(self) -> bool:  # type: ignore[override]
+        return _BRANCHES[self.config.branch] is not None
+
+    def run(self, graph: gs.Graph, ctx: PassContext) -> PassResult:
+        if RMS_KEY in ir.graph_metadata(graph):
+            return PassResult(False, {"already_applied": ir.graph_metadata(graph)[RMS_KEY]})
+        cfg: RmsConfig = self.config
+        s = analyze(graph)
+        editor = LinearEditor(graph)
+        index = editor.index
+        nodes = {n.name: n for n in graph.nodes}
+        eq9, branches = {}, []
+        for lin in s.linears:
+            producer = index.producer(lin.input)
+            if lin.quantized or producer is None or producer.op != OP_TYPE:
+                continue
+            w_r = editor.weight(lin)
+            w_pre = hadamard_matrix_for_fold(lin.k) @ w_r  # the weight before H^T was folded in
+            meeting = int(eq9_columns(w_pre).sum())
+            eq9[lin.node] = meeting
+            if cfg.mode == "eq9" and meeting == 0:
+                continue
+            branches.append(_split(graph, index, editor, nodes[lin.node], lin, w_r))
+        if not eq9:
+            return PassResult(False, {"online_hadamard_linears": 0})
+        if branches:
+            if cfg.branch == "float":
+                ir.add_keep_float(graph, [b["matmul"].name for b in branches])
+            else:
+                self._quantize_branches(graph, index, ctx, branches)
+        ir.set_graph_metadata(graph, RMS_KEY, f"mode={cfg.mode};branch={cfg.branch}")
+        return PassResult(bool(branches), {
+            "online_hadamard_linears": len(eq9),
+            "meeting_eq9": sum(v > 0 for v in eq9.values()),
+            "split": len(branches),
+            "branch": cfg.branch,
+            "eq9_columns": {k: v for k, v in eq9.items() if v},
+        })
+
+    def _quantize_branches(self, graph, index, ctx: PassContext, branches: list[dict]) -> None:
+        w_dtype, a_dtype = _BRANCHES[self.config.branch]
+        observers = ctx.require_calibrator(self.name).observe(
+            graph, {b["x0"].name: MinMaxObserver for b in branches}, "rms:branch:minmax")
+        a_spec = QuantSpec(a_dtype, symmetric=True)
+        w_spec = QuantSpec(w_dtype, symmetric=True, axis=1)
+        need = max(w_spec.min_opset, a_spec.min_opset)
+        if graph.opset < need:
+            graph.opset = need  # int4 needs 21; see qdq._ensure_opset for why a bump is safe from 18
+        from edgeq.passes.qdq import _constant  # the one place 4-bit constants are packed
+
+        for b in branches:
+            lo, hi = observers[b["x0"].name].range()
+            scale, zp = scale_zero_point(np.array(lo), np.array(hi), a_spec)
+            sc = gs.Constant(ir.unique_name(index, f"{b['x0'].name}_scale"), np.asarray(scale, np.float32).reshape(()))
+            zc = gs.Constant(ir.unique_name(index, f"{b['x0'].name}_zero_point"), np.asarray(zp).reshape(()))
+            q = gs.Variable(ir.unique_name(index, f"{b['x0'].name}_quantized"), dtype=a_spec.np_dtype)
+            dq = gs.Variable(ir.unique_name(index, f"{b['x0'].name}_dequantized"), dtype=np.float32)
+            graph.nodes.append(gs.Node("QuantizeLinear", f"{b['matmul'].name}_act_Q", inputs=[b["x0"], sc, zc], outputs=[q]))
+            graph.nodes.append(gs.Node("DequantizeLinear", f"{b['matmul'].name}_act_DQ", inputs=[q, sc, zc], outputs=[dq]))
+            wq, ws, wz = quantize_weight(b["w0"], w_spec)
+            wq_c = _constant(ir.unique_name(index, f"{b['matmul'].name}_w_q"), wq, w_spec)
+            ws_c = gs.Constant(ir.unique_name(index, f"{b['matmul'].name}_w_scale"), ws.astype(np.float32))
+            wz_c = _constant(ir.unique_name(index, f"{b['matmul'].name}_w_zero_point"), wz, w_spec)
+            wdq = gs.Variable(ir.unique_name(index, f"{b['matmul'].name}_w_dequantized"), dtype=np.float32)
+            graph.nodes.append(gs.Node("DequantizeLinear", f"{b['matmul'].name}_w_DQ", {"axis": 1}, [wq_c, ws_c, wz_c], [wdq]))
+            b["matmul"].inputs[0] = dq
+            b["matmul"].inputs[1] = wdq
+
+
+def _split(graph, index, editor: LinearEditor, node: gs.Node, lin, w_r: np.ndarray) -> dict:
+    """Main GEMM on channels 1.., GEMV branch on channel 0, summed where the linear's output was."""
+    x_r = node.inputs[0]
+
+    def const(name, value):
+        return gs.Constant(ir.unique_name(index, f"{lin.node}_rms_{name}"), np.asarray(value))
+
+    x_main = gs.Variable(ir.unique_name(index, f"{lin.node}_rms_main_input"), dtype=np.float32)
+    x0 = gs.Variable(ir.unique_name(index, f"{lin.node}_rms_channel0"), dtype=np.float32)
+    axes = const("axes", np.array([-1], np.int64))
+    graph.nodes.append(gs.Node("Slice", f"{lin.node}_rms_slice_main",
+                               inputs=[x_r, const("one", np.array([1], np.int64)), const("end", np.array([lin.k], np.int64)), axes],
+                               outputs=[x_main]))
+    graph.nodes.append(gs.Node("Slice", f"{lin.node}_rms_slice_channel0",
+                               inputs=[x_r, const("zero", np.array([0], np.int64)), const("one_end", np.array([1], np.int64)), axes],
+                               outputs=[x0]))
+    node.inputs[0] = x_main
+    stored_dtype = editor.dtype(lin)
+    editor.set_weight(lin, w_r[1:, :])
+    w0 = w_r[:1, :].astype(stored_dtype)
+    out = node.outputs[0] if lin.bias_add is None else next(n for n in graph.nodes if n.name == lin.bias_add).outputs[0]
+    producer = out.inputs[0]
+    main_out = gs.Variable(ir.unique_name(index, f"{lin.node}_rms_main_out"), dtype=out.dtype)
+    producer.outputs[producer.outputs.index(out)] = main_out
+    branch_out = gs.Variable(ir.unique_name(index, f"{lin.node}_rms_branch_out"), dtype=out.dtype)
+    matmul = gs.Node("MatMul", f"{lin.node}_rms_branch", inputs=[x0, const("w0", w0)], outputs=[branch_out])
+    graph.nodes.append(matmul)
+    graph.nodes.append(gs.Node("Add", f"{lin.node}_rms_add", inputs=[main_out, branch_out], outputs=[out]))
+    return {"matmul": matmul, "x0": x0, "w0": w0}

@@ -1,0 +1,157 @@
+"""The one schema table of the ``edgeq`` custom-op domain.
+
+Every edgeq op is declared here once: its inputs, outputs and attributes, a builder of its ONNX
+function body, and a numpy reference. Why a function body for every op: onnxruntime inlines
+model-local functions, so a compiled model runs anywhere ONNX runs, with no custom-op library;
+a runtime or an NPU SDK with a native kernel can match the op by domain and name instead.
+
+- ``ensure_functions(model)``: after a pass added edgeq nodes, put the function bodies of the
+  ops the graph uses into ``model.functions`` (once) and import the ``edgeq`` domain.
+- ``reference_evaluator_ops()``: ``OpRun`` classes for ``onnx.reference.ReferenceEvaluator``
+  (``new_ops=``), so tests can check a function body against an independent reference.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable
+
+import numpy as np
+import onnx
+from onnx import helper
+
+from edgeq.runtime_ops import online_hadamard as _oh
+from edgeq.runtime_ops.domain import DOMAIN, DOMAIN_VERSION
+
+
+@dataclass(frozen=True)
+class IOSpec:
+    """One input or output: its name and what it holds."""
+
+    name: str
+    doc: str
+
+
+@dataclass(frozen=True)
+class AttrSpec:
+    """One attribute: name, onnx AttributeProto type name ('INT', 'FLOAT', ...), default, doc."""
+
+    name: str
+    type: str
+    default: object
+    doc: str
+
+
+@dataclass(frozen=True)
+class OpSchema:
+    """An edgeq op. ``function_builder(opset)`` returns the FunctionProto whose body imports the
+    default domain at ``opset``; ``reference(*inputs, **attributes)`` returns a tuple of outputs."""
+
+    name: str
+    inputs: tuple[IOSpec, ...]
+    outputs: tuple[IOSpec, ...]
+    doc: str
+    function_builder: Callable[[int], onnx.FunctionProto]
+    reference: Callable[..., tuple[np.ndarray, ...]]
+    attributes: tuple[AttrSpec, ...] = field(default=())
+    domain: str = DOMAIN
+    version: int = DOMAIN_VERSION
+
+
+SCHEMAS: dict[str, OpSchema] = {
+    _oh.OP_TYPE: OpSchema(
+        name=_oh.OP_TYPE,
+        inputs=(
+            IOSpec("x", "float tensor [..., n], n = K * P; any rank >= 1, leading dims may be symbolic"),
+            IOSpec("h_k", "[K, K] normalized Hadamard factor (orthogonal), same dtype as x"),
+            IOSpec("h_p", "[P, P] normalized Sylvester Hadamard, P = 2^m; a native kernel may run a "
+                          "fast Walsh-Hadamard transform instead of reading it"),
+        ),
+        outputs=(IOSpec("y", "x @ kron(h_k, h_p) over the last axis; same shape and dtype as x"),),
+        doc=_oh.__doc__,
+        function_builder=_oh.online_hadamard_function,
+        reference=_oh.online_hadamard_reference,
+    ),
+}
+
+
+def get_schema(op_type: str) -> OpSchema:
+    """The schema of an edgeq op; KeyError naming the known ops otherwise."""
+    try:
+        return SCHEMAS[op_type]
+    except KeyError:
+        raise KeyError(f"unknown {DOMAIN} op {op_type!r}; known: {sorted(SCHEMAS)}") from None
+
+
+def _iter_nodes(nodes):
+    """Every node, including those in subgraphs (If / Loop / Scan bodies)."""
+    for node in nodes:
+        yield node
+        for attr in node.attribute:
+            if attr.type == onnx.AttributeProto.GRAPH:
+                yield from _iter_nodes(attr.g.node)
+            elif attr.type == onnx.AttributeProto.GRAPHS:
+                for g in attr.graphs:
+                    yield from _iter_nodes(g.node)
+
+
+def used_ops(model: onnx.ModelProto) -> set[str]:
+    """Names of the edgeq ops the model's graph (and its functions) use."""
+    nodes = list(_iter_nodes(model.graph.node))
+    for fn in model.functions:
+        if fn.domain != DOMAIN:
+            nodes.extend(_iter_nodes(fn.node))
+    return {n.op_type for n in nodes if n.domain == DOMAIN}
+
+
+def _default_opset(model: onnx.ModelProto) -> int:
+    for imp in model.opset_import:
+        if imp.domain in ("", "ai.onnx"):
+            return imp.version
+    raise ValueError("model imports no default-domain opset")
+
+
+def ensure_functions(model: onnx.ModelProto) -> onnx.ModelProto:
+    """Add the function body of every edgeq op the model uses, and the edgeq opset import.
+
+    In place (and returned). Idempotent: an existing body is replaced only when it imports a
+    different default opset than the model (a pass may have raised the model's opset since).
+    Unknown edgeq op names raise KeyError.
+    """
+    ops = used_ops(model)
+    if not ops:
+        return model
+    opset = _default_opset(model)
+    existing = {(f.domain, f.name): i for i, f in enumerate(model.functions)}
+    for op in sorted(ops):
+        fn = get_schema(op).function_builder(opset)
+        i = existing.get((DOMAIN, op))
+        if i is None:
+            model.functions.append(fn)
+        else:
+            old = {imp.domain: imp.version for imp in model.functions[i].opset_import}
+            if old.get("", old.get("ai.onnx")) != opset:
+                model.functions[i].CopyFrom(fn)
+    imports = {imp.domain: imp for imp in model.opset_import}
+    if DOMAIN not in imports:
+        model.opset_import.append(helper.make_opsetid(DOMAIN, DOMAIN_VERSION))
+    elif imports[DOMAIN].version != DOMAIN_VERSION:
+        raise ValueError(f"model imports {DOMAIN} version {imports[DOMAIN].version}; edgeq has {DOMAIN_VERSION}")
+    return model
+
+
+def reference_evaluator_ops() -> list[type]:
+    """``onnx.reference.op_run.OpRun`` subclasses (class name = op name, ``op_domain`` = edgeq),
+    one per schema, running the numpy references; pass them as ``ReferenceEvaluator(new_ops=)``."""
+    from onnx.reference.op_run import OpRun
+
+    classes = []
+    for schema in SCHEMAS.values():
+        attr_names = [a.name for a in schema.attributes]
+
+        def _run(self, *inputs, _schema=schema, _attrs=tuple(attr_names)):
+            kwargs = {name: getattr(self, name) for name in _attrs}
+            return tuple(_schema.reference(*inputs, **kwargs))
+
+        classes.append(type(schema.name, (OpRun,), {"op_domain": schema.domain, "_run": _run}))
+    return classes

@@ -23,14 +23,14 @@ from edgeq.encodings import collect_encodings
 from edgeq.errors import UserInputError
 from edgeq.passbase import PassContext
 from edgeq.pipeline import Pipeline, PipelineOptions
-from edgeq.recipes import load_recipe
+from edgeq.recipes import DEFAULT_RECIPE, load_recipe
 
 
 @dataclass(frozen=True)
 class CompileRequest:
     model: Path
     out_dir: Path
-    recipe: str = "w8a8"
+    recipe: str = DEFAULT_RECIPE
     calib: Path | None = None
     tokenizer: Path | None = None
     calib_windows: int | None = None

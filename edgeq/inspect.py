@@ -16,6 +16,7 @@ from edgeq import ir
 from edgeq.calib.dataset import build_calibration_set
 from edgeq.calib.observers import PerChannelAbsMaxObserver
 from edgeq.calib.session import Calibrator
+from edgeq.eq9 import eq9_table, format_eq9_table
 from edgeq.structure import analyze, format_structure
 
 
@@ -38,9 +39,10 @@ def inspect_model(model_path: Path, calib: Path | None, tokenizer: Path | None, 
             rows.append({"linear": lin.node, "role": lin.role, "k": lin.k, "n": lin.n,
                          "absmax": float(absmax.max()), "median_channel_absmax": float(np.median(absmax)),
                          "outlier_channels": outliers.tolist()})
+    eq9 = eq9_table(graph)
     if as_json:
-        return json.dumps({"structure": format_structure(structure), "activations": rows}, indent=1)
-    lines = [format_structure(structure)]
+        return json.dumps({"structure": format_structure(structure), "eq9": eq9, "activations": rows}, indent=1)
+    lines = [format_structure(structure), "", format_eq9_table(eq9)]
     if rows:
         lines.append(f"\nactivation ranges at linear inputs ({data.description}; outlier: |x| > {threshold:g})")
         lines.append(f"{'linear':<48} {'role':<10} {'absmax':>9} {'median':>8} outliers")

@@ -120,12 +120,16 @@ def to_model(graph: gs.Graph) -> onnx.ModelProto:
     """
     attrs = getattr(graph, "_edgeq_model_attrs", None)
     model = gs.export_onnx(graph, do_type_check=False)
+    if attrs is not None:
+        _restore_model_attrs(model, graph, attrs)
     if any(node.domain == "edgeq" for node in model.graph.node):
         from edgeq.runtime_ops import ensure_functions
 
         ensure_functions(model)  # every edgeq op travels with its ONNX function body
-    if attrs is None:
-        return model
+    return model
+
+
+def _restore_model_attrs(model: onnx.ModelProto, graph: gs.Graph, attrs: dict) -> None:
     opsets = dict(attrs["opsets"])
     for imp in model.opset_import:
         if imp.domain in ("", "ai.onnx"):
@@ -145,7 +149,6 @@ def to_model(graph: gs.Graph) -> onnx.ModelProto:
     del model.metadata_props[:]
     for key, value in attrs["metadata"]:
         model.metadata_props.add(key=key, value=value)
-    return model
 
 
 def graph_metadata(graph: gs.Graph) -> dict[str, str]:

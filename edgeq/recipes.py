@@ -34,7 +34,7 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover
     import tomli as tomllib
 
-DEFAULT_RECIPE = "w8a8"
+DEFAULT_RECIPE = "mquant-w8a8"
 
 
 @dataclass(frozen=True)

@@ -47,6 +47,7 @@ class QDQConfig(PassConfig):
     weight_granularity: str = "channel"
     group_size: int = 128
     skip_roles: tuple[str, ...] = ()
+    exclude_nodes: tuple[str, ...] = ()  # exact node names left in float (sensitivity studies)
 
     def __post_init__(self):
         checks = [
@@ -78,7 +79,8 @@ class QDQPass(Pass):
         keep_float = ir.keep_float_nodes(graph)
         linears = [
             lin for lin in find_linears(graph)
-            if lin.role not in cfg.skip_roles and lin.node not in keep_float and not _is_dequantized(index, lin.input)
+            if lin.role not in cfg.skip_roles and lin.node not in keep_float and lin.node not in cfg.exclude_nodes
+            and not _is_dequantized(index, lin.input)
         ]
         if not linears:
             return PassResult(False, {"linears_quantized": 0})

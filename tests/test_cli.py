@@ -40,8 +40,8 @@ def _assert_user_error(capsys, out_dir, argv, needle):
 def test_compile_writes_model_report_and_encodings(toy, tmp_path, capsys):
     model, calib = toy
     out = tmp_path / "out"
-    code, err = _run(capsys, "compile", model, "--calib", calib, "--seq-len", 16, "--calib-windows", 4, "-o", out,
-                     "--verify", "--check-numerics")
+    code, err = _run(capsys, "compile", model, "--recipe", "w8a8", "--calib", calib, "--seq-len", 16,
+                     "--calib-windows", 4, "-o", out, "--verify", "--check-numerics")
     assert code == 0, err
     assert sorted(p.name for p in out.iterdir()) == ["encodings.json", "model.onnx", "model.onnx.data", "report.json"]
     report = json.loads((out / "report.json").read_text())
@@ -180,7 +180,7 @@ def test_internal_error_names_pass(toy, tmp_path, capsys):
 def test_recipes_lists_default(capsys):
     assert main(["recipes"]) == 0
     text = capsys.readouterr().out
-    assert "w8a8" in text and "(default)" in text
+    assert "w8a8" in text and "mquant-w8a8" in text and "(default)" in text
 
 
 def test_help_exits_zero(capsys):
@@ -193,7 +193,7 @@ def test_help_exits_zero(capsys):
 def test_dump_each_and_calibration_cache(toy, tmp_path, capsys, monkeypatch):
     monkeypatch.setenv("EDGEQ_CACHE_DIR", str(tmp_path / "cache"))
     model, calib = toy
-    args = ["compile", model, "--calib", calib, "--seq-len", 16, "--calib-windows", 3]
+    args = ["compile", model, "--recipe", "w8a8", "--calib", calib, "--seq-len", 16, "--calib-windows", 3]
     code, err = _run(capsys, *args, "-o", tmp_path / "a", "--dump-each", tmp_path / "dumps")
     assert code == 0, err
     assert [p.name for p in sorted((tmp_path / "dumps").glob("*.onnx"))] == ["00_qdq.onnx"]

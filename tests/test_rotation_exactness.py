@@ -75,3 +75,23 @@ def test_eq9_columns_hand_built():
     w = np.array([[1.0, 1.0, 3.0], [1.0, -1.0, -0.5], [1.0, 0.5, 0.2], [1.0, 0.0, 0.1]])
     # column 0: |sqrt(4) * 1| = 2 > 1 (meets); column 1: |2 * 0.125| < 1; column 2: 2*0.7=1.4 < 3
     np.testing.assert_array_equal(eq9_columns(w), [True, False, False])
+
+
+@pytest.mark.slow
+def test_smollm2_rotation_chain_is_float_equivalent(smollm2_dir):
+    """On the real model: fuse-norms, ln-to-rms, rotate and rms (every layer split, float branch)
+    keep the logits within the fp32 tolerance (graph optimizations off)."""
+    from edgeq.passes.rms import RmsConfig, RmsPass
+
+    model = ir.load_model(smollm2_dir / "model.onnx")
+    ids = np.random.default_rng(0).integers(0, 49152, (1, 48))
+    feeds = {"input_ids": ids, "attention_mask": np.ones_like(ids), "position_ids": np.arange(48)[None]}
+    (reference,) = _outputs(model, feeds)
+    passes = [get_pass(name)() for name in CHAIN] + [RmsPass(RmsConfig(mode="all", branch="float"))]
+    out, records = Pipeline(passes).run(model, PassContext(), consume=True)
+    assert records[2]["summary"]["online"]["hadamard"] == 30
+    assert records[3]["summary"]["split"] == 30
+    (got,) = _outputs(out, feeds)
+    scale = max(float(np.abs(reference).max()), 1.0)
+    np.testing.assert_allclose(got, reference, rtol=0, atol=FLOAT_EQUIV_RTOL * scale)
+    assert (got.argmax(-1) == reference.argmax(-1)).mean() > 0.99

@@ -7,7 +7,7 @@ PY := $(VENV)/bin/python
 EDGEQ := $(VENV)/bin/edgeq
 ART ?= artifacts
 DATA := data/wikitext-2
-RECIPE ?= w8a8
+RECIPE ?= mquant-w8a8
 WINDOWS ?= 40
 
 .PHONY: install demo test bench clean

@@ -19,14 +19,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
-import onnx
 import onnx_graphsurgeon as gs
 
 from edgeq import ir
 from edgeq.calib.observers import HistogramObserver, MinMaxObserver
 from edgeq.errors import UserInputError
 from edgeq.passbase import Exactness, Pass, PassConfig, PassContext, PassResult
-from edgeq.quant import QuantSpec, quantize_weight, scale_zero_point
+from edgeq.qdq_nodes import ensure_opset, insert_dequantize, insert_quantize, insert_weight_dequantize
+from edgeq.quant import QuantSpec
 from edgeq.registry import register_pass
 from edgeq.structure import Linear, find_linears
 
@@ -85,17 +85,17 @@ class QDQPass(Pass):
         if not linears:
             return PassResult(False, {"linears_quantized": 0})
         act_spec = QuantSpec(cfg.activation_dtype, cfg.activation_symmetric)
-        _ensure_opset(graph, act_spec, self._weight_spec(axis=0))
+        ensure_opset(graph, act_spec, self._weight_spec(axis=0))
         observers = self._calibrate(graph, ctx, sorted({lin.input for lin in linears}), act_spec)
         nodes = {n.name: n for n in graph.nodes}
         act_sites = {}
         for name, obs in observers.items():
             lo, hi = obs.range()
-            act_sites[name] = _insert_activation_quantize(graph, index, name, lo, hi, act_spec)
+            act_sites[name] = insert_quantize(graph, index, index.tensors[name], lo, hi, act_spec)
         quantized_weights: dict[tuple[str, bool], gs.Variable] = {}
         for lin in linears:
             node = nodes[lin.node]
-            node.inputs[0] = _dequantize(graph, index, act_sites[lin.input], lin.node)
+            node.inputs[0] = insert_dequantize(graph, index, act_sites[lin.input], lin.node)
             key = (lin.weight, lin.weight_transposed)
             if key not in quantized_weights:
                 quantized_weights[key] = self._quantize_weight(graph, index, lin)
@@ -147,74 +147,9 @@ class QDQPass(Pass):
             spec = self._weight_spec(axis=k_axis)
         else:
             spec = self._weight_spec(axis=n_axis)
-        q, scale, zp = quantize_weight(w, spec)
-        base = f"{lin.weight}_{spec.dtype}"
-        q_const = _constant(ir.unique_name(index, base), q, spec)
-        s_const = gs.Constant(ir.unique_name(index, base + "_scale"), scale.astype(np.float32))
-        z_const = _constant(ir.unique_name(index, base + "_zero_point"), zp, spec)
-        out = gs.Variable(ir.unique_name(index, f"{lin.weight}_dequantized"), dtype=np.float32, shape=list(w.shape))
-        attrs = {}
-        if spec.axis is not None:
-            attrs["axis"] = spec.axis
-        if spec.block_size:
-            attrs["block_size"] = spec.block_size
-        graph.nodes.append(gs.Node("DequantizeLinear", f"{lin.weight}_DequantizeLinear", attrs, [q_const, s_const, z_const], [out]))
-        return out
-
-
-def _constant(name: str, values: np.ndarray, spec: QuantSpec) -> gs.Constant:
-    """An integer constant; 4-bit values are packed two per byte by onnx itself.
-
-    graphsurgeon (0.6 with onnx >= 1.20) would write ml_dtypes int4 arrays unpacked, so 4-bit
-    tensors are handed to it as an already-serialized TensorProto (``LazyValues``), which its
-    exporter passes through untouched.
-    """
-    if spec.dtype not in ("int4", "uint4"):
-        return gs.Constant(name, values)
-    import ml_dtypes  # a dependency of onnx itself
-    from onnx_graphsurgeon.ir.tensor import LazyValues
-
-    packed = onnx.numpy_helper.from_array(values.astype(ml_dtypes.int4 if spec.dtype == "int4" else ml_dtypes.uint4), name)
-    return gs.Constant(name, LazyValues(packed))
+        return insert_weight_dequantize(graph, index, w, spec, lin.weight)
 
 
 def _is_dequantized(index: ir.GraphIndex, name: str) -> bool:
     producer = index.producer(name)
     return producer is not None and producer.op == "DequantizeLinear"
-
-
-def _insert_activation_quantize(graph, index, name: str, lo: float, hi: float, spec: QuantSpec) -> gs.Node:
-    if not (np.isfinite(lo) and np.isfinite(hi)):
-        raise UserInputError(f"calibration saw no finite values for '{name}'")
-    scale, zp = scale_zero_point(np.array(lo), np.array(hi), spec)
-    s_const = gs.Constant(ir.unique_name(index, f"{name}_scale"), np.asarray(scale, np.float32).reshape(()))
-    z_const = gs.Constant(ir.unique_name(index, f"{name}_zero_point"), np.asarray(zp).reshape(()))
-    quant = gs.Variable(ir.unique_name(index, f"{name}_quantized"), dtype=spec.np_dtype)
-    node = gs.Node("QuantizeLinear", f"{name}_QuantizeLinear", {}, [index.tensors[name], s_const, z_const], [quant])
-    graph.nodes.append(node)
-    return node
-
-
-def _dequantize(graph, index, quantize: gs.Node, consumer: str) -> gs.Variable:
-    """A DequantizeLinear of ``quantize``'s output dedicated to one consumer node."""
-    quant, s_const, z_const = quantize.outputs[0], quantize.inputs[1], quantize.inputs[2]
-    deq = gs.Variable(ir.unique_name(index, f"{quantize.inputs[0].name}_dequantized"), dtype=np.float32)
-    graph.nodes.append(gs.Node("DequantizeLinear", f"{consumer}_input_DequantizeLinear", {}, [quant, s_const, z_const], [deq]))
-    return deq
-
-
-def _ensure_opset(graph: gs.Graph, *specs: QuantSpec) -> None:
-    """int16 and int4 Q/DQ and block sizes need opset 21.
-
-    Bumping an opset-18+ graph to 21 is safe for the ops transformer exports use (18 -> 21 only
-    widened types and added attributes with backward-compatible defaults); older graphs would
-    need real conversion (e.g. ReduceMean's axes moved to an input in 18), so they are refused.
-    """
-    need = max(s.min_opset for s in specs)
-    if any(s.block_size for s in specs):
-        need = max(need, 21)
-    if graph.opset >= need:
-        return
-    if graph.opset < 18:
-        raise UserInputError(f"this quantization needs opset {need}; the model has opset {graph.opset} (re-export with opset >= 18)")
-    graph.opset = need

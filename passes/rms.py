@@ -26,7 +26,8 @@ from edgeq.calib.observers import MinMaxObserver
 from edgeq.eq9 import eq9_columns
 from edgeq.errors import UserInputError
 from edgeq.passbase import Exactness, Pass, PassConfig, PassContext, PassResult
-from edgeq.quant import QuantSpec, quantize_weight, scale_zero_point
+from edgeq.qdq_nodes import ensure_opset, insert_dequantize, insert_quantize, insert_weight_dequantize
+from edgeq.quant import QuantSpec
 from edgeq.registry import register_pass
 from edgeq.runtime_ops.online_hadamard import OP_TYPE, hadamard_matrix_for_fold
 from edgeq.structure import analyze
@@ -102,26 +103,12 @@ class RmsPass(Pass):
             graph, {b["x0"].name: MinMaxObserver for b in branches}, "rms:branch:minmax")
         a_spec = QuantSpec(a_dtype, symmetric=True)
         w_spec = QuantSpec(w_dtype, symmetric=True, axis=1)
-        need = max(w_spec.min_opset, a_spec.min_opset)
-        if graph.opset < need:
-            graph.opset = need  # int4 needs 21; see qdq._ensure_opset for why a bump is safe from 18
-        from edgeq.passes.qdq import _constant  # the one place 4-bit constants are packed
-
+        ensure_opset(graph, a_spec, w_spec)
         for b in branches:
             lo, hi = observers[b["x0"].name].range()
-            scale, zp = scale_zero_point(np.array(lo), np.array(hi), a_spec)
-            sc = gs.Constant(ir.unique_name(index, f"{b['x0'].name}_scale"), np.asarray(scale, np.float32).reshape(()))
-            zc = gs.Constant(ir.unique_name(index, f"{b['x0'].name}_zero_point"), np.asarray(zp).reshape(()))
-            q = gs.Variable(ir.unique_name(index, f"{b['x0'].name}_quantized"), dtype=a_spec.np_dtype)
-            dq = gs.Variable(ir.unique_name(index, f"{b['x0'].name}_dequantized"), dtype=np.float32)
-            graph.nodes.append(gs.Node("QuantizeLinear", f"{b['matmul'].name}_act_Q", inputs=[b["x0"], sc, zc], outputs=[q]))
-            graph.nodes.append(gs.Node("DequantizeLinear", f"{b['matmul'].name}_act_DQ", inputs=[q, sc, zc], outputs=[dq]))
-            wq, ws, wz = quantize_weight(b["w0"], w_spec)
-            wq_c = _constant(ir.unique_name(index, f"{b['matmul'].name}_w_q"), wq, w_spec)
-            ws_c = gs.Constant(ir.unique_name(index, f"{b['matmul'].name}_w_scale"), ws.astype(np.float32))
-            wz_c = _constant(ir.unique_name(index, f"{b['matmul'].name}_w_zero_point"), wz, w_spec)
-            wdq = gs.Variable(ir.unique_name(index, f"{b['matmul'].name}_w_dequantized"), dtype=np.float32)
-            graph.nodes.append(gs.Node("DequantizeLinear", f"{b['matmul'].name}_w_DQ", {"axis": 1}, [wq_c, ws_c, wz_c], [wdq]))
+            qnode = insert_quantize(graph, index, b["x0"], lo, hi, a_spec)
+            dq = insert_dequantize(graph, index, qnode, b["matmul"].name)
+            wdq = insert_weight_dequantize(graph, index, b["w0"], w_spec, f"{b['matmul'].name}_w")
             b["matmul"].inputs[0] = dq
             b["matmul"].inputs[1] = wdq
 

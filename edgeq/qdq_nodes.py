@@ -1,0 +1,94 @@
+"""Building blocks for Q/DQ in a graphsurgeon graph, shared by every pass that quantizes.
+
+One place creates QuantizeLinear/DequantizeLinear nodes and integer constants, so scales, zero
+points, 4-bit packing and naming are the same whether the qdq pass or a method pass (e.g. RMS's
+GEMV branch) quantizes a tensor.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+import onnx_graphsurgeon as gs
+
+from edgeq import ir
+from edgeq.errors import UserInputError
+from edgeq.quant import QuantSpec, quantize_weight, scale_zero_point
+
+
+def integer_constant(name: str, values: np.ndarray, spec: QuantSpec) -> gs.Constant:
+    """An integer constant; 4-bit values are packed two per byte by onnx itself.
+
+    graphsurgeon (0.6 with onnx >= 1.20) would write ml_dtypes int4 arrays unpacked, so 4-bit
+    tensors are handed to it as an already-serialized TensorProto (``LazyValues``), which its
+    exporter passes through untouched.
+    """
+    if spec.dtype not in ("int4", "uint4"):
+        return gs.Constant(name, values)
+    import ml_dtypes  # a dependency of onnx itself
+    from onnx_graphsurgeon.ir.tensor import LazyValues
+
+    packed = onnx.numpy_helper.from_array(values.astype(ml_dtypes.int4 if spec.dtype == "int4" else ml_dtypes.uint4), name)
+    return gs.Constant(name, LazyValues(packed))
+
+
+def insert_quantize(graph: gs.Graph, index: ir.GraphIndex, tensor: gs.Tensor, lo: float, hi: float,
+                    spec: QuantSpec) -> gs.Node:
+    """A static per-tensor QuantizeLinear of ``tensor`` covering [lo, hi]."""
+    name = tensor.name
+    if not (np.isfinite(lo) and np.isfinite(hi)):
+        raise UserInputError(f"calibration saw no finite values for '{name}'")
+    scale, zp = scale_zero_point(np.array(lo), np.array(hi), spec)
+    s_const = gs.Constant(ir.unique_name(index, f"{name}_scale"), np.asarray(scale, np.float32).reshape(()))
+    z_const = gs.Constant(ir.unique_name(index, f"{name}_zero_point"), np.asarray(zp).reshape(()))
+    quant = gs.Variable(ir.unique_name(index, f"{name}_quantized"), dtype=spec.np_dtype)
+    node = gs.Node("QuantizeLinear", f"{name}_QuantizeLinear", {}, [tensor, s_const, z_const], [quant])
+    graph.nodes.append(node)
+    return node
+
+
+def insert_dequantize(graph: gs.Graph, index: ir.GraphIndex, quantize: gs.Node, consumer: str) -> gs.Variable:
+    """A DequantizeLinear of ``quantize``'s output dedicated to one consumer node.
+
+    onnxruntime's QDQ selectors only fuse a DQ with a single consumer, so every linear gets its
+    own DQ while the QuantizeLinear (the integer activation) is shared.
+    """
+    quant, s_const, z_const = quantize.outputs[0], quantize.inputs[1], quantize.inputs[2]
+    deq = gs.Variable(ir.unique_name(index, f"{quantize.inputs[0].name}_dequantized"), dtype=np.float32)
+    graph.nodes.append(gs.Node("DequantizeLinear", f"{consumer}_input_DequantizeLinear", {}, [quant, s_const, z_const], [deq]))
+    return deq
+
+
+def insert_weight_dequantize(graph: gs.Graph, index: ir.GraphIndex, w: np.ndarray, spec: QuantSpec,
+                             base: str) -> gs.Variable:
+    """Quantize a float weight offline; return the output of its DequantizeLinear."""
+    q, scale, zp = quantize_weight(np.asarray(w, np.float32), spec)
+    prefix = f"{base}_{spec.dtype}"
+    q_const = integer_constant(ir.unique_name(index, prefix), q, spec)
+    s_const = gs.Constant(ir.unique_name(index, prefix + "_scale"), scale.astype(np.float32))
+    z_const = integer_constant(ir.unique_name(index, prefix + "_zero_point"), zp, spec)
+    out = gs.Variable(ir.unique_name(index, f"{base}_dequantized"), dtype=np.float32, shape=list(np.shape(w)))
+    attrs = {}
+    if spec.axis is not None:
+        attrs["axis"] = spec.axis
+    if spec.block_size:
+        attrs["block_size"] = spec.block_size
+    graph.nodes.append(gs.Node("DequantizeLinear", f"{base}_DequantizeLinear", attrs, [q_const, s_const, z_const], [out]))
+    return out
+
+
+def ensure_opset(graph: gs.Graph, *specs: QuantSpec) -> None:
+    """int16 and int4 Q/DQ and block sizes need opset 21.
+
+    Bumping an opset-18+ graph to 21 is safe for the ops transformer exports use (18 -> 21 only
+    widened types and added attributes with backward-compatible defaults); older graphs would
+    need real conversion (e.g. ReduceMean's axes moved to an input in 18), so they are refused.
+    """
+    need = max(s.min_opset for s in specs)
+    if any(s.block_size for s in specs):
+        need = max(need, 21)
+    if graph.opset >= need:
+        return
+    if graph.opset < 18:
+        raise UserInputError(f"this quantization needs opset {need}; the model has opset {graph.opset} (re-export with opset >= 18)")
+    graph.opset = need

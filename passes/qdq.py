@@ -48,6 +48,9 @@ class QDQConfig(PassConfig):
     group_size: int = 128
     skip_roles: tuple[str, ...] = ()
     exclude_nodes: tuple[str, ...] = ()  # exact node names left in float (sensitivity studies)
+    # per-role activation dtype overrides, "role=dtype" (e.g. "down_proj=int16" for NPUs with
+    # 16-bit activations at the hardest site); a tensor read by several roles takes the widest
+    role_activation_dtypes: tuple[str, ...] = ()
 
     def __post_init__(self):
         checks = [
@@ -63,6 +66,17 @@ class QDQConfig(PassConfig):
             raise UserInputError(f"qdq: group_size must be a power of two >= 16, got {self.group_size}")
         if not 0.0 < self.percentile <= 100.0:
             raise UserInputError(f"qdq: percentile must be in (0, 100], got {self.percentile}")
+        self.role_dtypes()
+
+    def role_dtypes(self) -> dict[str, str]:
+        out = {}
+        for entry in self.role_activation_dtypes:
+            role, sep, dtype = entry.partition("=")
+            if not sep or dtype not in _ACT_DTYPES:
+                raise UserInputError(f"qdq: role_activation_dtypes entries are role=dtype with dtype in "
+                                     f"{', '.join(_ACT_DTYPES)}, got '{entry}'")
+            out[role.strip()] = dtype.strip()
+        return out
 
 
 @register_pass
@@ -85,13 +99,15 @@ class QDQPass(Pass):
         if not linears:
             return PassResult(False, {"linears_quantized": 0})
         act_spec = QuantSpec(cfg.activation_dtype, cfg.activation_symmetric)
-        ensure_opset(graph, act_spec, self._weight_spec(axis=0))
-        observers = self._calibrate(graph, ctx, sorted({lin.input for lin in linears}), act_spec)
+        site_specs = self._site_specs(linears, act_spec)
+        ensure_opset(graph, self._weight_spec(axis=0), *set(site_specs.values()))
         nodes = {n.name: n for n in graph.nodes}
         act_sites = {}
-        for name, obs in observers.items():
-            lo, hi = obs.range()
-            act_sites[name] = insert_quantize(graph, index, index.tensors[name], lo, hi, act_spec)
+        for spec in sorted(set(site_specs.values()), key=lambda sp: sp.dtype):
+            names = sorted(n for n, sp in site_specs.items() if sp == spec)
+            for name, obs in self._calibrate(graph, ctx, names, spec).items():
+                lo, hi = obs.range()
+                act_sites[name] = insert_quantize(graph, index, index.tensors[name], lo, hi, spec)
         quantized_weights: dict[tuple[str, bool], gs.Variable] = {}
         for lin in linears:
             node = nodes[lin.node]
@@ -110,10 +126,22 @@ class QDQPass(Pass):
             "activation_sites": len(act_sites),
             "weights_quantized": len(quantized_weights),
             "roles": roles,
-            "activation": f"{act_spec.dtype} {'symmetric' if act_spec.symmetric else 'asymmetric'} per-tensor static ({cfg.activation_observer})",
+            "activation": f"{act_spec.dtype} {'symmetric' if act_spec.symmetric else 'asymmetric'} per-tensor static ({cfg.activation_observer})"
+                          + (f", overrides {dict(cfg.role_dtypes())}" if cfg.role_activation_dtypes else ""),
             "weight": f"{cfg.weight_dtype} {'symmetric' if cfg.weight_symmetric else 'asymmetric'} per-{cfg.weight_granularity}"
                       + (f" (group {cfg.group_size})" if cfg.weight_granularity == "group" else ""),
         })
+
+    def _site_specs(self, linears, default: QuantSpec) -> dict[str, QuantSpec]:
+        """Activation spec of each quantized tensor: the default, or the widest role override."""
+        overrides = self.config.role_dtypes()
+        specs: dict[str, QuantSpec] = {}
+        for lin in linears:
+            dtype = overrides.get(lin.role)
+            spec = QuantSpec(dtype, default.symmetric) if dtype else default
+            if lin.input not in specs or spec.bits > specs[lin.input].bits:
+                specs[lin.input] = spec
+        return specs
 
     def _weight_spec(self, axis: int) -> QuantSpec:
         cfg: QDQConfig = self.config

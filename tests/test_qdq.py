@@ -119,3 +119,21 @@ def test_bad_config_is_user_error():
 
     with pytest.raises(UserInputError, match="group_size"):
         QDQConfig(weight_granularity="group", group_size=24)
+
+
+def test_role_activation_dtype_override(tiny_models):
+    model = ir.load_model(tiny_models["llama"])
+    out, rec = _compile(model, activation_dtype="uint8", role_activation_dtypes=("down_proj=int16",))
+    enc = collect_encodings(out)
+    down_inputs = {lin.input for lin in find_linears(ir.to_graph(model)) if lin.role == "down_proj"}
+    assert set(down_inputs) <= set(enc["activations"])
+    for name, e in enc["activations"].items():
+        assert e["dtype"] == ("int16" if name in down_inputs else "uint8")
+    assert ir.default_opset(out) == 21
+
+
+def test_role_override_syntax_checked():
+    from edgeq.errors import UserInputError
+
+    with pytest.raises(UserInputError, match="role=dtype"):
+        QDQConfig(role_activation_dtypes=("down_proj:int16",))

@@ -84,15 +84,20 @@ def fused_ops(model: Path) -> dict[str, int]:
     return {k: counts[k] for k in keep if counts[k]}
 
 
-def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def bench_parser(doc: str, work: str, recipes: str) -> argparse.ArgumentParser:
+    """The arguments every SmolLM2 benchmark script shares (same protocol, same defaults)."""
+    p = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model-dir", type=Path, required=True, help="edgeq export smollm2 output folder")
     p.add_argument("--out", type=Path, required=True, help="JSON results file")
-    p.add_argument("--work", type=Path, default=REPO / "artifacts" / "bench")
+    p.add_argument("--work", type=Path, default=REPO / "artifacts" / work)
     p.add_argument("--calib-windows", type=int, default=16)
     p.add_argument("--eval-windows", type=int, default=40)
-    p.add_argument("--recipes", default="w8a8,w8a8-mse")
-    a = p.parse_args(argv)
+    p.add_argument("--recipes", default=recipes)
+    return p
+
+
+def main(argv=None) -> int:
+    a = bench_parser(__doc__, "bench", "w8a8,w8a8-mse").parse_args(argv)
 
     from edgeq.evaluate.ppl import perplexity
 

@@ -13,7 +13,6 @@ Usage: python benchmarks/rotation.py --model-dir artifacts/smollm2 --out artifac
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import subprocess
@@ -25,7 +24,7 @@ REPO = Path(__file__).resolve().parents[1]
 DATA = REPO / "data" / "wikitext-2"
 sys.path.insert(0, str(REPO / "benchmarks"))
 
-from foundation import fused_ops, latency_ms  # noqa: E402
+from foundation import bench_parser, fused_ops, latency_ms  # noqa: E402
 
 ROTATE_FP32 = '[[pass]]\nname = "fuse-norms"\n\n[[pass]]\nname = "ln-to-rms"\n\n[[pass]]\nname = "rotate"\n'
 
@@ -41,14 +40,7 @@ def _without_rms(recipe: str) -> str:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model-dir", type=Path, required=True)
-    p.add_argument("--out", type=Path, required=True)
-    p.add_argument("--work", type=Path, default=REPO / "artifacts" / "bench-rotation")
-    p.add_argument("--calib-windows", type=int, default=16)
-    p.add_argument("--eval-windows", type=int, default=40)
-    p.add_argument("--recipes", default="w8a8,quarot-w8a8,mquant-w8a8,mquant-w4a8")
-    a = p.parse_args(argv)
+    a = bench_parser(__doc__, "bench-rotation", "w8a8,quarot-w8a8,mquant-w8a8,mquant-w4a8").parse_args(argv)
 
     from edgeq import ir
     from edgeq.eq9 import eq9_table

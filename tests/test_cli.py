@@ -11,7 +11,7 @@ from toy import VOCAB, toy_model_dir, write_text
 
 from edgeq import ir
 from edgeq.cli import main
-from edgeq.passbase import Exactness, Pass, PassConfig, PassResult
+from edgeq.passbase import Exactness, Pass, PassConfig
 from edgeq.registry import _PASSES, register_pass
 
 

@@ -3,8 +3,8 @@
 One run, side by side on one machine:
 1. perplexity of the rotated fp32 graph (fuse-norms, ln-to-rms, rotate; no quantization) against
    the original: must agree within 0.1%;
-2. perplexity of w8a8, quarot-w8a8, mquant-w8a8, mquant-w4a8 and the RMS ablation (the W4A8
-   recipe without rms);
+2. perplexity of w8a8, quarot-w8a8, mquant-w8a8, mquant-w4a8 and the ablations: mquant-w8a8
+   without massive-split, without rms, and mquant-w4a8 without rms;
 3. the Eq. 9 table (MQuant Table 2) of SmolLM2;
 4. onnxruntime CPU latency of one 512-token pass (batch 1, median of 10): fp32, w8a8, mquant-w8a8.
 
@@ -29,13 +29,13 @@ from foundation import bench_parser, fused_ops, latency_ms  # noqa: E402
 ROTATE_FP32 = '[[pass]]\nname = "fuse-norms"\n\n[[pass]]\nname = "ln-to-rms"\n\n[[pass]]\nname = "rotate"\n'
 
 
-def _without_rms(recipe: str) -> str:
-    """The built-in recipe's TOML with its rms pass removed (for the ablation)."""
+def _without(recipe: str, pass_name: str) -> str:
+    """The built-in recipe's TOML with one pass removed (for the ablations)."""
     from importlib import resources
 
     text = (resources.files("edgeq") / "recipes" / f"{recipe}.toml").read_text()
     blocks = text.split("[[pass]]")
-    kept = [b for b in blocks[1:] if 'name = "rms"' not in b]
+    kept = [b for b in blocks[1:] if f'name = "{pass_name}"' not in b]
     return blocks[0] + "".join("[[pass]]" + b for b in kept)
 
 
@@ -52,8 +52,10 @@ def main(argv=None) -> int:
     tmp = Path(tempfile.mkdtemp(prefix="edgeq-bench-"))
     recipes = {"rotated-fp32": tmp / "rotate.toml", **{r: r for r in a.recipes.split(",")}}
     (tmp / "rotate.toml").write_text(ROTATE_FP32)
-    (tmp / "mquant-w4a8-no-rms.toml").write_text(_without_rms("mquant-w4a8"))
-    recipes["mquant-w4a8-no-rms"] = tmp / "mquant-w4a8-no-rms.toml"
+    for recipe, dropped in (("mquant-w8a8", "massive-split"), ("mquant-w8a8", "rms"), ("mquant-w4a8", "rms")):
+        name = f"{recipe}-no-{dropped}"
+        (tmp / f"{name}.toml").write_text(_without(recipe, dropped))
+        recipes[name] = tmp / f"{name}.toml"
     models = {"fp32": fp32}
     env = {**os.environ, "EDGEQ_PROGRESS": "0"}
     for name, recipe in recipes.items():
@@ -73,7 +75,7 @@ def main(argv=None) -> int:
     for name in models:
         results[name]["x_fp32"] = round(results[name]["ppl"] / base, 4)
     results["rotated_fp32_rel_diff"] = round(abs(results["rotated-fp32"]["ppl"] - base) / base, 6)
-    for name in ("fp32", "w8a8", "mquant-w8a8"):
+    for name in ("fp32", "w8a8", "quarot-w8a8", "mquant-w8a8"):
         if name in models:
             results[name]["latency_ms_512"] = round(latency_ms(models[name]), 1)
             results[name]["fused_ops"] = fused_ops(models[name])

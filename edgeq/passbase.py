@@ -79,5 +79,11 @@ class Pass(abc.ABC):
     def run(self, graph: gs.Graph, ctx: PassContext) -> PassResult:
         """Rewrite ``graph`` in place; report whether anything changed."""
 
+    @property
+    def output_exactness(self) -> Exactness:
+        """What this configured instance promises. ``exactness`` is the class of the rewrite
+        itself; a pass whose config also quantizes part of it (e.g. a W8A8 side branch) is LOSSY."""
+        return self.exactness
+
     def describe(self) -> dict[str, Any]:
-        return {"name": self.name, "exactness": self.exactness.value, "config": dataclasses.asdict(self.config)}
+        return {"name": self.name, "exactness": self.output_exactness.value, "config": dataclasses.asdict(self.config)}

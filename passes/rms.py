@@ -10,7 +10,7 @@ channel 0 off into a GEMV branch::
 so neither the main GEMM's weight nor its per-tensor activation scale sees channel 0. The sum is
 exact before quantization. The branch is added back before the next op. Its precision is a
 setting: ``w4a8`` (the paper's: a 4-bit per-output-channel weight row, which a single row
-represents exactly, and an 8-bit static activation), ``w8a8``, or ``float`` (kept out of the QDQ
+represents exactly, and an 8-bit static activation), ``w8a8``, ``w8a16`` or ``float`` (kept out of the QDQ
 pass through the graph's ``edgeq.keep_float`` list).
 """
 
@@ -26,27 +26,25 @@ from edgeq.calib.observers import MinMaxObserver
 from edgeq.eq9 import eq9_columns
 from edgeq.errors import UserInputError
 from edgeq.passbase import Exactness, Pass, PassConfig, PassContext, PassResult
-from edgeq.qdq_nodes import ensure_opset, insert_dequantize, insert_quantize, insert_weight_dequantize
-from edgeq.quant import QuantSpec
 from edgeq.registry import register_pass
 from edgeq.runtime_ops.online_hadamard import OP_TYPE, hadamard_matrix_for_fold
+from edgeq.side_branch import BRANCH_PRECISIONS, add_branch, quantize_branches
 from edgeq.structure import analyze
 from edgeq.weights import LinearEditor
 
 RMS_KEY = "edgeq.rms"
-_BRANCHES = {"float": None, "w8a8": ("int8", "uint8"), "w4a8": ("int4", "uint8")}
 
 
 @dataclass(frozen=True)
 class RmsConfig(PassConfig):
     mode: str = "eq9"  # eq9: only layers meeting Eq. 9 | all: every linear behind an online Hadamard
-    branch: str = "w4a8"  # float | w8a8 | w4a8
+    branch: str = "w4a8"  # float | w8a16 | w8a8 | w4a8
 
     def __post_init__(self):
         if self.mode not in ("eq9", "all"):
             raise UserInputError(f"rms: mode must be eq9 or all, got '{self.mode}'")
-        if self.branch not in _BRANCHES:
-            raise UserInputError(f"rms: branch must be one of {', '.join(_BRANCHES)}, got '{self.branch}'")
+        if self.branch not in BRANCH_PRECISIONS:
+            raise UserInputError(f"rms: branch must be one of {', '.join(BRANCH_PRECISIONS)}, got '{self.branch}'")
 
 
 @register_pass
@@ -58,8 +56,12 @@ class RmsPass(Pass):
     summary_line = "MQuant RMS: split rotated channel 0 of Eq. 9 layers into a GEMV branch"
 
     @property
+    def output_exactness(self) -> Exactness:
+        return self.exactness if BRANCH_PRECISIONS[self.config.branch] is None else Exactness.LOSSY
+
+    @property
     def needs_calibration(self) -> bool:  # type: ignore[override]
-        return _BRANCHES[self.config.branch] is not None
+        return BRANCH_PRECISIONS[self.config.branch] is not None
 
     def run(self, graph: gs.Graph, ctx: PassContext) -> PassResult:
         if RMS_KEY in ir.graph_metadata(graph):
@@ -84,10 +86,12 @@ class RmsPass(Pass):
         if not eq9:
             return PassResult(False, {"online_hadamard_linears": 0})
         if branches:
-            if cfg.branch == "float":
-                ir.add_keep_float(graph, [b["matmul"].name for b in branches])
-            else:
-                self._quantize_branches(graph, index, ctx, branches)
+            ranges = {}
+            if BRANCH_PRECISIONS[cfg.branch] is not None:
+                observers = ctx.require_calibrator(self.name).observe(
+                    graph, {b["x"].name: MinMaxObserver for b in branches}, "rms:branch:minmax")
+                ranges = {name: obs.range() for name, obs in observers.items()}
+            quantize_branches(graph, index, branches, ranges, cfg.branch)
         ir.set_graph_metadata(graph, RMS_KEY, f"mode={cfg.mode};branch={cfg.branch}")
         return PassResult(bool(branches), {
             "online_hadamard_linears": len(eq9),
@@ -96,21 +100,6 @@ class RmsPass(Pass):
             "branch": cfg.branch,
             "eq9_columns": {k: v for k, v in eq9.items() if v},
         })
-
-    def _quantize_branches(self, graph, index, ctx: PassContext, branches: list[dict]) -> None:
-        w_dtype, a_dtype = _BRANCHES[self.config.branch]
-        observers = ctx.require_calibrator(self.name).observe(
-            graph, {b["x0"].name: MinMaxObserver for b in branches}, "rms:branch:minmax")
-        a_spec = QuantSpec(a_dtype, symmetric=True)
-        w_spec = QuantSpec(w_dtype, symmetric=True, axis=1)
-        ensure_opset(graph, a_spec, w_spec)
-        for b in branches:
-            lo, hi = observers[b["x0"].name].range()
-            qnode = insert_quantize(graph, index, b["x0"], lo, hi, a_spec)
-            dq = insert_dequantize(graph, index, qnode, b["matmul"].name)
-            wdq = insert_weight_dequantize(graph, index, b["w0"], w_spec, f"{b['matmul'].name}_w")
-            b["matmul"].inputs[0] = dq
-            b["matmul"].inputs[1] = wdq
 
 
 def _split(graph, index, editor: LinearEditor, node: gs.Node, lin, w_r: np.ndarray) -> dict:
@@ -132,13 +121,4 @@ def _split(graph, index, editor: LinearEditor, node: gs.Node, lin, w_r: np.ndarr
     node.inputs[0] = x_main
     stored_dtype = editor.dtype(lin)
     editor.set_weight(lin, w_r[1:, :])
-    w0 = w_r[:1, :].astype(stored_dtype)
-    out = node.outputs[0] if lin.bias_add is None else next(n for n in graph.nodes if n.name == lin.bias_add).outputs[0]
-    producer = out.inputs[0]
-    main_out = gs.Variable(ir.unique_name(index, f"{lin.node}_rms_main_out"), dtype=out.dtype)
-    producer.outputs[producer.outputs.index(out)] = main_out
-    branch_out = gs.Variable(ir.unique_name(index, f"{lin.node}_rms_branch_out"), dtype=out.dtype)
-    matmul = gs.Node("MatMul", f"{lin.node}_rms_branch", inputs=[x0, const("w0", w0)], outputs=[branch_out])
-    graph.nodes.append(matmul)
-    graph.nodes.append(gs.Node("Add", f"{lin.node}_rms_add", inputs=[main_out, branch_out], outputs=[out]))
-    return {"matmul": matmul, "x0": x0, "w0": w0}
+    return add_branch(graph, index, node, lin, x0, w_r[:1, :].astype(stored_dtype), "rms")

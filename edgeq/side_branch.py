@@ -1,0 +1,64 @@
+"""A GEMV side branch added back to a linear's output, shared by the passes that split channels.
+
+MQuant's RMS (channel 0 after the online Hadamard) and ``massive-split`` (massive-activation
+channels before it) both compute ``y = main(x) + x_c @ W_c`` where ``x_c`` are a few input
+channels and ``W_c`` their weight rows. The branch is added where the linear's output (after its
+bias) was, so everything downstream is untouched; its precision is the calling pass's choice.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx_graphsurgeon as gs
+
+from edgeq import ir
+from edgeq.qdq_nodes import ensure_opset, insert_dequantize, insert_quantize, insert_weight_dequantize
+from edgeq.quant import QuantSpec
+
+# branch precision -> (weight dtype, activation dtype); None: float (kept out of the qdq pass)
+BRANCH_PRECISIONS = {
+    "float": None,
+    "w8a16": ("int8", "int16"),
+    "w8a8": ("int8", "uint8"),
+    "w4a8": ("int4", "uint8"),
+}
+
+
+def add_branch(graph: gs.Graph, index: ir.GraphIndex, node: gs.Node, lin, x_branch: gs.Variable,
+               w_branch: np.ndarray, tag: str) -> dict:
+    """Insert ``out = main_out + x_branch @ w_branch`` after ``lin`` (its bias included).
+
+    Returns the branch's MatMul node, its input tensor and its float weight, for quantization.
+    """
+    out = node.outputs[0] if lin.bias_add is None else next(n for n in graph.nodes if n.name == lin.bias_add).outputs[0]
+    producer = out.inputs[0]
+    main_out = gs.Variable(ir.unique_name(index, f"{lin.node}_{tag}_main_out"), dtype=out.dtype)
+    producer.outputs[producer.outputs.index(out)] = main_out
+    branch_out = gs.Variable(ir.unique_name(index, f"{lin.node}_{tag}_branch_out"), dtype=out.dtype)
+    w_const = gs.Constant(ir.unique_name(index, f"{lin.node}_{tag}_branch_weight"), np.ascontiguousarray(w_branch))
+    matmul = gs.Node("MatMul", f"{lin.node}_{tag}_branch", inputs=[x_branch, w_const], outputs=[branch_out])
+    graph.nodes.append(matmul)
+    graph.nodes.append(gs.Node("Add", f"{lin.node}_{tag}_add", inputs=[main_out, branch_out], outputs=[out]))
+    return {"matmul": matmul, "x": x_branch, "w": np.asarray(w_branch)}
+
+
+def quantize_branches(graph: gs.Graph, index: ir.GraphIndex, branches: list[dict],
+                      ranges: dict[str, tuple[float, float]], precision: str) -> None:
+    """Static per-tensor symmetric activation Q/DQ and per-output-channel weight DQ on each branch.
+
+    ``ranges``: calibrated (lo, hi) of each branch input, by tensor name. ``float`` branches are
+    listed in the graph's keep-float set instead, so the qdq pass leaves them alone.
+    """
+    if BRANCH_PRECISIONS[precision] is None:
+        ir.add_keep_float(graph, [b["matmul"].name for b in branches])
+        return
+    w_dtype, a_dtype = BRANCH_PRECISIONS[precision]
+    a_spec = QuantSpec(a_dtype, symmetric=True)
+    w_spec = QuantSpec(w_dtype, symmetric=True, axis=1)
+    ensure_opset(graph, a_spec, w_spec)
+    for b in branches:
+        lo, hi = ranges[b["x"].name]
+        qnode = insert_quantize(graph, index, b["x"], lo, hi, a_spec)
+        matmul = b["matmul"]
+        matmul.inputs[0] = insert_dequantize(graph, index, qnode, matmul.name)
+        matmul.inputs[1] = insert_weight_dequantize(graph, index, b["w"], w_spec, f"{matmul.name}_w")

@@ -7,6 +7,8 @@ GEMV branch) quantizes a tensor.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 import onnx
 import onnx_graphsurgeon as gs
@@ -32,9 +34,20 @@ def integer_constant(name: str, values: np.ndarray, spec: QuantSpec) -> gs.Const
     return gs.Constant(name, LazyValues(packed))
 
 
+@dataclass(frozen=True)
+class QuantizedTensor:
+    """An integer activation and the parameters its DequantizeLinear nodes share."""
+
+    integer: gs.Variable
+    scale: gs.Constant
+    zero_point: gs.Constant
+    source: str  # the float tensor it quantizes
+
+
 def insert_quantize(graph: gs.Graph, index: ir.GraphIndex, tensor: gs.Tensor, lo: float, hi: float,
-                    spec: QuantSpec) -> gs.Node:
-    """A static per-tensor QuantizeLinear of ``tensor`` covering [lo, hi]."""
+                    spec: QuantSpec) -> QuantizedTensor:
+    """A static per-tensor QuantizeLinear of ``tensor`` covering [lo, hi] (plus a Clip to the
+    usable range when ``spec`` narrows its storage type)."""
     name = tensor.name
     if not (np.isfinite(lo) and np.isfinite(hi)):
         raise UserInputError(f"calibration saw no finite values for '{name}'")
@@ -44,17 +57,23 @@ def insert_quantize(graph: gs.Graph, index: ir.GraphIndex, tensor: gs.Tensor, lo
     quant = gs.Variable(ir.unique_name(index, f"{name}_quantized"), dtype=spec.np_dtype)
     node = gs.Node("QuantizeLinear", f"{name}_QuantizeLinear", {}, [tensor, s_const, z_const], [quant])
     graph.nodes.append(node)
-    return node
+    if spec.narrowed:
+        narrow = gs.Variable(ir.unique_name(index, f"{name}_quantized_{spec.bits}bit"), dtype=spec.np_dtype)
+        bounds = [gs.Constant(ir.unique_name(index, f"{name}_q{side}"), np.asarray(v, spec.np_dtype).reshape(()))
+                  for side, v in (("min", spec.qmin), ("max", spec.qmax))]
+        graph.nodes.append(gs.Node("Clip", f"{name}_QuantizeLinear_{spec.bits}bit", {}, [quant, *bounds], [narrow]))
+        quant = narrow
+    return QuantizedTensor(quant, s_const, z_const, name)
 
 
-def insert_dequantize(graph: gs.Graph, index: ir.GraphIndex, quantize: gs.Node, consumer: str) -> gs.Variable:
+def insert_dequantize(graph: gs.Graph, index: ir.GraphIndex, quantize: QuantizedTensor, consumer: str) -> gs.Variable:
     """A DequantizeLinear of ``quantize``'s output dedicated to one consumer node.
 
     onnxruntime's QDQ selectors only fuse a DQ with a single consumer, so every linear gets its
     own DQ while the QuantizeLinear (the integer activation) is shared.
     """
-    quant, s_const, z_const = quantize.outputs[0], quantize.inputs[1], quantize.inputs[2]
-    deq = gs.Variable(ir.unique_name(index, f"{quantize.inputs[0].name}_dequantized"), dtype=np.float32)
+    quant, s_const, z_const = quantize.integer, quantize.scale, quantize.zero_point
+    deq = gs.Variable(ir.unique_name(index, f"{quantize.source}_dequantized"), dtype=np.float32)
     graph.nodes.append(gs.Node("DequantizeLinear", f"{consumer}_input_DequantizeLinear", {}, [quant, s_const, z_const], [deq]))
     return deq
 
@@ -92,3 +111,41 @@ def ensure_opset(graph: gs.Graph, *specs: QuantSpec) -> None:
     if graph.opset < 18:
         raise UserInputError(f"this quantization needs opset {need}; the model has opset {graph.opset} (re-export with opset >= 18)")
     graph.opset = need
+
+
+def insert_token_fake_quant(graph: gs.Graph, index: ir.GraphIndex, tensor: gs.Tensor, spec: QuantSpec) -> gs.Variable:
+    """Dynamic per-token symmetric quantize-dequantize of ``tensor`` (scale = |x|max of each token
+    / qmax, computed at run time), in standard ops.
+
+    QuantizeLinear cannot take a per-row scale computed at run time (its scale is a scalar, 1-D
+    along one axis, or blocked with static shape rules), so this is written as
+    ``Clip(Round(x / s), -qmax, qmax) * s``: numerically the per-token quantizer (round half to
+    even, like QuantizeLinear), for accuracy studies and per-token NPU runtimes; onnxruntime does
+    not turn it into integer kernels.
+    """
+    name = tensor.name
+    half = float((spec.qmax - spec.qmin) // 2)
+
+    def var(suffix):
+        return gs.Variable(ir.unique_name(index, f"{name}_{suffix}"), dtype=np.float32)
+
+    def const(suffix, value, dtype=np.float32):
+        return gs.Constant(ir.unique_name(index, f"{name}_{suffix}"), np.asarray(value, dtype))
+
+    absx, amax, scale, scaled, rounded, clipped, out = (var(s) for s in (
+        "token_abs", "token_absmax", "token_scale", "token_scaled", "token_rounded", "token_clipped", "token_fakequant"))
+    nodes = [
+        gs.Node("Abs", f"{name}_token_Abs", inputs=[tensor], outputs=[absx]),
+        gs.Node("ReduceMax", f"{name}_token_ReduceMax", {"keepdims": 1}, [absx, const("token_axes", [-1], np.int64)], [amax]),
+        gs.Node("Div", f"{name}_token_scale", inputs=[amax, const("token_qmax", half)], outputs=[scale]),
+    ]
+    safe = var("token_scale_safe")
+    nodes += [
+        gs.Node("Max", f"{name}_token_scale_floor", inputs=[scale, const("token_tiny", np.finfo(np.float32).tiny)], outputs=[safe]),
+        gs.Node("Div", f"{name}_token_Div", inputs=[tensor, safe], outputs=[scaled]),
+        gs.Node("Round", f"{name}_token_Round", inputs=[scaled], outputs=[rounded]),
+        gs.Node("Clip", f"{name}_token_Clip", inputs=[rounded, const("token_lo", -half), const("token_hi", half)], outputs=[clipped]),
+        gs.Node("Mul", f"{name}_token_Mul", inputs=[clipped, safe], outputs=[out]),
+    ]
+    graph.nodes.extend(nodes)
+    return out

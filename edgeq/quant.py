@@ -32,24 +32,44 @@ class QuantSpec:
     means blocks of that many elements along ``axis`` (opset 21 block quantization).
     Symmetric specs use the restricted range [-qmax, qmax] (zero point 0, or the midpoint for
     unsigned types) so that negation is exact and integer kernels need no zero-point correction.
+
+    ``value_bits`` (0: the storage type's width) narrows the usable integer range inside the
+    storage type, e.g. 6-bit values in int8 storage: how bit-width sweeps (A6W8, W5A8) are
+    expressed with the integer types ONNX has. Activations then need a Clip after the
+    QuantizeLinear (``qdq_nodes.insert_quantize`` adds it); weights are quantized offline.
     """
 
     dtype: str = "int8"
     symmetric: bool = True
     axis: int | None = None
     block_size: int = 0
+    value_bits: int = 0
 
     def __post_init__(self):
         if self.dtype not in _DTYPES:
             raise UserInputError(f"unknown quantized dtype '{self.dtype}' (known: {', '.join(_DTYPES)})")
+        storage = int(np.log2(_DTYPES[self.dtype][1] - _DTYPES[self.dtype][0] + 1))
+        if self.value_bits and not 2 <= self.value_bits <= storage:
+            raise UserInputError(f"{self.value_bits}-bit values do not fit {self.dtype} (2 to {storage} bits)")
+
+    @property
+    def narrowed(self) -> bool:
+        """Whether the usable range is narrower than the storage type's."""
+        return bool(self.value_bits) and (self.qmin, self.qmax) != _DTYPES[self.dtype][:2]
 
     @property
     def qmin(self) -> int:
-        return _DTYPES[self.dtype][0]
+        lo = _DTYPES[self.dtype][0]
+        if not self.value_bits:
+            return lo
+        return -(2 ** (self.value_bits - 1)) if lo < 0 else 0
 
     @property
     def qmax(self) -> int:
-        return _DTYPES[self.dtype][1]
+        lo, hi = _DTYPES[self.dtype][:2]
+        if not self.value_bits:
+            return hi
+        return 2 ** (self.value_bits - 1) - 1 if lo < 0 else 2 ** self.value_bits - 1
 
     @property
     def onnx_type(self) -> int:
@@ -69,7 +89,7 @@ class QuantSpec:
 
     @property
     def signed(self) -> bool:
-        return self.qmin < 0
+        return _DTYPES[self.dtype][0] < 0
 
 
 def scale_zero_point(lo: np.ndarray, hi: np.ndarray, spec: QuantSpec) -> tuple[np.ndarray, np.ndarray]:

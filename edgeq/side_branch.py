@@ -58,7 +58,7 @@ def quantize_branches(graph: gs.Graph, index: ir.GraphIndex, branches: list[dict
     ensure_opset(graph, a_spec, w_spec)
     for b in branches:
         lo, hi = ranges[b["x"].name]
-        qnode = insert_quantize(graph, index, b["x"], lo, hi, a_spec)
+        quantized = insert_quantize(graph, index, b["x"], lo, hi, a_spec)
         matmul = b["matmul"]
-        matmul.inputs[0] = insert_dequantize(graph, index, qnode, matmul.name)
+        matmul.inputs[0] = insert_dequantize(graph, index, quantized, matmul.name)
         matmul.inputs[1] = insert_weight_dequantize(graph, index, b["w"], w_spec, f"{matmul.name}_w")

@@ -10,8 +10,11 @@ behind a Transpose are pre-transposed so no Transpose sits between the weight DQ
 DequantizeLinear: onnxruntime's QDQ selectors only fuse a DQ with a single consumer (measured on
 SmolLM2: with shared DQs only o_proj/down_proj/lm_head became integer kernels).
 
-Activation scales are static per tensor (the NPU case). Weights are per output channel,
-per group along K (opset 21 ``block_size``), or per tensor.
+Activation scales are static per tensor (the NPU case), or, for accuracy studies, dynamic per
+token (a standard-op quantize-dequantize that onnxruntime runs in float). Narrower bit widths
+(e.g. 6-bit activations, 5-bit weights) live inside the int8 storage type with a Clip after the
+QuantizeLinear. Weights are per output channel, per group along K (opset 21 ``block_size``), or
+per tensor.
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ from edgeq import ir
 from edgeq.calib.observers import HistogramObserver, MinMaxObserver
 from edgeq.errors import UserInputError
 from edgeq.passbase import Exactness, Pass, PassConfig, PassContext, PassResult
-from edgeq.qdq_nodes import ensure_opset, insert_dequantize, insert_quantize, insert_weight_dequantize
+from edgeq.qdq_nodes import ensure_opset, insert_dequantize, insert_quantize, insert_token_fake_quant, insert_weight_dequantize
 from edgeq.quant import QuantSpec
 from edgeq.registry import register_pass
 from edgeq.structure import Linear, find_linears
@@ -51,6 +54,12 @@ class QDQConfig(PassConfig):
     # per-role activation dtype overrides, "role=dtype" (e.g. "down_proj=int16" for NPUs with
     # 16-bit activations at the hardest site); a tensor read by several roles takes the widest
     role_activation_dtypes: tuple[str, ...] = ()
+    # narrower value ranges inside the storage types, for bit-width sweeps (0: the type's width)
+    activation_bits: int = 0
+    weight_bits: int = 0
+    # tensor: static per-tensor scales (the NPU case) | token: dynamic per-token symmetric
+    # quantize-dequantize in standard ops (accuracy studies; not fused into integer kernels)
+    activation_granularity: str = "tensor"
 
     def __post_init__(self):
         checks = [
@@ -58,6 +67,7 @@ class QDQConfig(PassConfig):
             ("weight_dtype", self.weight_dtype, _WEIGHT_DTYPES),
             ("weight_granularity", self.weight_granularity, _GRANULARITIES),
             ("activation_observer", self.activation_observer, _OBSERVERS),
+            ("activation_granularity", self.activation_granularity, ("tensor", "token")),
         ]
         for key, value, allowed in checks:
             if value not in allowed:
@@ -67,6 +77,10 @@ class QDQConfig(PassConfig):
         if not 0.0 < self.percentile <= 100.0:
             raise UserInputError(f"qdq: percentile must be in (0, 100], got {self.percentile}")
         self.role_dtypes()
+        QuantSpec(self.activation_dtype, value_bits=self.activation_bits)  # fits the storage type
+        QuantSpec(self.weight_dtype, value_bits=self.weight_bits)
+        if self.activation_granularity == "token" and self.role_activation_dtypes:
+            raise UserInputError("qdq: role_activation_dtypes apply to static per-tensor activations only")
 
     def role_dtypes(self) -> dict[str, str]:
         out = {}
@@ -84,8 +98,11 @@ class QDQPass(Pass):
     name = "qdq"
     exactness = Exactness.LOSSY
     Config = QDQConfig
-    needs_calibration = True
     summary_line = "static per-tensor activation QDQ and per-channel/group weight DQ on every linear"
+
+    @property
+    def needs_calibration(self) -> bool:  # type: ignore[override]
+        return self.config.activation_granularity == "tensor"
 
     def run(self, graph: gs.Graph, ctx: PassContext) -> PassResult:
         cfg: QDQConfig = self.config
@@ -98,20 +115,25 @@ class QDQPass(Pass):
         ]
         if not linears:
             return PassResult(False, {"linears_quantized": 0})
-        act_spec = QuantSpec(cfg.activation_dtype, cfg.activation_symmetric)
+        act_spec = QuantSpec(cfg.activation_dtype, cfg.activation_symmetric, value_bits=cfg.activation_bits)
         site_specs = self._site_specs(linears, act_spec)
         ensure_opset(graph, self._weight_spec(axis=0), *set(site_specs.values()))
         nodes = {n.name: n for n in graph.nodes}
         act_sites = {}
-        for spec in sorted(set(site_specs.values()), key=lambda sp: sp.dtype):
-            names = sorted(n for n, sp in site_specs.items() if sp == spec)
-            for name, obs in self._calibrate(graph, ctx, names, spec).items():
-                lo, hi = obs.range()
-                act_sites[name] = insert_quantize(graph, index, index.tensors[name], lo, hi, spec)
+        if cfg.activation_granularity == "token":
+            for name, spec in sorted(site_specs.items()):
+                act_sites[name] = insert_token_fake_quant(graph, index, index.tensors[name], spec)
+        else:
+            for spec in sorted(set(site_specs.values()), key=lambda sp: (sp.dtype, sp.bits)):
+                names = sorted(n for n, sp in site_specs.items() if sp == spec)
+                for name, obs in self._calibrate(graph, ctx, names, spec).items():
+                    lo, hi = obs.range()
+                    act_sites[name] = insert_quantize(graph, index, index.tensors[name], lo, hi, spec)
         quantized_weights: dict[tuple[str, bool], gs.Variable] = {}
         for lin in linears:
             node = nodes[lin.node]
-            node.inputs[0] = insert_dequantize(graph, index, act_sites[lin.input], lin.node)
+            site = act_sites[lin.input]
+            node.inputs[0] = site if isinstance(site, gs.Variable) else insert_dequantize(graph, index, site, lin.node)
             key = (lin.weight, lin.weight_transposed)
             if key not in quantized_weights:
                 quantized_weights[key] = self._quantize_weight(graph, index, lin)
@@ -126,9 +148,12 @@ class QDQPass(Pass):
             "activation_sites": len(act_sites),
             "weights_quantized": len(quantized_weights),
             "roles": roles,
-            "activation": f"{act_spec.dtype} {'symmetric' if act_spec.symmetric else 'asymmetric'} per-tensor static ({cfg.activation_observer})"
+            "activation": (f"{act_spec.bits}-bit symmetric per-token dynamic" if cfg.activation_granularity == "token" else
+                           f"{act_spec.dtype}" + (f" ({act_spec.bits}-bit values)" if act_spec.narrowed else "")
+                           + f" {'symmetric' if act_spec.symmetric else 'asymmetric'} per-tensor static ({cfg.activation_observer})")
                           + (f", overrides {dict(cfg.role_dtypes())}" if cfg.role_activation_dtypes else ""),
-            "weight": f"{cfg.weight_dtype} {'symmetric' if cfg.weight_symmetric else 'asymmetric'} per-{cfg.weight_granularity}"
+            "weight": f"{cfg.weight_dtype}" + (f" ({cfg.weight_bits}-bit values)" if cfg.weight_bits else "")
+                      + f" {'symmetric' if cfg.weight_symmetric else 'asymmetric'} per-{cfg.weight_granularity}"
                       + (f" (group {cfg.group_size})" if cfg.weight_granularity == "group" else ""),
         })
 
@@ -138,7 +163,7 @@ class QDQPass(Pass):
         specs: dict[str, QuantSpec] = {}
         for lin in linears:
             dtype = overrides.get(lin.role)
-            spec = QuantSpec(dtype, default.symmetric) if dtype else default
+            spec = QuantSpec(dtype, default.symmetric) if dtype else default  # overrides: full width
             if lin.input not in specs or spec.bits > specs[lin.input].bits:
                 specs[lin.input] = spec
         return specs
@@ -146,9 +171,9 @@ class QDQPass(Pass):
     def _weight_spec(self, axis: int) -> QuantSpec:
         cfg: QDQConfig = self.config
         if cfg.weight_granularity == "tensor":
-            return QuantSpec(cfg.weight_dtype, cfg.weight_symmetric)
+            return QuantSpec(cfg.weight_dtype, cfg.weight_symmetric, value_bits=cfg.weight_bits)
         block = cfg.group_size if cfg.weight_granularity == "group" else 0
-        return QuantSpec(cfg.weight_dtype, cfg.weight_symmetric, axis=axis, block_size=block)
+        return QuantSpec(cfg.weight_dtype, cfg.weight_symmetric, axis=axis, block_size=block, value_bits=cfg.weight_bits)
 
     def _calibrate(self, graph, ctx: PassContext, names: list[str], spec: QuantSpec):
         cfg: QDQConfig = self.config
@@ -157,8 +182,14 @@ class QDQPass(Pass):
         else:
             def factory():
                 return HistogramObserver(method=cfg.activation_observer, percentile=cfg.percentile, bits=spec.bits)
-        key = f"qdq:{cfg.activation_observer}:{cfg.percentile}:{spec.bits}"
-        return ctx.require_calibrator(self.name).observe(graph, {n: factory for n in names}, key)
+        # the collected statistics do not depend on the bit width (only the clip chosen from them
+        # does), so bit-width sweeps share one calibration run through the cache
+        key = f"qdq:{cfg.activation_observer}:{cfg.percentile}"
+        observers = ctx.require_calibrator(self.name).observe(graph, {n: factory for n in names}, key)
+        for obs in observers.values():
+            if isinstance(obs, HistogramObserver):
+                obs.bits = spec.bits
+        return observers
 
     def _quantize_weight(self, graph: gs.Graph, index: ir.GraphIndex, lin: Linear) -> gs.Variable:
         """Replace a float weight by integer constant -> DequantizeLinear, in the layout the node reads.

@@ -137,3 +137,70 @@ def test_role_override_syntax_checked():
 
     with pytest.raises(UserInputError, match="role=dtype"):
         QDQConfig(role_activation_dtypes=("down_proj:int16",))
+
+
+def test_narrow_bit_widths_match_the_numpy_reference():
+    """6-bit activations and 5-bit weights inside int8 storage: the graph clips to the narrow
+    range and equals the numpy fake-quant reference built from the same spec."""
+    model = toy_lm()
+    out, rec = _compile(model, activation_dtype="int8", activation_bits=6, weight_bits=5)
+    assert "6-bit values" in rec["summary"]["activation"] and "5-bit values" in rec["summary"]["weight"]
+    ids = np.random.default_rng(5).integers(0, 64, (1, 12))
+    (got,) = ir.make_session(out).run(None, {"input_ids": ids})
+    inits = {t.name: onnx.numpy_helper.to_array(t) for t in out.graph.initializer}
+    enc = collect_encodings(out)
+    spec_a = QuantSpec("int8", value_bits=6)
+    assert (spec_a.qmin, spec_a.qmax) == (-32, 31)
+
+    def act(x, name):
+        e = enc["activations"][name]
+        return fake_quant(x, np.float32(e["scale"][0]), np.int8(e["zero_point"][0]), spec_a)
+
+    def weight(name):
+        key = [k for k in enc["weights"] if k.startswith(name + "_")][0]
+        q, e = inits[key], enc["weights"][key]
+        assert np.abs(q).max() <= 15  # 5-bit symmetric values
+        return dequantize_weight(q, np.array(e["scale"], np.float32), np.array(e["zero_point"], np.int8), QuantSpec("int8", axis=1))
+
+    w = {t.name: onnx.numpy_helper.to_array(t) for t in model.graph.initializer}
+    h0 = w["embed"][ids]
+    h2 = np.maximum(act(h0, "h0") @ weight("w1"), 0)
+    np.testing.assert_allclose(got, act(h2, "h2") @ weight("w2"), rtol=1e-5, atol=1e-5)
+    # one Clip per activation site saturates at the 6-bit bounds (QuantizeLinear alone would at int8's)
+    clip_nodes = [n for n in out.graph.node if n.op_type == "Clip"]
+    assert len(clip_nodes) == 2
+
+
+def test_per_token_dynamic_activations_match_the_numpy_reference():
+    model = toy_lm()
+    out, rec = _compile(model, activation_granularity="token", activation_bits=7)
+    assert rec["summary"]["activation"].startswith("7-bit symmetric per-token dynamic")
+    assert not QDQPass(QDQConfig(activation_granularity="token")).needs_calibration
+    ids = np.random.default_rng(6).integers(0, 64, (2, 10))
+    (got,) = ir.make_session(out).run(None, {"input_ids": ids})
+    inits = {t.name: onnx.numpy_helper.to_array(t) for t in out.graph.initializer}
+    enc = collect_encodings(out)
+    assert not enc["activations"]  # no static activation parameters
+
+    def act(x):
+        s = np.maximum(np.abs(x).max(-1, keepdims=True) / 63.0, np.finfo(np.float32).tiny).astype(np.float32)
+        return (np.clip(np.round(x / s), -63, 63) * s).astype(np.float32)
+
+    def weight(name):
+        key = [k for k in enc["weights"] if k.startswith(name + "_")][0]
+        e = enc["weights"][key]
+        return dequantize_weight(inits[key], np.array(e["scale"], np.float32), np.array(e["zero_point"], np.int8), QuantSpec("int8", axis=1))
+
+    w = {t.name: onnx.numpy_helper.to_array(t) for t in model.graph.initializer}
+    h2 = np.maximum(act(w["embed"][ids]) @ weight("w1"), 0)
+    np.testing.assert_allclose(got, act(h2) @ weight("w2"), rtol=1e-5, atol=1e-5)
+
+
+def test_narrow_bits_must_fit_the_storage_type():
+    from edgeq.errors import UserInputError
+
+    with pytest.raises(UserInputError):
+        QDQConfig(activation_dtype="int8", activation_bits=9)
+    with pytest.raises(UserInputError):
+        QDQConfig(weight_dtype="int4", weight_bits=5)
+    assert (QuantSpec("uint8", value_bits=7).qmin, QuantSpec("uint8", value_bits=7).qmax) == (0, 127)

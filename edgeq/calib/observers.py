@@ -166,7 +166,51 @@ class HistogramObserver(Observer):
         return self.lo * ratio, self.hi * ratio
 
 
-OBSERVERS = {cls.kind: cls for cls in (MinMaxObserver, PerChannelAbsMaxObserver, HistogramObserver)}
+class ChannelStatsObserver(Observer):
+    """Per-channel |x| max, mean and standard deviation over every token (last axis = channels),
+    in float64 sums: what outlier-channel rules (|x| threshold, std z-score) need."""
+
+    kind = "channel_stats"
+
+    def __init__(self):
+        self.absmax = self.total = self.total_sq = None
+        self.count = 0
+
+    def update(self, x):
+        flat = np.asarray(x, np.float64).reshape(-1, x.shape[-1])
+        m, s, sq = np.abs(flat).max(0), flat.sum(0), (flat * flat).sum(0)
+        if self.absmax is None:
+            self.absmax, self.total, self.total_sq = m, s, sq
+        else:
+            self.absmax = np.maximum(self.absmax, m)
+            self.total += s
+            self.total_sq += sq
+        self.count += flat.shape[0]
+
+    @property
+    def mean(self) -> np.ndarray:
+        return self.total / max(self.count, 1)
+
+    @property
+    def std(self) -> np.ndarray:
+        return np.sqrt(np.maximum(self.total_sq / max(self.count, 1) - self.mean ** 2, 0.0))
+
+    def state(self):
+        return {"absmax": self.absmax, "total": self.total, "total_sq": self.total_sq, "count": np.array(self.count)}
+
+    @classmethod
+    def from_state(cls, state):
+        obs = cls()
+        obs.absmax, obs.total, obs.total_sq = (np.asarray(state[k]) for k in ("absmax", "total", "total_sq"))
+        obs.count = int(state["count"])
+        return obs
+
+    def range(self):
+        m = float(self.absmax.max())
+        return -m, m
+
+
+OBSERVERS = {cls.kind: cls for cls in (MinMaxObserver, PerChannelAbsMaxObserver, HistogramObserver, ChannelStatsObserver)}
 
 
 def observer_from_state(state: dict[str, np.ndarray]) -> Observer:

@@ -16,9 +16,10 @@ from __future__ import annotations
 
 import torch
 
-# |sum of K products of int8 values| <= K * 2^14 must stay below 2^31 for an int32 accumulator:
-# K <= 131072 is always safe, which covers every hidden size MUXQ meets.
-MAX_EXACT_INT32_K = (1 << 31) // (1 << 14)
+# A sum of K products of int8 values lies in [-K * 16256, K * 16384] (16384 = (-128)^2), so an
+# int32 accumulator cannot overflow while K * 2^14 <= 2^31 - 1: K <= 131071, far above every
+# hidden size MUXQ meets.
+MAX_EXACT_INT32_K = ((1 << 31) - 1) // (1 << 14)
 
 
 def muxq_concat(body: torch.Tensor, aux: torch.Tensor) -> torch.Tensor:
@@ -94,4 +95,4 @@ def _check_int8_operands(a: torch.Tensor, b: torch.Tensor) -> None:
     if a.dtype != torch.int8 or b.dtype != torch.int8:
         raise TypeError(f"int8 GEMM reference: a and b must be int8, got {a.dtype} and {b.dtype}")
     if b.dim() != 2 or a.dim() < 1 or a.shape[-1] != b.shape[0]:
-        raise ValueError(f"int8 GEMM reference: need a [..., K] and b [K, N], got {tuple(a.shape)} and {tuple(b.shape)}")
+        raise ValueError(f"int8 GEMM reference: need a [..., K] and b [K, N], got {tuple(a.shape)}, {tuple(b.shape)}")

@@ -10,7 +10,7 @@ any M, N, K, sums exactly in int32 on the tensor cores, and dequantizes in its e
 How: one program computes a ``[BLOCK_M, BLOCK_N]`` tile of Y.
 
 - Main loop: ``tl.dot`` of int8 ``[BLOCK_M, BLOCK_K]`` x ``[BLOCK_K, BLOCK_N]`` tiles into an int32
-  accumulator (exact: |A @ B| <= K * 2^14 < 2^31 for K <= 131072). Full K blocks load unmasked
+  accumulator (exact: |A @ B| <= K * 2^14 < 2^31 for K <= 131071). Full K blocks load unmasked
   (so the loop pipelines cleanly); a ragged tail (K % BLOCK_K != 0, known at compile time through
   the ``EVEN_K*`` heuristics) is one extra masked step with zeros past K.
 - Rows past M and columns past N are read wrapped (``% M``, ``% N``) so every load is in bounds
@@ -62,10 +62,13 @@ CONFIGS = [
     _config(128, 128, 64, 4, 4),
     _config(64, 128, 128, 4, 4),
     _config(64, 64, 128, 4, 4),
-    # decode (M <= 32): the weight streams once; N = 4096 gives 64 to 128 programs
+    # decode (M <= 32): the weight streams once; N = 4096 gives 64 to 128 programs, each keeping
+    # 36 to 120 KiB of B in flight (what an SM needs to draw its share of HBM bandwidth)
     _config(16, 64, 256, 4, 4),
     _config(16, 32, 256, 4, 5),
     _config(32, 64, 256, 4, 4),
+    _config(16, 32, 512, 4, 4),
+    _config(16, 64, 512, 4, 3),
 ]
 
 
@@ -189,6 +192,12 @@ def last_tuned_config() -> dict | None:
     """The config the autotuner used for the most recent tuned launch (None before any)."""
     best = getattr(_kernel_tuned, "best_config", None)
     return config_dict(best) if best is not None else None
+
+
+def to_k_major(b: torch.Tensor) -> torch.Tensor:
+    """The same ``[K, N]`` matrix stored K-major (the transpose view of a contiguous ``[N, K]``
+    copy): the B layout int8 wgmma reads directly. Convert a weight once, at load time."""
+    return b.T.contiguous().T
 
 
 def int8_gemm(a, b, scale_a, scale_b, bias=None, *, config: dict | None = None) -> torch.Tensor:

@@ -133,3 +133,18 @@ def test_tiny_exports_are_float_equivalent(arch, variant, tiny_models, tmp_path)
         assert summary["folded_into_norm"] >= 2  # q/k/v and gate/up inputs come from RMSNorms with gamma
     for ref, got in zip(reference, ir.make_session(out).run(None, feeds)):
         np.testing.assert_allclose(got, ref, rtol=0, atol=FLOAT_EQUIV_RTOL * max(float(np.abs(ref).max()), 1.0))
+
+
+def test_composes_after_rotation(tiny_models, tmp_path):
+    """muxq after fuse-norms, ln-to-rms and rotate (norms weightless: Body is a Mul) stays exact."""
+    model = ir.load_model(tiny_models["llama"])
+    specs = ir.make_session(model).get_inputs()
+    feeds = random_feeds(specs, seed=8, batch=1, seq=9)
+    reference = ir.make_session(model).run(None, feeds)
+    ctx = _ctx([random_feeds(specs, seed=s) for s in range(2)], tmp_path)
+    chain = [get_pass(n)() for n in ("fuse-norms", "ln-to-rms", "rotate")]
+    out, rec = Pipeline(chain + [MuxqPass(MuxqConfig(threshold=0.3, max_fraction=0.25, exponent_mode="auto"))]).run(model, ctx)
+    summary = rec[-1]["summary"]
+    assert summary["decomposed"] >= 3 and summary["folded_into_norm"] == 0
+    for ref, got in zip(reference, ir.make_session(out).run(None, feeds)):
+        np.testing.assert_allclose(got, ref, rtol=0, atol=FLOAT_EQUIV_RTOL * max(float(np.abs(ref).max()), 1.0))

@@ -24,8 +24,9 @@ How: one program computes a ``[BLOCK_M, BLOCK_N]`` tile of Y.
 
 Layout of B: any strides. int8 tensor-core instructions on Hopper (wgmma) take B K-major, so the
 fastest B is a weight stored ``[N, K + k]`` (the nn.Linear layout) and passed as its transpose
-view ``w.T``; a row-major ``[K + k, N]`` B is correct too (Triton transposes it on chip), and
-``kernels/bench_int8_gemm.py`` times both.
+view ``w.T`` (``to_k_major``); a row-major ``[K + k, N]`` B is correct too (Triton transposes it
+on chip) but was 3.7x to 5.8x slower at M = 4096 and 4x to 6x at M = 512 on an H200
+(``kernels/bench_int8_gemm.py`` times both; ``benchmarks/results/int8-gemm-h200.json``).
 
 Autotuning: ``CONFIGS`` holds prefill tiles (BLOCK_M >= 64: wgmma needs M tiles of 64 and 4 or 8
 warps) and decode tiles (BLOCK_M 16 or 32, narrow N so that N / BLOCK_N programs fill the
@@ -85,7 +86,10 @@ def _prune_configs(configs, named_args, **kwargs):
 
 def _tuning_bench(kernel_call, quantiles):
     """Shorter than Triton's default (25 ms warm-up, 100 ms runs): enough to rank tiles, and
-    tuning time is paid once per (M bucket, N, K, layout, dtypes)."""
+    tuning time is paid once per (M bucket, N, K, layout, dtypes). Caveat: these eager timings
+    include the host's launch cost (~40 us), which at M <= 512 exceeds the kernel, so close tiles
+    rank by noise (H200: M = 512, k = 64 got a tile 1.5x slower than k = 0 and 256 did); a CUDA-graph
+    timer would fix that (not yet tried on a GPU)."""
     return triton.testing.do_bench(kernel_call, warmup=10, rep=40, quantiles=quantiles)
 
 

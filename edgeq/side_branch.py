@@ -25,8 +25,11 @@ BRANCH_PRECISIONS = {
 
 
 def add_branch(graph: gs.Graph, index: ir.GraphIndex, node: gs.Node, lin, x_branch: gs.Variable,
-               w_branch: np.ndarray, tag: str) -> dict:
-    """Insert ``out = main_out + x_branch @ w_branch`` after ``lin`` (its bias included).
+               w_branch: np.ndarray, tag: str, gain: float = 1.0) -> dict:
+    """Insert ``out = main_out + gain * (x_branch @ w_branch)`` after ``lin`` (its bias included).
+
+    A ``gain`` other than 1 is applied to the GEMV's output (MUXQ Eq. 7's 2^e - 1), so the
+    branch weight keeps the original values and quantizes on their own scale.
 
     Returns the branch's MatMul node, its input tensor and its float weight, for quantization.
     """
@@ -36,7 +39,12 @@ def add_branch(graph: gs.Graph, index: ir.GraphIndex, node: gs.Node, lin, x_bran
     producer.outputs[producer.outputs.index(out)] = main_out
     branch_out = gs.Variable(ir.unique_name(index, f"{lin.node}_{tag}_branch_out"), dtype=out.dtype)
     w_const = gs.Constant(ir.unique_name(index, f"{lin.node}_{tag}_branch_weight"), np.ascontiguousarray(w_branch))
-    matmul = gs.Node("MatMul", f"{lin.node}_{tag}_branch", inputs=[x_branch, w_const], outputs=[branch_out])
+    gemv_out = branch_out
+    if gain != 1.0:
+        gemv_out = gs.Variable(ir.unique_name(index, f"{lin.node}_{tag}_branch_gemv"), dtype=out.dtype)
+        gain_const = gs.Constant(ir.unique_name(index, f"{lin.node}_{tag}_branch_gain"), np.asarray(gain, w_const.values.dtype))
+        graph.nodes.append(gs.Node("Mul", f"{lin.node}_{tag}_branch_gain", inputs=[gemv_out, gain_const], outputs=[branch_out]))
+    matmul = gs.Node("MatMul", f"{lin.node}_{tag}_branch", inputs=[x_branch, w_const], outputs=[gemv_out])
     graph.nodes.append(matmul)
     graph.nodes.append(gs.Node("Add", f"{lin.node}_{tag}_add", inputs=[main_out, branch_out], outputs=[out]))
     return {"matmul": matmul, "x": x_branch, "w": np.asarray(w_branch)}

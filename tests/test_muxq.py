@@ -89,7 +89,8 @@ def test_hand_built_outliers_and_stacked_weight(form, tmp_path):
         np.testing.assert_allclose(stacked, np.concatenate([w, 3.0 * w[[5, 2]]]), rtol=1e-6)
         assert node.inputs[0].inputs[0].op == "Concat"
     else:
-        assert any(n.name == "lin_muxq_aux_branch" for n in graph.nodes)
+        assert any(n.name == "lin_muxq_aux_e2_branch" for n in graph.nodes)
+        assert any(n.name == "lin_muxq_aux_e2_branch_gain" and float(n.inputs[1].values) == 3.0 for n in graph.nodes)
     x = _batches(seed=5)[0]["x"]
     (ref,) = ir.make_session(model).run(None, {"x": x})
     (got,) = ir.make_session(out).run(None, {"x": x})

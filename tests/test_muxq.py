@@ -4,8 +4,7 @@ and gpt2 exports; after static INT8 it beats the same quantization without the s
 
 import numpy as np
 import pytest
-from onnx import TensorProto, helper, numpy_helper
-from toy import random_feeds
+from toy import random_feeds, single_linear
 
 from edgeq import ir
 from edgeq.calib.observers import ChannelStatsObserver
@@ -51,12 +50,7 @@ def test_config_rejects_bad_values():
 
 
 def _hand_built(k=16, n=6, seed=0):
-    w = np.random.default_rng(seed).standard_normal((k, n)).astype(np.float32)
-    g = helper.make_graph([helper.make_node("MatMul", ["x", "w"], ["y"], name="lin")], "g",
-                          [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["b", "t", k])],
-                          [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["b", "t", n])],
-                          [numpy_helper.from_array(w, "w")])
-    return helper.make_model(g, opset_imports=[helper.make_opsetid("", 18)], ir_version=9), w
+    return single_linear(k, n, seed)
 
 
 def _batches(k=16, outliers=((2, 20.0), (5, -50.0)), count=3, seed=0):

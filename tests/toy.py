@@ -84,3 +84,13 @@ def random_feeds(input_specs, seed: int = 0, batch: int = 1, seq: int = 16) -> d
             value = rng.standard_normal(shape).astype(np.float32)
         feeds[spec.name] = value
     return feeds
+
+
+def single_linear(k: int, n: int, seed: int = 0):
+    """x [b, t, k] -> MatMul (node 'lin', random weight 'w' [k, n]) -> y; returns (model, w)."""
+    w = np.random.default_rng(seed).standard_normal((k, n)).astype(np.float32)
+    g = helper.make_graph([helper.make_node("MatMul", ["x", "w"], ["y"], name="lin")], "g",
+                          [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["b", "t", k])],
+                          [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["b", "t", n])],
+                          [numpy_helper.from_array(w, "w")])
+    return helper.make_model(g, opset_imports=[helper.make_opsetid("", 18)], ir_version=9), w

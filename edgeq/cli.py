@@ -35,7 +35,7 @@ def _add_compile(sub) -> None:
                                    "write OUTDIR/model.onnx (+ external data), report.json and encodings.json.")
     p.add_argument("model", type=Path, help="input ONNX model (external data next to it is read)")
     p.add_argument("-o", "--out", type=Path, required=True, help="output folder (replaced atomically on success)")
-    p.add_argument("--recipe", default=None, help="built-in recipe name (see `edgeq recipes`) or a .toml file; default: w8a8")
+    p.add_argument("--recipe", default=None, help="built-in recipe name (see `edgeq recipes`) or a .toml file; default: mquant-w8a8")
     p.add_argument("--calib", type=Path, help="calibration data: a text file (cut into token windows) or an .npz of input dicts")
     p.add_argument("--tokenizer", type=Path, help="folder with tokenizer.json (default: the model's folder if it has one)")
     p.add_argument("--calib-windows", type=int, help="number of calibration windows/samples (default: the recipe's)")
@@ -79,19 +79,25 @@ def _add_recipes(sub) -> None:
 def _run_recipes(args) -> int:
     from edgeq.recipes import DEFAULT_RECIPE, builtin_recipe_names, load_recipe
 
-    for name in builtin_recipe_names():
+    names = builtin_recipe_names()
+    width = max(len(n) for n in names) + 1
+    for name in names:
         recipe = load_recipe(name)
         flag = " (default)" if name == DEFAULT_RECIPE else ""
         passes = ",".join(s.name for s in recipe.passes)
-        print(f"{name:<16} {recipe.description}{flag}  [passes: {passes}]")
+        print(f"{name:<{width}} {recipe.description}{flag}  [passes: {passes}]")
     return 0
 
 
 def _run_passes(args) -> int:
     from edgeq.registry import all_passes
 
-    for name, cls in all_passes().items():
-        print(f"{name:<12} {cls.exactness.value:<12} {cls.summary_line}")
+    passes = all_passes()
+    width = max(len(n) for n in passes) + 1
+    for name, cls in passes.items():
+        default = cls().output_exactness  # e.g. a float-equivalent split whose default branch is quantized
+        klass = cls.exactness.value if default is cls.exactness else f"{cls.exactness.value}/{default.value}"
+        print(f"{name:<{width}} {klass:<20} {cls.summary_line}")
     return 0
 
 

@@ -98,7 +98,7 @@ class QDQPass(Pass):
     name = "qdq"
     exactness = Exactness.LOSSY
     Config = QDQConfig
-    summary_line = "static per-tensor activation QDQ and per-channel/group weight DQ on every linear"
+    summary_line = "activation QDQ (static per-tensor; per-token for studies) and per-channel/group weight DQ on every linear"
 
     @property
     def needs_calibration(self) -> bool:  # type: ignore[override]

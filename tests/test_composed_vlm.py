@@ -168,7 +168,8 @@ def test_variable_span_batch_layout(tmp_path):
         np.testing.assert_array_equal(np.flatnonzero(extra["is_visual"][r]), np.arange(start, start + 6))
         assert (extra["text_ids"][r][~extra["is_visual"][r] & ~extra["is_pad"][r]] >= 0).all()
         assert (extra["text_ids"][r][extra["is_visual"][r] | extra["is_pad"][r]] == -1).all()
-        np.testing.assert_array_equal(feeds["inputs_embeds"][r, :pad], np.broadcast_to(meta["pad_embedding"], (pad, HIDDEN)))
+        pads = np.broadcast_to(meta["pad_embedding"], (pad, HIDDEN))
+        np.testing.assert_array_equal(feeds["inputs_embeds"][r, :pad], pads)
         # the visual block is the sample's own visual block, moved
         np.testing.assert_array_equal(feeds["inputs_embeds"][r, start:start + 6], full["inputs_embeds"][r, 4:10])
     with pytest.raises(UserInputError):

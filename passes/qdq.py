@@ -28,7 +28,8 @@ from edgeq import ir
 from edgeq.calib.observers import HistogramObserver, MinMaxObserver
 from edgeq.errors import UserInputError
 from edgeq.passbase import Exactness, Pass, PassConfig, PassContext, PassResult
-from edgeq.qdq_nodes import ensure_opset, insert_dequantize, insert_quantize, insert_token_fake_quant, insert_weight_dequantize
+from edgeq.qdq_nodes import (QuantizedTensor, ensure_opset, insert_dequantize, insert_quantize, insert_token_fake_quant,
+                              insert_weight_dequantize)
 from edgeq.quant import QuantSpec
 from edgeq.registry import register_pass
 from edgeq.structure import Linear, find_linears
@@ -128,7 +129,7 @@ class QDQPass(Pass):
                 names = sorted(n for n, sp in site_specs.items() if sp == spec)
                 for name, obs in self._calibrate(graph, ctx, names, spec).items():
                     lo, hi = obs.range()
-                    act_sites[name] = insert_quantize(graph, index, index.tensors[name], lo, hi, spec)
+                    act_sites[name] = _quantize_site(graph, index, index.tensors[name], lo, hi, spec)
         quantized_weights: dict[tuple[str, bool], gs.Variable] = {}
         for lin in linears:
             node = nodes[lin.node]
@@ -207,6 +208,48 @@ class QDQPass(Pass):
         else:
             spec = self._weight_spec(axis=n_axis)
         return insert_weight_dequantize(graph, index, w, spec, lin.weight)
+
+
+def _quantize_site(graph: gs.Graph, index: ir.GraphIndex, tensor: gs.Tensor, lo: float, hi: float,
+                   spec: QuantSpec) -> QuantizedTensor:
+    """Static per-tensor Q of an activation site.
+
+    A site that is ``Concat([x, Gather(x, idx, axis=-1)], axis=-1)`` (MUXQ's Body/Aux input) is
+    quantized before the concatenation: one QuantizeLinear of x, then the Gather and the Concat
+    on the 8-bit tensor. With one per-tensor scale that is the same integer tensor, and it moves
+    a quarter of the bytes through the two copies.
+    """
+    body = _self_concat_body(index, tensor)
+    if body is None:
+        return insert_quantize(graph, index, tensor, lo, hi, spec)
+    concat = tensor.inputs[0]
+    gather = concat.inputs[1].inputs[0]
+    q = insert_quantize(graph, index, body, lo, hi, spec)
+    aux = gs.Variable(ir.unique_name(index, f"{gather.name}_quantized"), dtype=spec.np_dtype)
+    graph.nodes.append(gs.Node("Gather", f"{gather.name}_quantized", dict(gather.attrs), [q.integer, gather.inputs[1]], [aux]))
+    out = gs.Variable(ir.unique_name(index, f"{tensor.name}_quantized"), dtype=spec.np_dtype)
+    graph.nodes.append(gs.Node("Concat", f"{concat.name}_quantized", dict(concat.attrs), [q.integer, aux], [out]))
+    return QuantizedTensor(out, q.scale, q.zero_point, tensor.name)
+
+
+def _self_concat_body(index: ir.GraphIndex, tensor: gs.Tensor) -> gs.Tensor | None:
+    """x when ``tensor = Concat([x, Gather(x, ., axis=-1)], axis=-1)`` and nothing else reads the
+    Concat's float output but linears (which the caller rewires), else None."""
+    concat = index.producer(tensor.name)
+    if concat is None or concat.op != "Concat" or len(concat.inputs) != 2 or concat.attrs.get("axis") not in (-1, _rank(tensor) - 1):
+        return None
+    gather = index.producer(concat.inputs[1].name)
+    if gather is None or gather.op != "Gather" or gather.inputs[0] is not concat.inputs[0]:
+        return None
+    if gather.attrs.get("axis") not in (-1, _rank(tensor) - 1) or index.constant_value(gather.inputs[1]) is None:
+        return None
+    if any(c.op not in ("MatMul", "Gemm") for c in index.consumers(tensor.name)):
+        return None
+    return concat.inputs[0]
+
+
+def _rank(tensor: gs.Tensor) -> int:
+    return len(tensor.shape) if tensor.shape is not None else 3
 
 
 def _is_dequantized(index: ir.GraphIndex, name: str) -> bool:

@@ -143,3 +143,39 @@ def test_composes_after_rotation(tiny_models, tmp_path):
     assert summary["decomposed"] >= 3 and summary["folded_into_norm"] == 0
     for ref, got in zip(reference, ir.make_session(out).run(None, feeds)):
         np.testing.assert_allclose(got, ref, rtol=0, atol=FLOAT_EQUIV_RTOL * max(float(np.abs(ref).max()), 1.0))
+
+
+def test_concat_is_quantized_in_the_integer_domain_and_fused(tiny_models, tmp_path, monkeypatch):
+    """qdq quantizes Body once and concatenates the 8-bit tensors: the same integers as
+    quantizing the float Concat (checked against that path), and onnxruntime still turns every
+    linear into MatMulIntegerToFloat."""
+    import collections
+    import tempfile
+    from pathlib import Path
+
+    import onnx
+    import onnxruntime as ort
+
+    import edgeq.passes.qdq as qdq_module
+
+    model = ir.load_model(tiny_models["llama"])
+    specs = ir.make_session(model).get_inputs()
+    feeds = random_feeds(specs, seed=2, batch=1, seq=9)
+    batches = [random_feeds(specs, seed=s) for s in range(2)]
+    passes = lambda: [MuxqPass(MuxqConfig(threshold=0.5, max_fraction=0.25)),  # noqa: E731
+                      get_pass("qdq")(get_pass("qdq").Config(activation_dtype="uint8"))]
+    out, rec = Pipeline(passes()).run(model, _ctx(batches, tmp_path / "a"))
+    graph = ir.to_graph(out)
+    int_concats = [n for n in graph.nodes if n.op == "Concat" and n.outputs[0].dtype == np.uint8]
+    assert len(int_concats) == rec[0]["summary"]["decomposed"]
+    monkeypatch.setattr(qdq_module, "_self_concat_body", lambda index, tensor: None)
+    ref_out, _ = Pipeline(passes()).run(model, _ctx(batches, tmp_path / "b"))
+    for a, b in zip(ir.make_session(out).run(None, feeds), ir.make_session(ref_out).run(None, feeds)):
+        np.testing.assert_array_equal(a, b)
+    with tempfile.TemporaryDirectory() as tmp:
+        so = ort.SessionOptions()
+        so.optimized_model_filepath = str(Path(tmp) / "opt.onnx")
+        so.log_severity_level = 3
+        ort.InferenceSession(out.SerializeToString(), so, providers=["CPUExecutionProvider"])
+        counts = collections.Counter(n.op_type for n in onnx.load(so.optimized_model_filepath).graph.node)
+    assert counts["MatMulIntegerToFloat"] == rec[1]["summary"]["linears_quantized"], counts

@@ -7,7 +7,8 @@ post-LN stream, where norm outputs feed the residual adds).
 
 - readers: linears reading a norm's output (through reshapes and token selection);
 - writers: linears whose output (through bias Add / reshapes) is a residual add's branch;
-- sources: what writes the stream before the first block: embedding Gathers, constants added,
+- sources: what writes the stream before the first block: embedding Gathers, graph inputs
+  (embeddings computed outside the graph), constants added,
   concatenated or expanded into it (position embeddings, class tokens), a patch-embedding Conv;
 - mlp_outputs: each MLP block's output linear (down_proj / fc2), where the online Hadamard goes.
 """
@@ -16,6 +17,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import onnx_graphsurgeon as gs
 
 from edgeq import ir
@@ -72,6 +74,11 @@ def analyze_stream(graph: gs.Graph) -> ResidualStream:
         raise NotApplicable("readers and writers of the stream disagree on the hidden size")
     for src in sources:
         if src["kind"] == "transpose":
+            continue
+        if src["kind"] == "input":
+            shape = index.tensors[src["tensor"]].shape
+            if not shape or shape[-1] != hidden:
+                raise NotApplicable(f"stream input {src['tensor']} has last dimension {shape and shape[-1]}, not {hidden}")
             continue
         node = next(n for n in graph.nodes if n.name == src["node"])
         value = index.constant_value(node.inputs[src["operand"]])
@@ -136,6 +143,11 @@ def _writer(index, by_node, branch: str):
         raise NotApplicable(f"block output {branch} is written by {producer.op} {producer.name}, not a linear")
 
 
+def _square_constant(index, tensor) -> bool:
+    value = index.constant_value(tensor)
+    return value is not None and np.ndim(value) == 2 and value.shape[0] == value.shape[1]
+
+
 def _sources(index, start: str, stream: set[str]) -> list[dict]:
     """What writes the stream before the first block: embedding Gathers, constant Adds/Concats
     (position embeddings, class tokens), a patch-embedding Conv."""
@@ -147,8 +159,14 @@ def _sources(index, start: str, stream: set[str]) -> list[dict]:
         seen.add(name)
         node = index.producer(name)
         if node is None:
-            raise NotApplicable(f"stream source {name} is a graph input")
-        if node.op == "Gather" and index.constant_value(node.inputs[0]) is not None:
+            # a graph input (e.g. inputs_embeds of a vision-language model): the passes transform
+            # it online, with one small op at the input
+            sources.append({"kind": "input", "tensor": name})
+            continue
+        if node.op == "MatMul" and index.producer(node.inputs[0].name) is None and _square_constant(index, node.inputs[1]):
+            # x @ M at a graph input (ln-to-rms's centring, rotate's Q): folds like a constant
+            sources.append({"kind": "input-matmul", "node": node.name, "operand": 1})
+        elif node.op == "Gather" and index.constant_value(node.inputs[0]) is not None:
             sources.append({"kind": "embedding", "node": node.name, "operand": 0})
         elif node.op in ("Add", "Concat", "Sub"):
             for i, t in enumerate(node.inputs):
@@ -170,3 +188,16 @@ def _sources(index, start: str, stream: set[str]) -> list[dict]:
         else:
             raise NotApplicable(f"stream source {node.op} {node.name} is not an embedding, constant or conv")
     return sources
+
+
+def transform_stream_input(graph, index, x, matrix: np.ndarray, tag: str) -> None:
+    """Every reader of graph input ``x`` reads ``x @ matrix`` instead (interface unchanged); the
+    MatMul is an ``input-matmul`` stream source that later passes fold into."""
+    readers = list(x.outputs)
+    out = gs.Variable(ir.unique_name(index, f"{x.name}_{tag}"), dtype=x.dtype, shape=x.shape)
+    const = gs.Constant(ir.unique_name(index, f"{x.name}_{tag}_matrix"), matrix)
+    graph.nodes.append(gs.Node("MatMul", f"{x.name}_{tag}", inputs=[x, const], outputs=[out]))
+    for node in readers:
+        for k, t in enumerate(node.inputs):
+            if t is x:
+                node.inputs[k] = out

@@ -22,7 +22,7 @@ import onnx_graphsurgeon as gs
 from edgeq import ir
 from edgeq.passbase import Exactness, Pass, PassConfig, PassContext, PassResult
 from edgeq.registry import register_pass
-from edgeq.stream import NotApplicable, analyze_stream
+from edgeq.stream import NotApplicable, analyze_stream, transform_stream_input
 from edgeq.structure import Norm
 from edgeq.weights import LinearEditor
 
@@ -59,6 +59,9 @@ class LnToRmsPass(Pass):
         for src in stream.sources:
             if src["kind"] == "transpose":
                 continue
+            if src["kind"] == "input":
+                _centre_input(graph, index, src["tensor"])
+                continue
             node = nodes[src["node"]]
             i = src["operand"]
             value = np.asarray(index.constant_value(node.inputs[i]))
@@ -72,6 +75,17 @@ class LnToRmsPass(Pass):
             _to_rms(graph, index, nodes, norm)
         return PassResult(True, {"layer_norms_converted": len(layer_norms), "writers_centred": len(stream.writers),
                                  "sources_centred": [s["kind"] for s in stream.sources]})
+
+
+def _centre_input(graph: gs.Graph, index: ir.GraphIndex, name: str) -> None:
+    """A stream that starts at a graph input is made zero-mean online by ``x @ (I - 11^T / d)``,
+    read by every reader of the input in its place. A MatMul rather than ``x - mean(x)``: that
+    Sub/ReduceMean pair in front of the first RMSNorm would read as a LayerNorm again, while a
+    constant matrix at the input is a stream source later passes fold into (``rotate``)."""
+    x = index.tensors[name]
+    d = int(x.shape[-1])
+    centring = np.eye(d) - np.full((d, d), 1.0 / d)
+    transform_stream_input(graph, index, x, centring.astype(np.float32), "zero_mean")
 
 
 def _to_rms(graph: gs.Graph, index: ir.GraphIndex, nodes: dict, norm: Norm) -> None:

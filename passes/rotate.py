@@ -3,7 +3,8 @@ MLP output linear (down_proj / fc2).
 
 With weightless RMSNorms (``fuse-norms``, ``ln-to-rms`` first), RMSNorm(x Q) = RMSNorm(x) Q for an
 orthogonal Q, so the whole residual stream can live in a rotated basis at no runtime cost:
-embedding tables and other stream sources ``E' = E Q``, readers ``W' = Q^T W``, writers
+embedding tables and other stream sources ``E' = E Q`` (a stream that starts at a graph input,
+e.g. ``inputs_embeds``, gets one ``x @ Q`` MatMul at the input), readers ``W' = Q^T W``, writers
 ``W' = W Q, b' = b Q``. Q is a seeded randomized Hadamard built in float64 (fp16/bf16 rotations
 collapse numerically), a dense random orthogonal matrix where no Hadamard of that size exists.
 Rotation spreads activation outliers over all channels, so one static per-tensor scale fits.
@@ -30,7 +31,7 @@ from edgeq.registry import register_pass
 from edgeq.runtime_ops.hadamard import is_hadamard_size, randomized_hadamard
 from edgeq.runtime_ops.online_hadamard import hadamard_matrix_for_fold, insert_online_hadamard
 from edgeq.errors import UserInputError
-from edgeq.stream import NotApplicable, analyze_stream
+from edgeq.stream import NotApplicable, analyze_stream, transform_stream_input
 from edgeq.weights import LinearEditor, is_weightless
 
 ROTATED_KEY = "edgeq.rotate"
@@ -108,11 +109,14 @@ class RotatePass(Pass):
 
 
 def _rotate_source(graph: gs.Graph, index: ir.GraphIndex, source: dict, q: np.ndarray) -> None:
-    nodes = {n.name: n for n in graph.nodes}
-    node = nodes[source["node"]]
     kind = source["kind"]
     if kind == "transpose":
         return  # the layout change is handled where the constant or conv sits
+    if kind == "input":
+        transform_stream_input(graph, index, index.tensors[source["tensor"]], q.astype(np.float32), "rotated")
+        return
+    nodes = {n.name: n for n in graph.nodes}
+    node = nodes[source["node"]]
     i = source["operand"]
     value = np.asarray(index.constant_value(node.inputs[i]))
     if kind == "conv":

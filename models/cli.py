@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import argparse
 
+from edgeq.argtypes import positive_int
+
 _OUTPUT_HELP = (
     "output folder; gets model.onnx, config.json and tokenizer files. Written under a temporary "
     "name and renamed at the end, replacing an existing folder only when the export succeeded"
@@ -55,15 +57,15 @@ def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
         ),
     )
     vlm.add_argument("-o", "--output", required=True, metavar="DIR", help=_OUTPUT_HELP)
-    vlm.add_argument("--calib-samples", type=_positive, default=16, metavar="N",
+    vlm.add_argument("--calib-samples", type=positive_int, default=16, metavar="N",
                      help="calibration samples in calib.npz (default 16)")
-    vlm.add_argument("--eval-samples", type=_positive, default=32, metavar="N",
+    vlm.add_argument("--eval-samples", type=positive_int, default=32, metavar="N",
                      help="evaluation samples in eval.npz (default 32)")
     vlm.add_argument("--seed", type=int, default=0,
                      help="seed of the projector and of the image crops/flips (default 0)")
-    vlm.add_argument("--prefix-tokens", type=_positive, default=16, metavar="T",
+    vlm.add_argument("--prefix-tokens", type=positive_int, default=16, metavar="T",
                      help="text tokens before the image (default 16)")
-    vlm.add_argument("--suffix-tokens", type=_positive, default=48, metavar="T",
+    vlm.add_argument("--suffix-tokens", type=positive_int, default=48, metavar="T",
                      help="text tokens after the image (default 48)")
     vlm.add_argument("--text-dir", metavar="DIR", default=None,
                      help="folder with WikiText-2 valid.txt and test.txt (default: the repository's data/wikitext-2)")
@@ -102,16 +104,6 @@ def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     tiny.add_argument("--seed", type=int, default=0, help="seed of the random weights (default: 0)")
     tiny.set_defaults(func=_run_tiny)
     return export
-
-
-def _positive(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {value}")
-    return value
 
 
 def _run_smollm2(args: argparse.Namespace) -> int:

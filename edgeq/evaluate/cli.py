@@ -8,6 +8,7 @@ import math
 from typing import Any
 
 from edgeq.errors import UserInputError
+from edgeq.argtypes import positive_int
 
 _PROTOCOL = (
     "Protocol: tokenize the whole file with the model's tokenizer in one call (its special tokens "
@@ -16,16 +17,6 @@ _PROTOCOL = (
     "[--offset, --offset + --windows); each window predicts tokens 2..seq-len; "
     "perplexity = exp(total NLL / predicted tokens)"
 )
-
-
-def _positive(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {value}")
-    return value
 
 
 def _non_negative(text: str) -> int:
@@ -63,15 +54,15 @@ def register(subparsers: Any) -> argparse.ArgumentParser:
     ppl.add_argument(
         "--tokenizer", required=True, metavar="DIR", help="folder holding the model's tokenizer.json (or the file)"
     )
-    ppl.add_argument("--windows", type=_positive, default=None, metavar="N", help="windows to evaluate (default: all)")
+    ppl.add_argument("--windows", type=positive_int, default=None, metavar="N", help="windows to evaluate (default: all)")
     ppl.add_argument("--offset", type=_non_negative, default=0, metavar="K", help="first window (default 0)")
-    ppl.add_argument("--seq-len", type=_positive, default=512, metavar="L", help="tokens per window (default 512)")
-    ppl.add_argument("--batch-size", type=_positive, default=1, metavar="B", help="windows per run (default 1)")
+    ppl.add_argument("--seq-len", type=positive_int, default=512, metavar="L", help="tokens per window (default 512)")
+    ppl.add_argument("--batch-size", type=positive_int, default=1, metavar="B", help="windows per run (default 1)")
     ppl.add_argument(
         "--no-special-tokens", dest="special_tokens", action="store_false",
         help="tokenize without the tokenizer's special tokens (differs from the project's figures)",
     )
-    ppl.add_argument("--threads", type=_positive, default=None, metavar="T", help="onnxruntime intra-op threads")
+    ppl.add_argument("--threads", type=positive_int, default=None, metavar="T", help="onnxruntime intra-op threads")
     ppl.add_argument("--json", action="store_true", help="print one JSON object instead of a line")
     ppl.set_defaults(func=run_ppl)
 
@@ -97,13 +88,13 @@ def register(subparsers: Any) -> argparse.ArgumentParser:
         help="inputs as an .npz: one array per model input, named like it, shaped "
         "[num_samples, *input shape] or the input shape with the batch axis as sample axis",
     )
-    src.add_argument("--random", type=_positive, metavar="N", help="N random samples (ids in [0,100), "
+    src.add_argument("--random", type=positive_int, metavar="N", help="N random samples (ids in [0,100), "
                      "masks ones, position ids arange, floats normal)")
     cmp.add_argument("--tokenizer", metavar="DIR", help="folder holding tokenizer.json (with --text)")
-    cmp.add_argument("--windows", type=_positive, default=4, metavar="N", help="windows with --text (default 4)")
+    cmp.add_argument("--windows", type=positive_int, default=4, metavar="N", help="windows with --text (default 4)")
     cmp.add_argument("--offset", type=_non_negative, default=0, metavar="K", help="first window with --text (default 0)")
     cmp.add_argument(
-        "--seq-len", type=_positive, default=None, metavar="L",
+        "--seq-len", type=positive_int, default=None, metavar="L",
         help="tokens per window with --text (default 512); dynamic sequence dims with --random (default 32)",
     )
     cmp.add_argument(
@@ -113,14 +104,14 @@ def register(subparsers: Any) -> argparse.ArgumentParser:
     cmp.add_argument("--seed", type=int, default=0, help="seed of --random (default 0)")
     cmp.add_argument("--layers", action="store_true", help="also compare shared intermediate tensors")
     cmp.add_argument(
-        "--max-layers", type=_positive, default=256, metavar="M",
+        "--max-layers", type=positive_int, default=256, metavar="M",
         help="compare at most M intermediate tensors, evenly spaced (default 256)",
     )
     cmp.add_argument(
         "--optimize", action="store_true",
         help="let onnxruntime optimize the graphs (default: run them as written)",
     )
-    cmp.add_argument("--threads", type=_positive, default=None, metavar="T", help="onnxruntime intra-op threads")
+    cmp.add_argument("--threads", type=positive_int, default=None, metavar="T", help="onnxruntime intra-op threads")
     cmp.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
     cmp.set_defaults(func=run_compare)
     return ev

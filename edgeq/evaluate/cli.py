@@ -7,8 +7,8 @@ import json
 import math
 from typing import Any
 
-from edgeq.errors import UserInputError
 from edgeq.argtypes import positive_int
+from edgeq.errors import UserInputError
 
 _PROTOCOL = (
     "Protocol: tokenize the whole file with the model's tokenizer in one call (its special tokens "

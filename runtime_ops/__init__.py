@@ -3,6 +3,8 @@
 - ``hadamard``: Hadamard matrices of order K * 2^m by construction, randomized Hadamard and
   random orthogonal rotations (numpy, float64).
 - ``online_hadamard``: ``edgeq::OnlineHadamard`` (function body, numpy reference, graph helpers).
+- ``modality_qdq``: ``edgeq::ModalityQDQ``, MSQ's quantize-dequantize with a visual and a text
+  static scale (function body, numpy reference); the msq pass that inserts it is not written yet.
 - ``schema``: the one table of edgeq ops, ``ensure_functions``, ``reference_evaluator_ops``.
 
 Importing this package imports numpy and onnx only (no graphsurgeon, no torch, no triton).

@@ -20,6 +20,7 @@ import numpy as np
 import onnx
 from onnx import helper
 
+from edgeq.runtime_ops import modality_qdq as _mq
 from edgeq.runtime_ops import online_hadamard as _oh
 from edgeq.runtime_ops.domain import DOMAIN, DOMAIN_VERSION
 
@@ -71,6 +72,21 @@ SCHEMAS: dict[str, OpSchema] = {
         doc=_oh.__doc__,
         function_builder=_oh.online_hadamard_function,
         reference=_oh.online_hadamard_reference,
+    ),
+    _mq.OP_TYPE: OpSchema(
+        name=_mq.OP_TYPE,
+        inputs=(
+            IOSpec("x", "float tensor [B, S, ...], visual tokens first in every row (after aifs)"),
+            IOSpec("visual_count", "int64 [B]: rows [0, visual_count[b]) of row b are visual (left padding included)"),
+            IOSpec("visual_scale", "float scalar: static scale of the visual tokens"),
+            IOSpec("visual_zero_point", "integer scalar (int8/uint8/int16...): the visual zero point, its type the quantized type"),
+            IOSpec("text_scale", "float scalar: static scale of the text tokens"),
+            IOSpec("text_zero_point", "integer scalar, same type as visual_zero_point"),
+        ),
+        outputs=(IOSpec("y", "x quantized-dequantized per modality; same shape and type as x"),),
+        doc=_mq.__doc__,
+        function_builder=_mq.modality_qdq_function,
+        reference=_mq.modality_qdq_reference,
     ),
 }
 

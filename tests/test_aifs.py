@@ -10,6 +10,7 @@ import pytest
 
 from edgeq import ir
 from edgeq.models import composed_vlm as cv
+from edgeq.models import embeds_export as ee
 from edgeq.models.tiny_qwen2vl import HIDDEN, mrope_position_ids
 from edgeq.passbase import FLOAT_EQUIV_RTOL, PassContext
 from edgeq.passes.aifs import AIFS_KEY, PERMUTED_EMBEDS
@@ -97,12 +98,12 @@ def test_aifs_rewrites_the_shared_mask(qwen2vl_pair):
     assert summary["position_rows"] == 3 and summary["unpermuted_outputs"] == ["logits"]
     assert summary["mask"]["comparison"] == "/model/LessOrEqual" and summary["mask"]["where"] == "/model/Where_1"
     assert summary["softmax_layers"] == 2
-    assert [i.name for i in out.graph.input] == list(cv.MODEL_INPUTS)
+    assert [i.name for i in out.graph.input] == list(ee.MODEL_INPUTS)
     assert [o.name for o in out.graph.output] == ["logits"]
     assert {p.key for p in out.metadata_props} >= {AIFS_KEY}
     # the span inputs are read now
     consumed = {name for node in out.graph.node for name in node.input}
-    assert set(cv.SPAN_INPUTS) <= consumed
+    assert set(ee.SPAN_INPUTS) <= consumed
     cmp = next(n for n in out.graph.node if n.name == "/model/LessOrEqual")
     assert list(cmp.input) == [summary["mask"]["key_index"], summary["mask"]["query_index"]]
     # the padding part reads the permuted attention_mask (and nothing else reads the original)

@@ -17,6 +17,8 @@ import pytest
 
 from edgeq.errors import UserInputError
 from edgeq.models import composed_vlm as cv
+from edgeq.models import craft_vision as vision
+from edgeq.models import embeds_export as ee
 from edgeq.models.tiny_qwen2vl import HIDDEN, MROPE_SECTION, VOCAB, build_tiny_qwen2vl, mrope_position_ids, text_decoder
 
 
@@ -59,27 +61,27 @@ def test_tiny_qwen2vl_interface(tiny_qwen2vl):
     assert json.loads((tiny_qwen2vl.parent / "config.json").read_text())["model_type"] == "qwen2_vl"
     model = onnx.load(str(tiny_qwen2vl), load_external_data=False)
     inputs = {i.name: i for i in model.graph.input}
-    assert list(inputs) == list(cv.MODEL_INPUTS)
+    assert list(inputs) == list(ee.MODEL_INPUTS)
     assert _dims(inputs["inputs_embeds"]) == ["batch_size", "sequence_length", HIDDEN]
     assert _dims(inputs["attention_mask"]) == ["batch_size", "sequence_length"]
     assert _dims(inputs["position_ids"]) == [3, "batch_size", "sequence_length"]
     assert _dims(inputs["visual_start"]) == _dims(inputs["visual_len"]) == ["batch_size"]
     types = {name: vi.type.tensor_type.elem_type for name, vi in inputs.items()}
     assert types["inputs_embeds"] == onnx.TensorProto.FLOAT
-    assert all(types[n] == onnx.TensorProto.INT64 for n in cv.MODEL_INPUTS[1:])
+    assert all(types[n] == onnx.TensorProto.INT64 for n in ee.MODEL_INPUTS[1:])
     assert [o.name for o in model.graph.output] == ["logits"]
     assert _dims(model.graph.output[0]) == ["batch_size", "sequence_length", VOCAB]
-    assert {p.key: p.value for p in model.metadata_props}[cv.SPAN_METADATA_KEY] == "visual_start,visual_len"
+    assert {p.key: p.value for p in model.metadata_props}[ee.SPAN_METADATA_KEY] == "visual_start,visual_len"
     assert (tiny_qwen2vl.parent / "model.onnx.data").is_file()
     opset = next(i.version for i in model.opset_import if i.domain in ("", "ai.onnx"))
-    assert opset == cv.OPSET
+    assert opset == ee.OPSET
 
 
 def test_tiny_qwen2vl_matches_torch_with_padding_and_mrope(tiny_qwen2vl):
     import torch
 
     feeds = _tiny_feeds()
-    logits = _run(cv.ort_session(tiny_qwen2vl), feeds)
+    logits = _run(ee.ort_session(tiny_qwen2vl), feeds)
     decoder, head = text_decoder(build_tiny_qwen2vl(seed=0))
     with torch.no_grad():
         hidden = decoder(
@@ -99,7 +101,7 @@ def test_each_position_row_changes_the_output(tiny_qwen2vl):
 
     (Shifting a whole row would not: RoPE only sees position differences.)
     """
-    session = cv.ort_session(tiny_qwen2vl)
+    session = ee.ort_session(tiny_qwen2vl)
     feeds = _tiny_feeds(batch=1, pad=(0,))
     base = _run(session, feeds)
     flat = dict(feeds, position_ids=np.broadcast_to(feeds["position_ids"][:1], feeds["position_ids"].shape).copy())
@@ -114,8 +116,8 @@ def test_each_position_row_changes_the_output(tiny_qwen2vl):
 def test_span_inputs_are_accepted_and_unused(tiny_qwen2vl):
     model = onnx.load(str(tiny_qwen2vl), load_external_data=False)
     consumed = {name for node in model.graph.node for name in node.input}
-    assert not consumed & set(cv.SPAN_INPUTS)
-    session = cv.ort_session(tiny_qwen2vl)
+    assert not consumed & set(ee.SPAN_INPUTS)
+    session = ee.ort_session(tiny_qwen2vl)
     feeds = _tiny_feeds()
     base = _run(session, feeds)
     other = dict(feeds, visual_start=np.array([0, 7], np.int64), visual_len=np.array([1, 2], np.int64))
@@ -156,7 +158,7 @@ def test_variable_span_batch_layout(tmp_path):
     folder = _fake_composed_dir(tmp_path)
     full, meta = cv.load_split(folder, "eval")
     feeds, extra = cv.variable_span_batch(folder, prefix_lens=(4, 2, 0), suffix_lens=(5, 1, 3))
-    assert list(feeds) == list(cv.MODEL_INPUTS)
+    assert list(feeds) == list(ee.MODEL_INPUTS)
     np.testing.assert_array_equal(extra["pad_len"], [0, 6, 6])
     np.testing.assert_array_equal(feeds["visual_start"], [4, 8, 6])
     np.testing.assert_array_equal(feeds["visual_len"], [6, 6, 6])
@@ -181,7 +183,7 @@ def test_variable_span_batch_is_padding_invariant_on_tiny_qwen2vl(tiny_qwen2vl, 
     folder = _fake_composed_dir(tmp_path)
     feeds, extra = cv.variable_span_batch(folder, prefix_lens=(4, 2, 0), suffix_lens=(5, 1, 3))
     feeds["position_ids"] = np.broadcast_to(feeds["position_ids"], (3, *feeds["position_ids"].shape)).copy()
-    session = cv.ort_session(tiny_qwen2vl)
+    session = ee.ort_session(tiny_qwen2vl)
     batch = _run(session, feeds)
     for r, pad in enumerate(extra["pad_len"]):
         single = {
@@ -222,37 +224,37 @@ def test_tiny_qwen2vl_is_not_in_the_generic_harness():
 def test_image_splits_are_disjoint_and_load_offline():
     assert not set(cv.CALIB_IMAGES) & set(cv.EVAL_IMAGES)
     for name in cv.CALIB_IMAGES + cv.EVAL_IMAGES:
-        image = cv.load_image(name)
+        image = vision.load_image(name)
         assert image.ndim == 3 and image.shape[2] == 3 and image.dtype == np.float32
         assert 0.0 <= image.min() and image.max() <= 1.0 and image.std() > 0.01, name
 
 
 def test_crops_round_robin_then_seeded_augmentation():
     shapes = {"a": (100, 200), "b": (300, 300)}
-    crops = cv._crops(("a", "b"), shapes, 6, np.random.default_rng(3))
+    crops = vision.sample_crops(("a", "b"), shapes, 6, np.random.default_rng(3))
     assert [c.image for c in crops] == ["a", "b"] * 3
-    assert crops[0] == cv.Crop("a", 0, 0, 100, 200, False) and crops[1] == cv.Crop("b", 0, 0, 300, 300, False)
+    assert crops[0] == vision.Crop("a", 0, 0, 100, 200, False) and crops[1] == vision.Crop("b", 0, 0, 300, 300, False)
     for c in crops[2:]:
         h, w = shapes[c.image]
         assert 0 <= c.top and c.top + c.height <= h and 0 <= c.left and c.left + c.width <= w
-    assert crops == cv._crops(("a", "b"), shapes, 6, np.random.default_rng(3))
+    assert crops == vision.sample_crops(("a", "b"), shapes, 6, np.random.default_rng(3))
 
 
 def test_projector_is_seeded_and_unit_gain():
     a, b = cv.projector_matrix(0), cv.projector_matrix(1)
-    assert a.shape == (cv.FEATURE_CHANNELS, 576)
+    assert a.shape == (vision.FEATURE_CHANNELS, 576)
     np.testing.assert_array_equal(a, cv.projector_matrix(0))
     assert not np.allclose(a, b)
-    assert abs(a.var() * cv.FEATURE_CHANNELS - 1.0) < 0.02
+    assert abs(a.var() * vision.FEATURE_CHANNELS - 1.0) < 0.02
 
 
 def test_craft_backbone_gives_196_visual_tokens():
-    layers = cv.load_vgg_backbone()
+    layers = vision.load_vgg_backbone()
     assert sum(layer[0] == "conv" for layer in layers) == 12 and sum(layer[0] == "pool" for layer in layers) == 4
     assert [layer[-1] for layer in layers if layer[0] == "conv"][-1] is False  # slice4 ends before ReLU
-    image = cv._render(cv.Crop("text", 0, 0, 172, 448, False), cv.load_image("text"))
-    feats = cv.vgg_features(layers, image[None])
-    assert feats.shape == (1, cv.GRID, cv.GRID, cv.FEATURE_CHANNELS) and cv.GRID * cv.GRID == cv.VISUAL_TOKENS
+    image = vision.render_crop(vision.Crop("text", 0, 0, 172, 448, False), vision.load_image("text"))
+    feats = vision.vgg_features(layers, image[None])
+    assert feats.shape == (1, vision.GRID, vision.GRID, vision.FEATURE_CHANNELS) and vision.GRID * vision.GRID == vision.VISUAL_TOKENS
     assert np.isfinite(feats).all() and (feats < 0).any() and feats.std() > 0.05
 
 
@@ -268,7 +270,7 @@ def test_composed_vlm_interface_and_files(composed_vlm_dir):
             "calib_meta.npz", "eval_meta.npz", "samples.json", "composed.json"} <= names
     model = onnx.load(str(composed_vlm_dir / "model.onnx"), load_external_data=False)
     inputs = {i.name: i for i in model.graph.input}
-    assert list(inputs) == list(cv.MODEL_INPUTS)
+    assert list(inputs) == list(ee.MODEL_INPUTS)
     assert _dims(inputs["inputs_embeds"]) == ["batch_size", "sequence_length", 576]
     assert _dims(inputs["position_ids"]) == ["batch_size", "sequence_length"]
     assert _dims(inputs["visual_start"]) == ["batch_size"]
@@ -289,7 +291,7 @@ def test_composed_vlm_npz_layout(composed_vlm_dir):
     specs = ir.input_specs(ir.load_model(composed_vlm_dir / "model.onnx", load_external=False))
     for split, count in manifest["samples"].items():
         inputs, meta = cv.load_split(composed_vlm_dir, split)
-        assert list(inputs) == list(cv.MODEL_INPUTS)
+        assert list(inputs) == list(ee.MODEL_INPUTS)
         assert inputs["inputs_embeds"].shape == (count, seq, 576) and inputs["inputs_embeds"].dtype == np.float32
         for name in ("attention_mask", "position_ids"):
             assert inputs[name].shape == (count, seq) and inputs[name].dtype == np.int64
@@ -327,10 +329,10 @@ def test_composed_vlm_onnx_matches_torch(composed_vlm_dir):
 
     inputs, meta = cv.load_split(composed_vlm_dir, "eval")
     feeds = {k: v[:2] for k, v in inputs.items()}
-    onnx_logits = _run(cv.ort_session(composed_vlm_dir / "model.onnx"), feeds)
+    onnx_logits = _run(ee.ort_session(composed_vlm_dir / "model.onnx"), feeds)
     model = cv.load_language_model()
     with torch.no_grad():
-        torch_logits = model(**{k: torch.from_numpy(feeds[k]) for k in cv.EMBED_INPUTS}, use_cache=False).logits.numpy()
+        torch_logits = model(**{k: torch.from_numpy(feeds[k]) for k in ee.EMBED_INPUTS}, use_cache=False).logits.numpy()
     agree = onnx_logits.argmax(-1) == torch_logits.argmax(-1)
     assert agree.mean() >= 0.99, agree.mean()
     assert np.abs(onnx_logits - torch_logits).max() < 1e-2
@@ -342,7 +344,7 @@ def test_composed_vlm_onnx_matches_torch(composed_vlm_dir):
 def test_composed_vlm_variable_span_batch_matches_unpadded(composed_vlm_dir):
     feeds, extra = cv.variable_span_batch(composed_vlm_dir)
     assert len(set(feeds["visual_start"].tolist())) == 3 and extra["pad_len"].max() > 0
-    session = cv.ort_session(composed_vlm_dir / "model.onnx")
+    session = ee.ort_session(composed_vlm_dir / "model.onnx")
     batch = _run(session, feeds)
     for r, pad in enumerate(extra["pad_len"]):
         single = {k: (v[r:r + 1, pad:] if v.ndim > 1 else v[r:r + 1]) for k, v in feeds.items()}
@@ -364,4 +366,4 @@ def test_composed_vlm_calib_npz_compiles_with_w8a8(composed_vlm_dir, tmp_path, c
     assert report["calibration"]["samples"] == 4
     assert report["passes"][0]["summary"]["linears_quantized"] == 211
     compiled = onnx.load(str(out / "model.onnx"), load_external_data=False)
-    assert [i.name for i in compiled.graph.input] == list(cv.MODEL_INPUTS)  # span inputs survive
+    assert [i.name for i in compiled.graph.input] == list(ee.MODEL_INPUTS)  # span inputs survive

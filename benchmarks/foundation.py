@@ -44,25 +44,15 @@ def _model_mb(path: Path) -> float:
 
 
 def latency_ms(model: Path, seq_len: int = 512, repeats: int = 10, threads: int | None = None) -> float:
-    so = ort.SessionOptions()
-    if threads:
-        so.intra_op_num_threads = threads
-    sess = ort.InferenceSession(str(model), so, providers=["CPUExecutionProvider"])
-    names = {i.name for i in sess.get_inputs()}
-    ids = np.random.default_rng(0).integers(0, 1000, (1, seq_len), dtype=np.int64)
-    feeds = {"input_ids": ids}
-    if "attention_mask" in names:
-        feeds["attention_mask"] = np.ones_like(ids)
-    if "position_ids" in names:
-        feeds["position_ids"] = np.arange(seq_len, dtype=np.int64)[None]
-    for _ in range(2):
-        sess.run(None, feeds)
-    times = []
-    for _ in range(repeats):
-        t = time.perf_counter()
-        sess.run(None, feeds)
-        times.append(time.perf_counter() - t)
-    return float(np.median(times) * 1000)
+    """Median latency of one model (``interleaved_latency_ms`` with a single graph)."""
+    return interleaved_latency_ms({"model": model}, seq_len, repeats, threads)["model"]
+
+
+def save_results(path: Path, results: dict) -> None:
+    """Write the JSON results file (creating its folder) and print it."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(results, indent=1))
+    print(json.dumps(results, indent=1))
 
 
 def interleaved_latency_ms(models: dict[str, Path], seq_len: int = 512, repeats: int = 10,
@@ -163,9 +153,7 @@ def main(argv=None) -> int:
         print(f"{name}: latency {results[name]['latency_ms_512']:.1f} ms  {results[name]['fused_ops']}", flush=True)
     for r in compiled:
         results[r]["speedup_vs_fp32"] = round(results["fp32"]["latency_ms_512"] / results[r]["latency_ms_512"], 2)
-    a.out.parent.mkdir(parents=True, exist_ok=True)
-    a.out.write_text(json.dumps(results, indent=1))
-    print(json.dumps(results, indent=1))
+    save_results(a.out, results)
     return 0
 
 

@@ -27,7 +27,7 @@ REPO = Path(__file__).resolve().parents[1]
 DATA = REPO / "data" / "wikitext-2"
 sys.path.insert(0, str(REPO / "benchmarks"))
 
-from foundation import bench_parser, fused_ops, interleaved_latency_ms  # noqa: E402
+from foundation import bench_parser, fused_ops, interleaved_latency_ms, save_results  # noqa: E402
 
 def _recipe_muxq_settings() -> str:
     """The muxq pass settings of the muxq-w8a8 recipe, as TOML lines (the MUXQ-auto column)."""
@@ -145,8 +145,7 @@ def main(argv=None) -> int:
             a.out.parent.mkdir(parents=True, exist_ok=True)
             a.out.write_text(json.dumps({**results, "tables": tables}, indent=1))
     results["tables"] = tables
-    a.out.write_text(json.dumps(results, indent=1))
-    print(json.dumps(results, indent=1))
+    save_results(a.out, results)
     return 0
 
 

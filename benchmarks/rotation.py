@@ -24,7 +24,7 @@ REPO = Path(__file__).resolve().parents[1]
 DATA = REPO / "data" / "wikitext-2"
 sys.path.insert(0, str(REPO / "benchmarks"))
 
-from foundation import bench_parser, fused_ops, latency_ms  # noqa: E402
+from foundation import bench_parser, fused_ops, latency_ms, save_results  # noqa: E402
 
 ROTATE_FP32 = '[[pass]]\nname = "fuse-norms"\n\n[[pass]]\nname = "ln-to-rms"\n\n[[pass]]\nname = "rotate"\n'
 
@@ -80,9 +80,7 @@ def main(argv=None) -> int:
             results[name]["latency_ms_512"] = round(latency_ms(models[name]), 1)
             results[name]["fused_ops"] = fused_ops(models[name])
             print(f"{name}: latency {results[name]['latency_ms_512']} ms {results[name]['fused_ops']}", flush=True)
-    a.out.parent.mkdir(parents=True, exist_ok=True)
-    a.out.write_text(json.dumps(results, indent=1))
-    print(json.dumps(results, indent=1))
+    save_results(a.out, results)
     return 0
 
 

@@ -56,10 +56,11 @@ def save_results(path: Path, results: dict) -> None:
 
 
 def interleaved_latency_ms(models: dict[str, Path], seq_len: int = 512, repeats: int = 10,
-                           threads: int | None = None) -> dict[str, float]:
+                           threads: int | None = None, feeds: dict | None = None) -> dict[str, float]:
     """Median latency of each model, runs interleaved (A, B, C, A, B, C, ...) so that load
-    drifting on a noisy machine hits every model alike; ratios between them are what to read."""
-    sessions, feeds = {}, {}
+    drifting on a noisy machine hits every model alike; ratios between them are what to read.
+    ``feeds``: the inputs every model gets (default: ``seq_len`` random token ids)."""
+    sessions, feed_of = {}, {}
     ids = np.random.default_rng(0).integers(0, 1000, (1, seq_len), dtype=np.int64)
     for name, path in models.items():
         so = ort.SessionOptions()
@@ -67,19 +68,22 @@ def interleaved_latency_ms(models: dict[str, Path], seq_len: int = 512, repeats:
             so.intra_op_num_threads = threads
         sess = ort.InferenceSession(str(path), so, providers=["CPUExecutionProvider"])
         names = {i.name for i in sess.get_inputs()}
-        f = {"input_ids": ids}
-        if "attention_mask" in names:
-            f["attention_mask"] = np.ones_like(ids)
-        if "position_ids" in names:
-            f["position_ids"] = np.arange(seq_len, dtype=np.int64)[None]
-        sessions[name], feeds[name] = sess, f
+        if feeds is not None:
+            f = {k: v for k, v in feeds.items() if k in names}
+        else:
+            f = {"input_ids": ids}
+            if "attention_mask" in names:
+                f["attention_mask"] = np.ones_like(ids)
+            if "position_ids" in names:
+                f["position_ids"] = np.arange(seq_len, dtype=np.int64)[None]
+        sessions[name], feed_of[name] = sess, f
         for _ in range(2):
             sess.run(None, f)
     times: dict[str, list[float]] = {name: [] for name in models}
     for _ in range(repeats):
         for name, sess in sessions.items():
             t = time.perf_counter()
-            sess.run(None, feeds[name])
+            sess.run(None, feed_of[name])
             times[name].append(time.perf_counter() - t)
     return {name: float(np.median(v) * 1000) for name, v in times.items()}
 

@@ -55,7 +55,7 @@ def insert_quantize(graph: gs.Graph, index: ir.GraphIndex, tensor: gs.Tensor, lo
     s_const = gs.Constant(ir.unique_name(index, f"{name}_scale"), np.asarray(scale, np.float32).reshape(()))
     z_const = gs.Constant(ir.unique_name(index, f"{name}_zero_point"), np.asarray(zp).reshape(()))
     quant = gs.Variable(ir.unique_name(index, f"{name}_quantized"), dtype=spec.np_dtype)
-    node = gs.Node("QuantizeLinear", f"{name}_QuantizeLinear", {}, [tensor, s_const, z_const], [quant])
+    node = gs.Node("QuantizeLinear", ir.unique_name(index, f"{name}_QuantizeLinear"), {}, [tensor, s_const, z_const], [quant])
     graph.nodes.append(node)
     if spec.narrowed:
         narrow = gs.Variable(ir.unique_name(index, f"{name}_quantized_{spec.bits}bit"), dtype=spec.np_dtype)

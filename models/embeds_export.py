@@ -14,12 +14,13 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Iterator, Sequence
 
+from edgeq.modality_mask import DEFAULT_SPAN_INPUTS, SPAN_METADATA_KEY
+
 MODEL_FILE = "model.onnx"
 EMBED_INPUTS = ("inputs_embeds", "attention_mask", "position_ids")
-SPAN_INPUTS = ("visual_start", "visual_len")
+SPAN_INPUTS = DEFAULT_SPAN_INPUTS
 MODEL_INPUTS = EMBED_INPUTS + SPAN_INPUTS
 OPSET = 18  # what optimum uses for the text-only SmolLM2 export, so the passes see the same ops
-SPAN_METADATA_KEY = "edgeq.visual_span_inputs"
 
 
 @contextmanager

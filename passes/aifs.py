@@ -47,12 +47,12 @@ import numpy as np
 import onnx_graphsurgeon as gs
 
 from edgeq import ir
+from edgeq.graph_builder import NodeBuilder
+from edgeq.modality_mask import span_input_names, visual_block_mask
 from edgeq.passbase import Exactness, Pass, PassConfig, PassContext, PassResult
 from edgeq.registry import register_pass
 
-AIFS_KEY = "edgeq.aifs"
-SPAN_METADATA_KEY = "edgeq.visual_span_inputs"  # as written by edgeq.models.composed_vlm
-DEFAULT_SPAN_INPUTS = ("visual_start", "visual_len")
+AIFS_KEY = "edgeq.aifs"  # value "span=START,LEN;visual_count=TENSOR" (MSQ reads the count)
 COMPARISONS = ("LessOrEqual", "GreaterOrEqual", "Less", "Greater")
 # ops the additive mask may pass through between the shared Where and a layer's Softmax Add
 _MASK_PASSTHROUGH = ("Slice", "Cast", "Expand", "Identity", "Reshape")
@@ -84,7 +84,8 @@ class AifsPass(Pass):
         if isinstance(found, str):
             return PassResult(False, {"not_applicable": found})
         summary = _rewrite(graph, found)
-        ir.set_graph_metadata(graph, AIFS_KEY, f"span={found['start'].name},{found['length'].name}")
+        ir.set_graph_metadata(graph, AIFS_KEY, f"span={found['start'].name},{found['length'].name};"
+                                                f"visual_count={summary['visual_count']}")
         return PassResult(True, summary)
 
 
@@ -98,7 +99,7 @@ def _match(graph: gs.Graph, cfg: AifsConfig, meta: dict) -> dict | str:
     if graph.opset < 13:
         return f"opset {graph.opset} < 13 (Unsqueeze/ReduceSum with axes inputs)"
     inputs = {t.name: t for t in graph.inputs}
-    span_names = tuple(meta.get(SPAN_METADATA_KEY, ",".join(DEFAULT_SPAN_INPUTS)).split(","))
+    span_names = span_input_names(meta)
     if len(span_names) != 2 or not all(n in inputs for n in span_names):
         return f"no visual span inputs {'/'.join(span_names)}"
     for name in (cfg.embeds_input, cfg.mask_input, cfg.position_input):
@@ -235,46 +236,16 @@ def _range_axis(index: ir.GraphIndex, tensor: gs.Tensor) -> int | None:
 # ---------------------------------------------------------------------------------------------
 
 
-class _Builder:
-    def __init__(self, graph: gs.Graph, index: ir.GraphIndex):
-        self.graph, self.index = graph, index
-        self.nodes: list[gs.Node] = []
-
-    def const(self, name: str, value) -> gs.Constant:
-        return gs.Constant(ir.unique_name(self.index, f"/aifs/{name}"), np.asarray(value))
-
-    def op(self, op: str, name: str, inputs, dtype=None, attrs=None, out_name: str | None = None) -> gs.Variable:
-        out = gs.Variable(out_name or ir.unique_name(self.index, f"/aifs/{name}_output_0"), dtype=dtype)
-        node = gs.Node(op, f"/aifs/{name}", attrs=attrs or {}, inputs=list(inputs), outputs=[out])
-        self.graph.nodes.append(node)
-        self.nodes.append(node)
-        return out
-
-
 def _rewrite(graph: gs.Graph, m: dict) -> dict:
     index: ir.GraphIndex = m["index"]
     embeds, mask, pos = m["embeds"], m["mask"], m["pos"]
     # consumers of the original inputs, taken before the new nodes read them
     readers = {t.name: list(index.consumers(t.name)) for t in (embeds, mask, pos)}
-    b = _Builder(graph, index)
+    b = NodeBuilder(graph, index, "aifs")
     i64 = np.int64
 
-    shape = b.op("Shape", "Shape", [embeds], i64)
-    batch = b.op("Gather", "Batch", [shape, b.const("zero", np.int64(0))], i64, {"axis": 0})
-    seq = b.op("Gather", "Seq", [shape, b.const("one", np.int64(1))], i64, {"axis": 0})
-    idx = b.op("Range", "Range", [b.const("range_start", np.int64(0)), seq, b.const("range_step", np.int64(1))], i64)
-    row = b.op("Unsqueeze", "RowIndex", [idx, b.const("axes_0", np.array([0], i64))], i64)  # [1, S]
-
-    mask64 = b.op("Cast", "MaskInt64", [mask], i64, {"to": 7})
-    is_pad = b.op("Equal", "IsPadToken", [mask64, b.const("mask_zero", np.int64(0))], np.bool_)
-    pad_len = b.op("ReduceSum", "PadLen", [b.op("Cast", "PadInt64", [is_pad], i64, {"to": 7}),
-                                           b.const("axes_1", np.array([1], i64))], i64, {"keepdims": 1})  # [B, 1]
-    vstart = b.op("Unsqueeze", "VisualStart", [m["start"], b.const("axes_1b", np.array([1], i64))], i64)
-    vend = b.op("Add", "VisualEnd", [vstart, b.op("Unsqueeze", "VisualLen", [m["length"], b.const("axes_1c", np.array([1], i64))], i64)], i64)
-    in_pad = b.op("Less", "InPadding", [row, pad_len], np.bool_)
-    in_vis = b.op("And", "InVisual", [b.op("GreaterOrEqual", "AfterVisualStart", [row, vstart], np.bool_),
-                                      b.op("Less", "BeforeVisualEnd", [row, vend], np.bool_)], np.bool_)
-    first = b.op("Or", "FirstBlock", [in_pad, in_vis], np.bool_)  # [B, S]: padding + visual block
+    block = visual_block_mask(b, embeds, mask, m["start"], m["length"])
+    batch, seq, row, first = block["batch"], block["seq"], block["row"], block["first"]
     first64 = b.op("Cast", "FirstInt64", [first], i64, {"to": 7})
     text64 = b.op("Cast", "TextInt64", [b.op("Not", "IsText", [first], np.bool_)], i64, {"to": 7})
     n_first = b.op("ReduceSum", "FirstLen", [first64, b.const("axes_1d", np.array([1], i64))], i64, {"keepdims": 1})
@@ -325,8 +296,7 @@ def _rewrite(graph: gs.Graph, m: dict) -> dict:
         producer.outputs[producer.outputs.index(out)] = inner
         flat = b.op("Flatten", f"Flatten_{out.name}", [inner], out.dtype, {"axis": 2})
         node = gs.Node("Gather", f"/aifs/Unpermute_{out.name}", attrs={"axis": 0}, inputs=[flat, flat_dest], outputs=[out])
-        graph.nodes.append(node)
-        b.nodes.append(node)
+        b.add(node)
         outputs.append(out.name)
 
     return {
@@ -338,6 +308,7 @@ def _rewrite(graph: gs.Graph, m: dict) -> dict:
         "softmax_layers": m["softmaxes"],
         "unpermuted_outputs": outputs,
         "permutation": perm.name,
+        "visual_count": n_first.name,  # [B, 1]: rows [0, n) of every batch row are the visual block
         "inverse_permutation": dest.name,
         "nodes_added": len(b.nodes),
     }

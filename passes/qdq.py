@@ -120,21 +120,11 @@ class QDQPass(Pass):
         site_specs = self._site_specs(linears, act_spec)
         ensure_opset(graph, self._weight_spec(axis=0), *set(site_specs.values()))
         nodes = {n.name: n for n in graph.nodes}
-        act_sites = {}
-        if cfg.activation_granularity == "token":
-            for name, spec in sorted(site_specs.items()):
-                act_sites[name] = insert_token_fake_quant(graph, index, index.tensors[name], spec)
-        else:
-            for spec in sorted(set(site_specs.values()), key=lambda sp: (sp.dtype, sp.bits)):
-                names = sorted(n for n, sp in site_specs.items() if sp == spec)
-                for name, obs in self._calibrate(graph, ctx, names, spec).items():
-                    lo, hi = obs.range()
-                    act_sites[name] = _quantize_site(graph, index, index.tensors[name], lo, hi, spec)
+        act_sites = self._activation_sites(graph, index, ctx, site_specs)
         quantized_weights: dict[tuple[str, bool], gs.Variable] = {}
         for lin in linears:
             node = nodes[lin.node]
-            site = act_sites[lin.input]
-            node.inputs[0] = site if isinstance(site, gs.Variable) else insert_dequantize(graph, index, site, lin.node)
+            self._wire_input(graph, index, node, act_sites[lin.input])
             key = (lin.weight, lin.weight_transposed)
             if key not in quantized_weights:
                 quantized_weights[key] = self._quantize_weight(graph, index, lin)
@@ -144,7 +134,7 @@ class QDQPass(Pass):
         roles: dict[str, int] = {}
         for lin in linears:
             roles[lin.role] = roles.get(lin.role, 0) + 1
-        return PassResult(True, {
+        return PassResult(True, {**self._extra_summary(),
             "linears_quantized": len(linears),
             "activation_sites": len(act_sites),
             "weights_quantized": len(quantized_weights),
@@ -157,6 +147,29 @@ class QDQPass(Pass):
                       + f" {'symmetric' if cfg.weight_symmetric else 'asymmetric'} per-{cfg.weight_granularity}"
                       + (f" (group {cfg.group_size})" if cfg.weight_granularity == "group" else ""),
         })
+
+    def _activation_sites(self, graph: gs.Graph, index: ir.GraphIndex, ctx: PassContext,
+                          site_specs: dict[str, QuantSpec]) -> dict[str, object]:
+        """Quantize every activation site: tensor name -> QuantizedTensor (static) or the float
+        fake-quantized tensor (per-token). Subclasses (msq) give a site two scales."""
+        act_sites: dict[str, object] = {}
+        if self.config.activation_granularity == "token":
+            for name, spec in sorted(site_specs.items()):
+                act_sites[name] = insert_token_fake_quant(graph, index, index.tensors[name], spec)
+            return act_sites
+        for spec in sorted(set(site_specs.values()), key=lambda sp: (sp.dtype, sp.bits)):
+            names = sorted(n for n, sp in site_specs.items() if sp == spec)
+            for name, obs in self._calibrate(graph, ctx, names, spec).items():
+                lo, hi = obs.range()
+                act_sites[name] = _quantize_site(graph, index, index.tensors[name], lo, hi, spec)
+        return act_sites
+
+    def _wire_input(self, graph: gs.Graph, index: ir.GraphIndex, node: gs.Node, site) -> None:
+        """Make the linear ``node`` read its quantized activation (its own DequantizeLinear)."""
+        node.inputs[0] = site if isinstance(site, gs.Variable) else insert_dequantize(graph, index, site, node.name)
+
+    def _extra_summary(self) -> dict:
+        return {}
 
     def _site_specs(self, linears, default: QuantSpec) -> dict[str, QuantSpec]:
         """Activation spec of each quantized tensor: the default, or the widest role override."""
@@ -176,7 +189,7 @@ class QDQPass(Pass):
         block = cfg.group_size if cfg.weight_granularity == "group" else 0
         return QuantSpec(cfg.weight_dtype, cfg.weight_symmetric, axis=axis, block_size=block, value_bits=cfg.weight_bits)
 
-    def _calibrate(self, graph, ctx: PassContext, names: list[str], spec: QuantSpec):
+    def _calibrate(self, graph, ctx: PassContext, names: list[str], spec: QuantSpec, split_by: str | None = None):
         cfg: QDQConfig = self.config
         if cfg.activation_observer == "minmax":
             factory = MinMaxObserver
@@ -186,10 +199,11 @@ class QDQPass(Pass):
         # the collected statistics do not depend on the bit width (only the clip chosen from them
         # does), so bit-width sweeps share one calibration run through the cache
         key = f"qdq:{cfg.activation_observer}:{cfg.percentile}"
-        observers = ctx.require_calibrator(self.name).observe(graph, {n: factory for n in names}, key)
+        observers = ctx.require_calibrator(self.name).observe(graph, {n: factory for n in names}, key, split_by)
         for obs in observers.values():
-            if isinstance(obs, HistogramObserver):
-                obs.bits = spec.bits
+            for part in (getattr(obs, "visual", None), getattr(obs, "text", None), obs):
+                if isinstance(part, HistogramObserver):
+                    part.bits = spec.bits
         return observers
 
     def _quantize_weight(self, graph: gs.Graph, index: ir.GraphIndex, lin: Linear) -> gs.Variable:

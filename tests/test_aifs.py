@@ -7,11 +7,11 @@ from __future__ import annotations
 import numpy as np
 import onnx
 import pytest
+from toy import qwen_vl_feeds
 
 from edgeq import ir
 from edgeq.models import composed_vlm as cv
 from edgeq.models import embeds_export as ee
-from edgeq.models.tiny_qwen2vl import HIDDEN, mrope_position_ids
 from edgeq.passbase import FLOAT_EQUIV_RTOL, PassContext
 from edgeq.passes.aifs import AIFS_KEY, PERMUTED_EMBEDS
 from edgeq.pipeline import Pipeline, PipelineOptions
@@ -44,28 +44,6 @@ def _expected_order(feeds) -> np.ndarray:
         first = [i for i in range(s) if i < pad or start <= i < start + length]
         rows.append(first + [i for i in range(s) if i not in set(first)])
     return np.asarray(rows, np.int64)
-
-
-def _qwen_feeds(rows, seed=0):
-    """Left-padded "text, image, text" rows ``(prefix, (h, w), suffix)`` with Qwen2-VL M-RoPE ids;
-    pads get ``position_ids`` 1 (``generate``'s convention) and ``attention_mask`` 0."""
-    rng = np.random.default_rng(seed)
-    lengths = [p + g[0] * g[1] + q for p, g, q in rows]
-    batch, seq = len(rows), max(lengths)
-    feeds = {
-        "inputs_embeds": rng.standard_normal((batch, seq, HIDDEN)).astype(np.float32),
-        "attention_mask": np.zeros((batch, seq), np.int64),
-        "position_ids": np.ones((3, batch, seq), np.int64),
-        "visual_start": np.zeros(batch, np.int64),
-        "visual_len": np.zeros(batch, np.int64),
-    }
-    for r, ((prefix, grid, suffix), length) in enumerate(zip(rows, lengths)):
-        pad = seq - length
-        feeds["attention_mask"][r, pad:] = 1
-        feeds["position_ids"][:, r, pad:] = mrope_position_ids(prefix, grid, suffix)
-        feeds["visual_start"][r] = pad + prefix
-        feeds["visual_len"][r] = grid[0] * grid[1]
-    return feeds
 
 
 def _nodes(model: onnx.ModelProto) -> list:
@@ -115,14 +93,14 @@ def test_aifs_rewrites_the_shared_mask(qwen2vl_pair):
 
 def test_aifs_tiny_qwen2vl_batch1_is_float_equivalent(qwen2vl_pair):
     model, out, _ = qwen2vl_pair
-    feeds = _qwen_feeds([(5, (2, 3), 6)])
+    feeds = qwen_vl_feeds([(5, (2, 3), 6)])
     assert (_expected_order(feeds)[0] != np.arange(feeds["attention_mask"].shape[1])).any()
     _assert_float_equiv(_logits(out, feeds), _logits(model, feeds))
 
 
 def test_aifs_tiny_qwen2vl_batch3_spans_and_left_padding(qwen2vl_pair):
     model, out, _ = qwen2vl_pair
-    feeds = _qwen_feeds([(7, (2, 3), 2), (1, (3, 3), 4), (3, (2, 2), 0)], seed=1)
+    feeds = qwen_vl_feeds([(7, (2, 3), 2), (1, (3, 3), 4), (3, (2, 2), 0)], seed=1)
     assert len(set(feeds["visual_start"].tolist())) == 3
     assert sorted((feeds["attention_mask"] == 0).sum(1).tolist()) == [0, 1, 8]
     _assert_float_equiv(_logits(out, feeds), _logits(model, feeds))
@@ -131,7 +109,7 @@ def test_aifs_tiny_qwen2vl_batch3_spans_and_left_padding(qwen2vl_pair):
 def test_aifs_tiny_qwen2vl_without_padding_or_image(qwen2vl_pair):
     """Edge spans: an image at position 0, and a row with an empty span (identity order)."""
     model, out, _ = qwen2vl_pair
-    feeds = _qwen_feeds([(0, (2, 2), 5), (3, (1, 1), 5)], seed=2)
+    feeds = qwen_vl_feeds([(0, (2, 2), 5), (3, (1, 1), 5)], seed=2)
     feeds["visual_len"][1] = 0
     _assert_float_equiv(_logits(out, feeds), _logits(model, feeds))
 
@@ -140,7 +118,7 @@ def test_aifs_embeddings_reach_the_layers_visual_first(qwen2vl_pair):
     _, out, record = qwen2vl_pair
     name = record["summary"]["reordered_inputs"]["inputs_embeds"]
     assert name == PERMUTED_EMBEDS
-    feeds = _qwen_feeds([(7, (2, 3), 2), (1, (3, 3), 4), (3, (2, 2), 0)], seed=1)
+    feeds = qwen_vl_feeds([(7, (2, 3), 2), (1, (3, 3), 4), (3, (2, 2), 0)], seed=1)
     first_norm = [n for n in out.graph.node if n.name.startswith("/model/layers.0/") and name in n.input]
     assert first_norm, "the first layer does not read the reordered embeddings"
     assert not any("inputs_embeds" in n.input for n in out.graph.node if not n.name.startswith("/aifs/"))
@@ -160,7 +138,7 @@ def test_aifs_is_idempotent_and_survives_save_load(qwen2vl_pair, tmp_path):
     _, out, _ = qwen2vl_pair
     again, record = _aifs(out)
     assert record["modified"] is False and "already_applied" in record["summary"]
-    feeds = _qwen_feeds([(2, (2, 2), 3), (4, (1, 2), 1)], seed=3)
+    feeds = qwen_vl_feeds([(2, (2, 2), 3), (4, (1, 2), 1)], seed=3)
     ref = _logits(out, feeds)
     np.testing.assert_array_equal(_logits(again, feeds), ref)
     path = ir.save_model(out, tmp_path / "m" / "model.onnx")
@@ -234,7 +212,7 @@ def test_each_part_of_the_rewrite_is_needed(qwen2vl_pair):
     move well outside the tolerance (>10x)."""
     model, out, record = qwen2vl_pair
     summary = record["summary"]
-    feeds = _qwen_feeds([(7, (2, 3), 2), (1, (3, 3), 4)], seed=4)
+    feeds = qwen_vl_feeds([(7, (2, 3), 2), (1, (3, 3), 4)], seed=4)
     ref = _logits(model, feeds)
     scale = max(float(np.abs(ref).max()), 1.0)
     arange = next(n for n in out.graph.node if n.name == "/aifs/Range").output[0]  # arange(S)

@@ -94,3 +94,30 @@ def single_linear(k: int, n: int, seed: int = 0):
                           [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["b", "t", n])],
                           [numpy_helper.from_array(w, "w")])
     return helper.make_model(g, opset_imports=[helper.make_opsetid("", 18)], ir_version=9), w
+
+
+def qwen_vl_feeds(rows, seed: int = 0, visual_gain: float = 1.0) -> dict[str, np.ndarray]:
+    """Left-padded "text, image, text" rows ``(prefix, (h, w), suffix)`` with Qwen2-VL M-RoPE ids;
+    pads get ``position_ids`` 1 (``generate``'s convention) and ``attention_mask`` 0.
+    ``visual_gain`` scales four channels of the visual embeddings (a modality with outlier channels,
+    so a wider range even after RMSNorm, for MSQ)."""
+    from edgeq.models.tiny_qwen2vl import HIDDEN, mrope_position_ids
+
+    rng = np.random.default_rng(seed)
+    lengths = [p + g[0] * g[1] + q for p, g, q in rows]
+    batch, seq = len(rows), max(lengths)
+    feeds = {
+        "inputs_embeds": rng.standard_normal((batch, seq, HIDDEN)).astype(np.float32),
+        "attention_mask": np.zeros((batch, seq), np.int64),
+        "position_ids": np.ones((3, batch, seq), np.int64),
+        "visual_start": np.zeros(batch, np.int64),
+        "visual_len": np.zeros(batch, np.int64),
+    }
+    for r, ((prefix, grid, suffix), length) in enumerate(zip(rows, lengths)):
+        pad = seq - length
+        feeds["attention_mask"][r, pad:] = 1
+        feeds["position_ids"][:, r, pad:] = mrope_position_ids(prefix, grid, suffix)
+        feeds["visual_start"][r] = pad + prefix
+        feeds["visual_len"][r] = grid[0] * grid[1]
+        feeds["inputs_embeds"][r, pad + prefix:pad + prefix + grid[0] * grid[1], :4] *= visual_gain
+    return feeds

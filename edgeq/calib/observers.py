@@ -210,7 +210,52 @@ class ChannelStatsObserver(Observer):
         return -m, m
 
 
-OBSERVERS = {cls.kind: cls for cls in (MinMaxObserver, PerChannelAbsMaxObserver, HistogramObserver, ChannelStatsObserver)}
+class ModalitySplitObserver(Observer):
+    """Two observers of one tensor: one fed the visual tokens, one the text tokens (MQuant's MSQ
+    calibrates a static scale per modality). ``update_split(x, is_visual)`` takes the tensor
+    [B, S, ...] and a [B, S] mask; ``range()`` is the union, for callers that want one scale."""
+
+    kind = "modality_split"
+
+    def __init__(self, visual: Observer, text: Observer):
+        self.visual, self.text = visual, text
+        self.tokens = np.zeros(2, np.int64)  # visual, text tokens seen
+
+    def update(self, x):
+        raise TypeError("ModalitySplitObserver needs the token mask: call update_split(x, is_visual)")
+
+    def update_split(self, x: np.ndarray, is_visual: np.ndarray) -> None:
+        is_visual = np.asarray(is_visual, bool)
+        if x.shape[:2] != is_visual.shape:
+            raise ValueError(f"token mask {is_visual.shape} does not match tensor {x.shape}")
+        for obs, rows, slot in ((self.visual, x[is_visual], 0), (self.text, x[~is_visual], 1)):
+            if rows.size:
+                obs.update(rows)
+                self.tokens[slot] += rows.shape[0]
+
+    def state(self):
+        out = {"tokens": self.tokens}
+        for part, obs in (("visual", self.visual), ("text", self.text)):
+            out.update({f"{part}.{k}": v for k, v in observer_state(obs).items()})
+        return out
+
+    @classmethod
+    def from_state(cls, state):
+        parts = [observer_from_state({k.split(".", 1)[1]: v for k, v in state.items() if k.startswith(f"{p}.")})
+                 for p in ("visual", "text")]
+        obs = cls(*parts)
+        obs.tokens = np.asarray(state["tokens"], np.int64)
+        return obs
+
+    def range(self):
+        ranges = [o.range() for o, n in zip((self.visual, self.text), self.tokens) if n]
+        if not ranges:
+            return np.inf, -np.inf
+        return min(r[0] for r in ranges), max(r[1] for r in ranges)
+
+
+OBSERVERS = {cls.kind: cls for cls in (MinMaxObserver, PerChannelAbsMaxObserver, HistogramObserver, ChannelStatsObserver,
+                                       ModalitySplitObserver)}
 
 
 def observer_from_state(state: dict[str, np.ndarray]) -> Observer:

@@ -20,7 +20,7 @@ import onnx
 import onnx_graphsurgeon as gs
 
 from edgeq import ir
-from edgeq.calib.observers import Observer, observer_from_state, observer_state
+from edgeq.calib.observers import ModalitySplitObserver, Observer, observer_from_state, observer_state
 from edgeq.progress import progress
 
 
@@ -60,27 +60,39 @@ class Calibrator:
         graph: gs.Graph,
         factories: dict[str, Callable[[], Observer]],
         settings_key: str,
+        split_by: str | None = None,
     ) -> dict[str, Observer]:
-        """Observers for each named tensor of ``graph``, after one pass over the data."""
+        """Observers for each named tensor of ``graph``, after one pass over the data.
+
+        ``split_by``: a [batch, seq] bool tensor of the graph marking visual tokens; each tensor
+        then gets a ``ModalitySplitObserver`` (two observers built by its factory).
+        """
         if not factories:
             return {}
         model = ir.to_model(graph)
         names = sorted(factories)
-        key = self._cache_key(model, names, settings_key)
+        key = self._cache_key(model, names, settings_key + (f":split={split_by}" if split_by else ""))
         cached = self._load(key, names)
         if cached is not None:
             self.log.cache_hits += 1
             self._record(cached)
             return cached
         start = time.perf_counter()
-        observers = {name: factories[name]() for name in names}
-        _add_outputs(model, graph, names)
+        if split_by:
+            observers = {name: ModalitySplitObserver(factories[name](), factories[name]()) for name in names}
+        else:
+            observers = {name: factories[name]() for name in names}
+        fetch = names + ([split_by] if split_by else [])
+        _add_outputs(model, graph, fetch)
         session = ir.make_session(model, optimize=True)
         del model  # onnxruntime holds its own copy of the weights; free ours before running
         for feeds in progress(self.data.batches, desc=f"calibrating {len(names)} tensors"):
-            values = session.run(names, feeds)
+            values = session.run(fetch, feeds)
             for name, value in zip(names, values):
-                observers[name].update(value)
+                if split_by:
+                    observers[name].update_split(value, values[-1])
+                else:
+                    observers[name].update(value)
             del values
         self.log.runs += 1
         self.log.seconds += time.perf_counter() - start

@@ -1,0 +1,187 @@
+"""``msq``: MQuant's Modality-Specific Static Quantization (section 3.1, appendix A.10).
+
+Why: visual and text tokens of a vision-language model reach the linears with different activation
+ranges, so one static per-tensor scale either clips one modality or wastes the other's levels.
+MSQ keeps static per-tensor quantization (no per-token scale computed at run time) but gives every
+activation site two scales: one calibrated on visual tokens, one on text tokens. Everything else is
+the ``qdq`` pass (weights, role overrides, bit widths, observers): ``msq`` is ``qdq`` with
+modality-split calibration and a two-scale activation quantizer.
+
+Which tokens are visual: after ``aifs`` (the recommended order), rows ``[0, visual_count[b])`` of
+every batch row (the count AIFS computes in the graph); without AIFS, the tokens of the visual span
+plus left padding, wherever they sit (the interleaved fallback). Calibration splits every site's
+statistics with the same in-graph mask.
+
+How the two scales are applied (``lowering``):
+
+- ``integer`` (default; any layout): ``x * g -> QuantizeLinear(s_t) -> DequantizeLinear -> MatMul
+  -> * 1/g`` with ``g = s_t / s_v`` on visual rows and 1 on text rows. The integers are those of
+  quantizing visual rows with ``s_v`` and text rows with ``s_t`` (``round(x g / s_t) = round(x /
+  s_v)``), and onnxruntime still fuses the Q/DQ/MatMul into its integer kernel; the price is two
+  row-broadcast multiplies per linear. Needs symmetric activations (one shared zero point).
+- ``custom``: ``edgeq::ModalityQDQ(x, visual_count, s_v, zp_v, s_t, zp_t)``, the NPU hand-off form
+  (a native kernel quantizes the two contiguous slices); needs ``aifs``. onnxruntime runs its
+  function body (two QDQs and a select) and the linears in float.
+- ``select``: ``Where(is_visual, QDQ_v(x), QDQ_t(x))`` in standard ops; works on interleaved
+  tokens (what MSQ without AIFS costs a backend that has only per-tensor QDQ); float linears.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import onnx_graphsurgeon as gs
+
+from edgeq import ir
+from edgeq.errors import UserInputError
+from edgeq.graph_builder import NodeBuilder
+from edgeq.modality_mask import prefix_mask, span_input_names, visual_block_mask
+from edgeq.passbase import PassContext, PassResult
+from edgeq.passes.aifs import AIFS_KEY
+from edgeq.passes.qdq import QDQConfig, QDQPass
+from edgeq.qdq_nodes import QuantizedTensor, insert_dequantize, insert_quantize
+from edgeq.quant import QuantSpec, scale_zero_point
+from edgeq.registry import register_pass
+from edgeq.runtime_ops.domain import DOMAIN
+
+MSQ_KEY = "edgeq.msq"
+LOWERINGS = ("integer", "custom", "select")
+
+
+@dataclass(frozen=True)
+class MsqConfig(QDQConfig):
+    lowering: str = "integer"
+    mask_input: str = "attention_mask"
+    embeds_input: str = "inputs_embeds"
+
+    def __post_init__(self):
+        super().__post_init__()
+        if self.lowering not in LOWERINGS:
+            raise UserInputError(f"msq: lowering must be one of {', '.join(LOWERINGS)}, got '{self.lowering}'")
+        if self.activation_granularity != "tensor":
+            raise UserInputError("msq: per-modality scales are static per-tensor; activation_granularity must be 'tensor'")
+        if self.lowering == "integer" and not self.activation_symmetric:
+            raise UserInputError("msq: lowering 'integer' needs symmetric activations (one zero point for both scales)")
+
+
+@dataclass(frozen=True)
+class _RescaledSite:
+    """An activation quantized with the text scale after a per-row gain; readers undo the gain."""
+
+    quantized: QuantizedTensor
+    inverse_gain: gs.Variable  # [B, S, 1]
+
+
+@register_pass
+class MsqPass(QDQPass):
+    name = "msq"
+    Config = MsqConfig
+    summary_line = "MQuant MSQ: qdq with a visual and a text static scale per activation site (after aifs: visual-first slices)"
+
+    def run(self, graph: gs.Graph, ctx: PassContext) -> PassResult:
+        meta = ir.graph_metadata(graph)
+        if MSQ_KEY in meta:
+            return PassResult(False, {"already_applied": meta[MSQ_KEY]})
+        cfg: MsqConfig = self.config
+        index = ir.GraphIndex(graph)
+        self._b = NodeBuilder(graph, index, "msq")
+        self._layout, self._is_visual, self._count = self._modality_mask(graph, meta)
+        self._vis3 = self._b.op("Unsqueeze", "IsVisualColumn", [self._is_visual, self._b.const("axes_last", np.array([2], np.int64))],
+                                np.bool_)  # [B, S, 1]
+        self._ranges: dict[str, dict] = {}
+        result = super().run(graph, ctx)
+        if result.modified:
+            ir.set_graph_metadata(graph, MSQ_KEY, f"layout={self._layout};lowering={cfg.lowering}")
+        return result
+
+    def _modality_mask(self, graph: gs.Graph, meta: dict) -> tuple[str, gs.Tensor, gs.Tensor | None]:
+        """(layout, is_visual [B, S] bool, visual_count [B] or None) built in the graph."""
+        cfg: MsqConfig = self.config
+        inputs = {t.name: t for t in graph.inputs}
+        if cfg.mask_input not in inputs:
+            raise UserInputError(f"msq: the model has no '{cfg.mask_input}' input; per-modality scales need a "
+                                 "vision-language graph with visual span inputs (use qdq for text-only models)")
+        mask = inputs[cfg.mask_input]
+        aifs = dict(part.split("=", 1) for part in meta.get(AIFS_KEY, "").split(";") if "=" in part)
+        index = self._b.index
+        if "visual_count" in aifs and aifs["visual_count"] in index.tensors:
+            count = index.tensors[aifs["visual_count"]]  # [B, 1]
+            count1d = self._b.op("Squeeze", "VisualCount", [count, self._b.const("axes_1", np.array([1], np.int64))], np.int64)
+            return "prefix", prefix_mask(self._b, mask, count), count1d
+        if cfg.lowering == "custom":
+            raise UserInputError("msq: lowering 'custom' (edgeq::ModalityQDQ) needs the visual-first layout: run aifs before msq")
+        span = span_input_names(meta)
+        if len(span) != 2 or not all(n in inputs for n in span) or cfg.embeds_input not in inputs:
+            raise UserInputError(f"msq: the model has no visual span inputs ({'/'.join(span)}) and aifs was not applied; "
+                                 "per-modality scales need to know which tokens are visual (use qdq for text-only models)")
+        first = visual_block_mask(self._b, inputs[cfg.embeds_input], mask, inputs[span[0]], inputs[span[1]])["first"]
+        return "interleaved", first, None
+
+    def _activation_sites(self, graph, index, ctx, site_specs: dict[str, QuantSpec]) -> dict[str, object]:
+        sites: dict[str, object] = {}
+        for spec in sorted(set(site_specs.values()), key=lambda sp: (sp.dtype, sp.bits)):
+            names = sorted(n for n, sp in site_specs.items() if sp == spec)
+            for name, obs in self._calibrate(graph, ctx, names, spec, split_by=self._is_visual.name).items():
+                visual, text = self._modality_ranges(name, obs)
+                sites[name] = self._quantize(graph, index, index.tensors[name], visual, text, spec)
+        return sites
+
+    def _modality_ranges(self, name: str, obs) -> tuple[tuple[float, float], tuple[float, float]]:
+        """(visual lo/hi, text lo/hi); a modality calibration never saw takes the other's range."""
+        seen = [int(n) > 0 for n in obs.tokens]
+        if not any(seen):
+            raise UserInputError(f"calibration saw no tokens for '{name}'")
+        visual = obs.visual.range() if seen[0] else obs.text.range()
+        text = obs.text.range() if seen[1] else obs.visual.range()
+        self._ranges[name] = {"visual": [float(v) for v in visual], "text": [float(t) for t in text],
+                              "tokens": [int(n) for n in obs.tokens]}
+        return visual, text
+
+    def _quantize(self, graph, index, x: gs.Tensor, visual, text, spec: QuantSpec):
+        cfg: MsqConfig = self.config
+        b = self._b
+        if cfg.lowering == "integer":
+            s_v, _ = scale_zero_point(np.array(visual[0]), np.array(visual[1]), spec)
+            s_t, _ = scale_zero_point(np.array(text[0]), np.array(text[1]), spec)
+            one = np.float32(1.0)
+            gain = b.op("Where", f"{x.name}_ModalityGain", [self._vis3, b.const(f"{x.name}_gain", np.float32(s_t / s_v)), b.const("one", one)], np.float32)
+            inv = b.op("Where", f"{x.name}_ModalityInvGain", [self._vis3, b.const(f"{x.name}_inv_gain", np.float32(s_v / s_t)), b.const("one", one)], np.float32)
+            scaled = b.op("Mul", f"{x.name}_ModalityRescale", [x, gain], np.float32)
+            return _RescaledSite(insert_quantize(graph, index, scaled, *text, spec), inv)
+        qv = insert_quantize(graph, index, x, *visual, spec)
+        qt = insert_quantize(graph, index, x, *text, spec)
+        if cfg.lowering == "select":
+            dq_v, dq_t = (insert_dequantize(graph, index, q, f"{x.name}_{m}") for q, m in ((qv, "visual"), (qt, "text")))
+            return b.op("Where", f"{x.name}_ModalitySelect", [self._vis3, dq_v, dq_t], np.float32)
+        # custom: drop the two QuantizeLinear nodes, keep their parameters for the op
+        for q in (qv, qt):
+            graph.nodes.remove(next(n for n in graph.nodes if q.integer in n.outputs))
+        out = gs.Variable(ir.unique_name(index, f"{x.name}_modality_qdq"), dtype=np.float32)
+        b.add(gs.Node("ModalityQDQ", ir.unique_name(index, f"/msq/{x.name}_ModalityQDQ"),
+                      inputs=[x, self._count, qv.scale, qv.zero_point, qt.scale, qt.zero_point], outputs=[out], domain=DOMAIN))
+        return out
+
+    def _wire_input(self, graph, index, node: gs.Node, site) -> None:
+        if not isinstance(site, _RescaledSite):
+            return super()._wire_input(graph, index, node, site)
+        node.inputs[0] = insert_dequantize(graph, index, site.quantized, node.name)
+        bias = node.inputs.pop(2) if node.op == "Gemm" and len(node.inputs) > 2 else None  # the gain must not scale it
+        out = node.outputs[0]
+        raw = gs.Variable(ir.unique_name(index, f"{out.name}_rescaled"), dtype=out.dtype)
+        node.outputs[0] = raw
+        if bias is None:
+            self._b.add(gs.Node("Mul", ir.unique_name(index, f"/msq/{node.name}_ModalityUnscale"), inputs=[raw, site.inverse_gain], outputs=[out]))
+            return
+        unscaled = self._b.op("Mul", f"{node.name}_ModalityUnscale", [raw, site.inverse_gain], out.dtype)
+        self._b.add(gs.Node("Add", ir.unique_name(index, f"/msq/{node.name}_Bias"), inputs=[unscaled, bias], outputs=[out]))
+
+    def _extra_summary(self) -> dict:
+        ratios = [max(abs(v) for v in r["visual"][:2]) / max(max(abs(t) for t in r["text"][:2]), 1e-12) for r in self._ranges.values()]
+        return {
+            "layout": self._layout + (" (after aifs: visual rows first)" if self._layout == "prefix" else " (no aifs: mask per token)"),
+            "lowering": self.config.lowering,
+            "visual_to_text_range_ratio": {"min": float(np.min(ratios)), "median": float(np.median(ratios)),
+                                           "max": float(np.max(ratios))} if ratios else {},
+            "modality_ranges": self._ranges,
+        }

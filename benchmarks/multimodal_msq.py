@@ -38,21 +38,26 @@ sys.path.insert(0, str(REPO / "benchmarks"))
 
 from foundation import fused_ops, interleaved_latency_ms, save_results  # noqa: E402
 
-VARIANTS = ("single", "msq", "msq+aifs", "token")
+VARIANTS = ("single", "msq", "msq+aifs", "msq+aifs-all", "token")
 LATENCY_ONLY = ("msq-select",)
+BITS = {"w8a8": "w8a8", "w4a8": "w4a8", "w4a8-g128": "w4a8"}  # setting -> recipe it edits
 
 
 def recipe_text(bits: str, variant: str) -> str:
     """The mquant-<bits>-vlm recipe, edited into ``variant``."""
-    text = (REPO / "edgeq" / "recipes" / f"mquant-{bits}-vlm.toml").read_text()
+    text = (REPO / "edgeq" / "recipes" / f"mquant-{BITS[bits]}-vlm.toml").read_text()
+    if bits.endswith("-g128"):
+        text = text.replace('weight_granularity = "channel"', 'weight_granularity = "group"\ngroup_size = 128')
     if variant == "msq+aifs":
         return text
+    if variant == "msq+aifs-all":  # two scales at every site (the paper), however close they are
+        return re.sub(r"min_scale_ratio = .*\n", "min_scale_ratio = 1.0\n", text)
     text = re.sub(r'\[\[pass\]\]\nname = "aifs".*?\n\n', "", text, flags=re.S)
     if variant == "msq":
         return text
     if variant == "msq-select":
         return re.sub(r'lowering = "integer".*\n', 'lowering = "select"\n', text)
-    text = re.sub(r'lowering = .*\n', "", text.replace('name = "msq"', 'name = "qdq"'))
+    text = re.sub(r'(lowering|min_scale_ratio) = .*\n', "", text.replace('name = "msq"', 'name = "qdq"'))
     if variant == "token":
         text += 'activation_granularity = "token"\n'
     return text
@@ -94,14 +99,15 @@ def fidelity(models: dict[str, Path], ref: Path, inputs: dict, meta: dict, batch
 
 
 def range_table(report: dict) -> list[dict]:
-    """Per layer: the widest visual and text absmax over its activation sites, as calibrated by msq."""
+    """Per layer: the widest visual and text |x| max over its activation sites (calibration data,
+    rotated graph, as msq saw them), and the smallest / largest per-site visual/text ratio."""
     (msq,) = [p for p in report["passes"] if p["name"] == "msq"]
     layers: dict[str, dict] = {}
     for site, r in msq["summary"]["modality_ranges"].items():
         m = re.search(r"layers\.(\d+)/", site)
         key = m.group(1) if m else "head"
         row = layers.setdefault(key, {"layer": key, "sites": 0, "visual_absmax": 0.0, "text_absmax": 0.0, "ratios": []})
-        v, t = max(map(abs, r["visual"])), max(map(abs, r["text"]))
+        v, t = r["absmax"]  # unclipped |x| max per modality
         row["sites"] += 1
         row["visual_absmax"] = max(row["visual_absmax"], v)
         row["text_absmax"] = max(row["text_absmax"], t)
@@ -120,7 +126,7 @@ def main(argv=None) -> int:
     p.add_argument("--model-dir", type=Path, required=True, help="edgeq export composed-vlm output folder")
     p.add_argument("--out", type=Path, required=True, help="JSON results file")
     p.add_argument("--work", type=Path, default=REPO / "artifacts" / "bench-msq")
-    p.add_argument("--bits", default="w8a8,w4a8")
+    p.add_argument("--bits", default="w8a8,w4a8,w4a8-g128")
     p.add_argument("--repeats", type=int, default=10)
     p.add_argument("--skip-compile", action="store_true", help="reuse the graphs already in --work")
     a = p.parse_args(argv)
@@ -142,16 +148,19 @@ def main(argv=None) -> int:
         results["fidelity"][bits]["targets"] = {
             "msq+aifs_kl_over_single_kl": round(f["msq+aifs"]["mean_kl"] / f["single"]["mean_kl"], 3),
             "msq+aifs_kl_over_token_kl": round(f["msq+aifs"]["mean_kl"] / f["token"]["mean_kl"], 3),
+            "msq+aifs-all_kl_over_single_kl": round(f["msq+aifs-all"]["mean_kl"] / f["single"]["mean_kl"], 3),
+            "msq+aifs-all_kl_over_token_kl": round(f["msq+aifs-all"]["mean_kl"] / f["token"]["mean_kl"], 3),
         }
     if "w8a8/msq+aifs" in graphs:
         report = json.loads((graphs["w8a8/msq+aifs"].parent / "report.json").read_text())
         results["range_table_w8a8"] = range_table(report)
         feeds = {k: v[:1] for k, v in inputs.items()}
-        lat_models = {"fp32": fp32, **{v: graphs[f"w8a8/{v}"] for v in ("single", "msq+aifs", "msq", "msq-select")}}
+        lat_models = {"fp32": fp32, **{v: graphs[f"w8a8/{v}"] for v in ("single", "msq+aifs", "msq+aifs-all", "msq", "msq-select")}}
         lat = interleaved_latency_ms(lat_models, repeats=a.repeats, feeds=feeds)
         results["latency_ms_w8a8"] = {k: round(v, 1) for k, v in lat.items()}
         results["latency_ratios"] = {
             "msq+aifs_over_single": round(lat["msq+aifs"] / lat["single"], 3),
+            "msq+aifs-all_over_single": round(lat["msq+aifs-all"] / lat["single"], 3),
             "msq+aifs_over_msq": round(lat["msq+aifs"] / lat["msq"], 3),
             "msq+aifs_over_msq_select": round(lat["msq+aifs"] / lat["msq-select"], 3),
         }

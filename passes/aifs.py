@@ -30,7 +30,10 @@ How (all in-graph, dynamic batch, sequence and span per row, exact integer ops):
   through ``Unsqueeze``s to [1,1,S,1] / [1,1,1,S]) are replaced by ``perm`` unsqueezed to
   [B,1,S,1] / [B,1,1,S]; the padding part, And and Expand broadcast to [B,1,S,S] as before.
 - Each graph output [B, S, ...] is renamed ``<name>_aifs_permuted`` at its producer and the original
-  name is re-created by ``Gather(Flatten(y, 2), dest + b * S, axis=0)``.
+  name is re-created by ``Gather(Flatten(y, 2), dest + b * S, axis=0)``; when the output is written
+  by a linear (the vocab head), its input is gathered instead (row-wise op: same result, and
+  hidden-size rows move instead of vocabulary-size ones; the tensor is listed in the metadata as
+  being in the original order).
 
 The mask is found structurally: every Softmax's additive input is followed back (through Slice /
 Cast / Expand / Identity) to one shared ``Where(cond, 0, very negative)``; the cone of ``cond``
@@ -52,7 +55,9 @@ from edgeq.modality_mask import span_input_names, visual_block_mask
 from edgeq.passbase import Exactness, Pass, PassConfig, PassContext, PassResult
 from edgeq.registry import register_pass
 
-AIFS_KEY = "edgeq.aifs"  # value "span=START,LEN;visual_count=TENSOR" (MSQ reads the count)
+# value "span=START,LEN;visual_count=TENSOR;original_order=T1,T2": MSQ reads the count, and knows
+# that the listed tensors (inputs of output linears, un-permuted early) are in the original order
+AIFS_KEY = "edgeq.aifs"
 COMPARISONS = ("LessOrEqual", "GreaterOrEqual", "Less", "Greater")
 # ops the additive mask may pass through between the shared Where and a layer's Softmax Add
 _MASK_PASSTHROUGH = ("Slice", "Cast", "Expand", "Identity", "Reshape")
@@ -85,7 +90,8 @@ class AifsPass(Pass):
             return PassResult(False, {"not_applicable": found})
         summary = _rewrite(graph, found)
         ir.set_graph_metadata(graph, AIFS_KEY, f"span={found['start'].name},{found['length'].name};"
-                                                f"visual_count={summary['visual_count']}")
+                                                f"visual_count={summary['visual_count']};"
+                                                f"original_order={','.join(summary['original_order_tensors'])}")
         return PassResult(True, summary)
 
 
@@ -288,15 +294,23 @@ def _rewrite(graph: gs.Graph, m: dict) -> dict:
         replaced[role] = cmp.inputs[slot].name
         cmp.inputs[slot] = q_idx if role == "query" else k_idx
 
-    # un-permute the outputs under their original names
-    outputs = []
+    # un-permute the outputs under their original names; an output written by a linear (the vocab
+    # head: [B, S, 49152] logits) is un-permuted at the linear's narrow input instead, which is the
+    # same since a linear is row-wise, and gathers hidden-size rows instead of vocabulary-size ones
+    outputs, original_order = [], []
     for out in m["outputs"]:
         producer = index.producer(out.name)
-        inner = gs.Variable(ir.unique_name(index, f"{out.name}_aifs_permuted"), dtype=out.dtype)
-        producer.outputs[producer.outputs.index(out)] = inner
-        flat = b.op("Flatten", f"Flatten_{out.name}", [inner], out.dtype, {"axis": 2})
-        node = gs.Node("Gather", f"/aifs/Unpermute_{out.name}", attrs={"axis": 0}, inputs=[flat, flat_dest], outputs=[out])
-        b.add(node)
+        head_input = _linear_input_of(index, producer)
+        if head_input is not None:
+            flat = b.op("Flatten", f"Flatten_{head_input.name}", [head_input], head_input.dtype, {"axis": 2})
+            restored = b.op("Gather", f"Unpermute_{head_input.name}", [flat, flat_dest], head_input.dtype, {"axis": 0})
+            producer.inputs[0] = restored
+            original_order.append(restored.name)
+        else:
+            inner = gs.Variable(ir.unique_name(index, f"{out.name}_aifs_permuted"), dtype=out.dtype)
+            producer.outputs[producer.outputs.index(out)] = inner
+            flat = b.op("Flatten", f"Flatten_{out.name}", [inner], out.dtype, {"axis": 2})
+            b.add(gs.Node("Gather", f"/aifs/Unpermute_{out.name}", attrs={"axis": 0}, inputs=[flat, flat_dest], outputs=[out]))
         outputs.append(out.name)
 
     return {
@@ -307,8 +321,23 @@ def _rewrite(graph: gs.Graph, m: dict) -> dict:
                  "key_index_was": replaced["key"], "query_index": q_idx.name, "key_index": k_idx.name},
         "softmax_layers": m["softmaxes"],
         "unpermuted_outputs": outputs,
+        "original_order_tensors": original_order,  # un-permuted inside the graph (inputs of output linears)
         "permutation": perm.name,
         "visual_count": n_first.name,  # [B, 1]: rows [0, n) of every batch row are the visual block
         "inverse_permutation": dest.name,
         "nodes_added": len(b.nodes),
     }
+
+
+def _linear_input_of(index: ir.GraphIndex, node: gs.Node | None) -> gs.Tensor | None:
+    """The activation input of ``node`` when it is a MatMul by a 2-D constant whose activation
+    nobody else reads (then un-permuting that input is the same as un-permuting the output)."""
+    if node is None or node.op != "MatMul" or len(node.inputs) != 2:
+        return None
+    weight = index.constant_value(node.inputs[1])
+    if weight is None or np.ndim(weight) != 2:
+        return None
+    x = node.inputs[0]
+    if x.shape is not None and len(x.shape) != 3:
+        return None
+    return x if len(index.consumers(x.name)) == 1 else None

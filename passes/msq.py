@@ -52,6 +52,9 @@ LOWERINGS = ("integer", "custom", "select")
 @dataclass(frozen=True)
 class MsqConfig(QDQConfig):
     lowering: str = "integer"
+    # sites whose visual and text scales differ by less than this factor share one scale (the
+    # wider range), skipping the per-row rescaling there; 1.0: every site gets two scales (the paper)
+    min_scale_ratio: float = 1.0
     mask_input: str = "attention_mask"
     embeds_input: str = "inputs_embeds"
 
@@ -61,6 +64,8 @@ class MsqConfig(QDQConfig):
             raise UserInputError(f"msq: lowering must be one of {', '.join(LOWERINGS)}, got '{self.lowering}'")
         if self.activation_granularity != "tensor":
             raise UserInputError("msq: per-modality scales are static per-tensor; activation_granularity must be 'tensor'")
+        if not self.min_scale_ratio >= 1.0:
+            raise UserInputError(f"msq: min_scale_ratio must be >= 1, got {self.min_scale_ratio}")
         if self.lowering == "integer" and not self.activation_symmetric:
             raise UserInputError("msq: lowering 'integer' needs symmetric activations (one zero point for both scales)")
 
@@ -70,7 +75,7 @@ class _RescaledSite:
     """An activation quantized with the text scale after a per-row gain; readers undo the gain."""
 
     quantized: QuantizedTensor
-    inverse_gain: gs.Variable  # [B, S, 1]
+    gain: gs.Variable  # [B, S, 1]: readers divide their output by it
 
 
 @register_pass
@@ -84,47 +89,63 @@ class MsqPass(QDQPass):
         if MSQ_KEY in meta:
             return PassResult(False, {"already_applied": meta[MSQ_KEY]})
         cfg: MsqConfig = self.config
-        index = ir.GraphIndex(graph)
-        self._b = NodeBuilder(graph, index, "msq")
-        self._layout, self._is_visual, self._count = self._modality_mask(graph, meta)
-        self._vis3 = self._b.op("Unsqueeze", "IsVisualColumn", [self._is_visual, self._b.const("axes_last", np.array([2], np.int64))],
-                                np.bool_)  # [B, S, 1]
+        self._b = NodeBuilder(graph, ir.GraphIndex(graph), "msq")
+        self._graph, self._meta = graph, meta
+        self._aifs = dict(part.split("=", 1) for part in meta.get(AIFS_KEY, "").split(";") if "=" in part)
+        self._masks: dict[str, tuple[gs.Tensor, gs.Tensor]] = {}  # order -> (is_visual [B,S], [B,S,1])
+        self._count = None
         self._ranges: dict[str, dict] = {}
+        if "visual_count" not in self._aifs and cfg.lowering == "custom":
+            raise UserInputError("msq: lowering 'custom' (edgeq::ModalityQDQ) needs the visual-first layout: run aifs before msq")
+        self._mask("permuted" if "visual_count" in self._aifs else "original")  # fail early on a text-only graph
         result = super().run(graph, ctx)
         if result.modified:
-            ir.set_graph_metadata(graph, MSQ_KEY, f"layout={self._layout};lowering={cfg.lowering}")
+            ir.set_graph_metadata(graph, MSQ_KEY, f"layout={self._layout()};lowering={cfg.lowering}")
         return result
 
-    def _modality_mask(self, graph: gs.Graph, meta: dict) -> tuple[str, gs.Tensor, gs.Tensor | None]:
-        """(layout, is_visual [B, S] bool, visual_count [B] or None) built in the graph."""
+    def _layout(self) -> str:
+        return "prefix" if "visual_count" in self._aifs else "interleaved"
+
+    def _order_of(self, site: str) -> str:
+        """'permuted' for tensors in AIFS's visual-first order, 'original' otherwise."""
+        if "visual_count" not in self._aifs or site in self._aifs.get("original_order", "").split(","):
+            return "original"
+        return "permuted"
+
+    def _mask(self, order: str) -> tuple[gs.Tensor, gs.Tensor]:
+        """(is_visual [B, S] bool, the same as [B, S, 1]) for tensors in ``order``, built once."""
+        if order in self._masks:
+            return self._masks[order]
         cfg: MsqConfig = self.config
-        inputs = {t.name: t for t in graph.inputs}
+        b, inputs = self._b, {t.name: t for t in self._graph.inputs}
         if cfg.mask_input not in inputs:
             raise UserInputError(f"msq: the model has no '{cfg.mask_input}' input; per-modality scales need a "
                                  "vision-language graph with visual span inputs (use qdq for text-only models)")
         mask = inputs[cfg.mask_input]
-        aifs = dict(part.split("=", 1) for part in meta.get(AIFS_KEY, "").split(";") if "=" in part)
-        index = self._b.index
-        if "visual_count" in aifs and aifs["visual_count"] in index.tensors:
-            count = index.tensors[aifs["visual_count"]]  # [B, 1]
-            count1d = self._b.op("Squeeze", "VisualCount", [count, self._b.const("axes_1", np.array([1], np.int64))], np.int64)
-            return "prefix", prefix_mask(self._b, mask, count), count1d
-        if cfg.lowering == "custom":
-            raise UserInputError("msq: lowering 'custom' (edgeq::ModalityQDQ) needs the visual-first layout: run aifs before msq")
-        span = span_input_names(meta)
-        if len(span) != 2 or not all(n in inputs for n in span) or cfg.embeds_input not in inputs:
-            raise UserInputError(f"msq: the model has no visual span inputs ({'/'.join(span)}) and aifs was not applied; "
-                                 "per-modality scales need to know which tokens are visual (use qdq for text-only models)")
-        first = visual_block_mask(self._b, inputs[cfg.embeds_input], mask, inputs[span[0]], inputs[span[1]])["first"]
-        return "interleaved", first, None
+        if order == "permuted":
+            count = b.index.tensors[self._aifs["visual_count"]]  # [B, 1]
+            self._count = b.op("Squeeze", "VisualCount", [count, b.const("axes_1", np.array([1], np.int64))], np.int64)
+            is_visual = prefix_mask(b, mask, count)
+        else:
+            span = span_input_names(self._meta)
+            if len(span) != 2 or not all(n in inputs for n in span) or cfg.embeds_input not in inputs:
+                raise UserInputError(f"msq: the model has no visual span inputs ({'/'.join(span)}); per-modality "
+                                     "scales need to know which tokens are visual (use qdq for text-only models)")
+            is_visual = visual_block_mask(b, inputs[cfg.embeds_input], mask, inputs[span[0]], inputs[span[1]])["first"]
+        column = b.op("Unsqueeze", "IsVisualColumn", [is_visual, b.const("axes_last", np.array([2], np.int64))], np.bool_)
+        self._masks[order] = (is_visual, column)
+        return self._masks[order]
 
     def _activation_sites(self, graph, index, ctx, site_specs: dict[str, QuantSpec]) -> dict[str, object]:
         sites: dict[str, object] = {}
-        for spec in sorted(set(site_specs.values()), key=lambda sp: (sp.dtype, sp.bits)):
-            names = sorted(n for n, sp in site_specs.items() if sp == spec)
-            for name, obs in self._calibrate(graph, ctx, names, spec, split_by=self._is_visual.name).items():
+        groups: dict[tuple, list[str]] = {}
+        for name, spec in site_specs.items():
+            groups.setdefault((spec, self._order_of(name)), []).append(name)
+        for (spec, order), names in sorted(groups.items(), key=lambda kv: (kv[0][0].dtype, kv[0][0].bits, kv[0][1])):
+            is_visual, column = self._mask(order)
+            for name, obs in self._calibrate(graph, ctx, sorted(names), spec, split_by=is_visual.name).items():
                 visual, text = self._modality_ranges(name, obs)
-                sites[name] = self._quantize(graph, index, index.tensors[name], visual, text, spec)
+                sites[name] = self._quantize(graph, index, index.tensors[name], visual, text, spec, column, order)
         return sites
 
     def _modality_ranges(self, name: str, obs) -> tuple[tuple[float, float], tuple[float, float]]:
@@ -135,25 +156,28 @@ class MsqPass(QDQPass):
         visual = obs.visual.range() if seen[0] else obs.text.range()
         text = obs.text.range() if seen[1] else obs.visual.range()
         self._ranges[name] = {"visual": [float(v) for v in visual], "text": [float(t) for t in text],
-                              "tokens": [int(n) for n in obs.tokens]}
+                              "tokens": [int(n) for n in obs.tokens],
+                              "absmax": [_absmax(o) if n else None for o, n in ((obs.visual, seen[0]), (obs.text, seen[1]))]}
         return visual, text
 
-    def _quantize(self, graph, index, x: gs.Tensor, visual, text, spec: QuantSpec):
+    def _quantize(self, graph, index, x: gs.Tensor, visual, text, spec: QuantSpec, vis3: gs.Tensor, order: str):
         cfg: MsqConfig = self.config
         b = self._b
+        s_v, _ = scale_zero_point(np.array(visual[0]), np.array(visual[1]), spec)
+        s_t, _ = scale_zero_point(np.array(text[0]), np.array(text[1]), spec)
+        if max(s_v / s_t, s_t / s_v) < cfg.min_scale_ratio:
+            self._ranges[x.name]["shared"] = True
+            return insert_quantize(graph, index, x, min(visual[0], text[0]), max(visual[1], text[1]), spec)
         if cfg.lowering == "integer":
-            s_v, _ = scale_zero_point(np.array(visual[0]), np.array(visual[1]), spec)
-            s_t, _ = scale_zero_point(np.array(text[0]), np.array(text[1]), spec)
             one = np.float32(1.0)
-            gain = b.op("Where", f"{x.name}_ModalityGain", [self._vis3, b.const(f"{x.name}_gain", np.float32(s_t / s_v)), b.const("one", one)], np.float32)
-            inv = b.op("Where", f"{x.name}_ModalityInvGain", [self._vis3, b.const(f"{x.name}_inv_gain", np.float32(s_v / s_t)), b.const("one", one)], np.float32)
+            gain = b.op("Where", f"{x.name}_ModalityGain", [vis3, b.const(f"{x.name}_gain", np.float32(s_t / s_v)), b.const("one", one)], np.float32)
             scaled = b.op("Mul", f"{x.name}_ModalityRescale", [x, gain], np.float32)
-            return _RescaledSite(insert_quantize(graph, index, scaled, *text, spec), inv)
+            return _RescaledSite(insert_quantize(graph, index, scaled, *text, spec), gain)
         qv = insert_quantize(graph, index, x, *visual, spec)
         qt = insert_quantize(graph, index, x, *text, spec)
-        if cfg.lowering == "select":
+        if cfg.lowering == "select" or order == "original":  # ModalityQDQ needs the visual-first rows
             dq_v, dq_t = (insert_dequantize(graph, index, q, f"{x.name}_{m}") for q, m in ((qv, "visual"), (qt, "text")))
-            return b.op("Where", f"{x.name}_ModalitySelect", [self._vis3, dq_v, dq_t], np.float32)
+            return b.op("Where", f"{x.name}_ModalitySelect", [vis3, dq_v, dq_t], np.float32)
         # custom: drop the two QuantizeLinear nodes, keep their parameters for the op
         for q in (qv, qt):
             graph.nodes.remove(next(n for n in graph.nodes if q.integer in n.outputs))
@@ -171,17 +195,28 @@ class MsqPass(QDQPass):
         raw = gs.Variable(ir.unique_name(index, f"{out.name}_rescaled"), dtype=out.dtype)
         node.outputs[0] = raw
         if bias is None:
-            self._b.add(gs.Node("Mul", ir.unique_name(index, f"/msq/{node.name}_ModalityUnscale"), inputs=[raw, site.inverse_gain], outputs=[out]))
+            self._b.add(gs.Node("Div", ir.unique_name(index, f"/msq/{node.name}_ModalityUnscale"), inputs=[raw, site.gain], outputs=[out]))
             return
-        unscaled = self._b.op("Mul", f"{node.name}_ModalityUnscale", [raw, site.inverse_gain], out.dtype)
+        unscaled = self._b.op("Div", f"{node.name}_ModalityUnscale", [raw, site.gain], out.dtype)
         self._b.add(gs.Node("Add", ir.unique_name(index, f"/msq/{node.name}_Bias"), inputs=[unscaled, bias], outputs=[out]))
 
     def _extra_summary(self) -> dict:
         ratios = [max(abs(v) for v in r["visual"][:2]) / max(max(abs(t) for t in r["text"][:2]), 1e-12) for r in self._ranges.values()]
         return {
-            "layout": self._layout + (" (after aifs: visual rows first)" if self._layout == "prefix" else " (no aifs: mask per token)"),
+            "layout": self._layout() + (" (after aifs: visual rows first)" if self._layout() == "prefix" else " (no aifs: mask per token)"),
+            "original_order_sites": sorted(n for n in self._ranges if self._order_of(n) == "original") if self._layout() == "prefix" else "all",
             "lowering": self.config.lowering,
+            "two_scale_sites": sum(1 for r in self._ranges.values() if not r.get("shared")),
+            "shared_scale_sites": sum(1 for r in self._ranges.values() if r.get("shared")),
             "visual_to_text_range_ratio": {"min": float(np.min(ratios)), "median": float(np.median(ratios)),
                                            "max": float(np.max(ratios))} if ratios else {},
             "modality_ranges": self._ranges,
         }
+
+
+def _absmax(obs) -> float:
+    """The unclipped |x| max an observer saw (its range() may be a clipped one)."""
+    lo, hi = getattr(obs, "lo", None), getattr(obs, "hi", None)
+    if lo is None:
+        lo, hi = obs.range()
+    return float(max(abs(lo), abs(hi)))

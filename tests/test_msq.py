@@ -107,7 +107,9 @@ def test_calibration_is_split_by_modality(model, compiled):
 def test_aifs_layout_uses_the_same_ranges(compiled):
     """After AIFS the prefix mask selects the same tokens: identical calibrated ranges."""
     a = compiled["integer"][1]["summary"]["modality_ranges"]
-    b = compiled["integer+aifs"][1]["summary"]["modality_ranges"]
+    b = dict(compiled["integer+aifs"][1]["summary"]["modality_ranges"])
+    (head,) = [n for n in b if n.startswith("/aifs/Unpermute_")]  # AIFS restores the order before the head
+    b[head.removeprefix("/aifs/Unpermute_").removesuffix("_output_0")] = b.pop(head)
     assert sorted(a) == sorted(b)
     for name in a:
         np.testing.assert_allclose(b[name]["visual"], a[name]["visual"], rtol=1e-5)
@@ -157,11 +159,15 @@ def _producers(model, node):
 
 
 def test_custom_lowering_uses_modality_qdq(compiled):
-    m = compiled["custom+aifs"][0]
+    """ModalityQDQ at every site in AIFS's visual-first order; the vocab head's input, which AIFS
+    un-permutes early (original order), gets the standard-op select form."""
+    m, record = compiled["custom+aifs"]
+    summary = record["summary"]
     ops = [n.op_type for n in m.graph.node if n.domain == "edgeq"]
     assert ops and set(ops) == {"ModalityQDQ"}
-    assert len(ops) == compiled["custom+aifs"][1]["summary"]["activation_sites"]
-    assert not any(n.op_type == "QuantizeLinear" for n in m.graph.node)
+    assert len(summary["original_order_sites"]) == 1
+    assert len(ops) == summary["activation_sites"] - 1
+    assert sum(n.op_type == "QuantizeLinear" for n in m.graph.node) == 2
     assert any(f.name == "ModalityQDQ" for f in m.functions)
 
 
@@ -184,7 +190,19 @@ def test_clear_errors(model, tiny_models, tmp_path):
         _msq(activation_symmetric=False)
     with pytest.raises(UserInputError, match="static per-tensor"):
         _msq(activation_granularity="token")
+    with pytest.raises(UserInputError, match="min_scale_ratio"):
+        _msq(min_scale_ratio=0.5)
     with pytest.raises(UserInputError, match="lowering must be one of"):
         _msq(lowering="slices")
     with pytest.raises(UserInputError, match="visual span inputs"):
         Pipeline([_msq()]).run(ir.load_model(tiny_models["llama"]), ctx)
+
+
+def test_min_scale_ratio_shares_one_scale_where_the_modalities_agree(model, compiled, eval_feeds, tmp_path):
+    """With a ratio no site reaches, every site shares one scale covering both modalities: the
+    same graph numbers as qdq with min/max calibration; with the default, every site has two."""
+    assert compiled["integer+aifs"][1]["summary"]["shared_scale_sites"] == 0
+    out, record = _compile(model, [_msq(min_scale_ratio=1e6)], _context(tmp_path))
+    assert record["summary"]["two_scale_sites"] == 0
+    assert not any(n.name.endswith("_ModalityUnscale") for n in out.graph.node)
+    np.testing.assert_array_equal(_logits(out, eval_feeds), _logits(compiled["single"][0], eval_feeds))

@@ -66,3 +66,24 @@ def test_state_round_trip(make):
         obs.update(x)
     restored = observer_from_state(observer_state(obs))
     assert restored.range() == pytest.approx(obs.range())
+
+
+def test_modality_split_observer_splits_tokens_and_round_trips():
+    from edgeq.calib.observers import ModalitySplitObserver, observer_from_state, observer_state
+
+    obs = ModalitySplitObserver(MinMaxObserver(), HistogramObserver(bins=64, method="minmax"))
+    x = np.arange(2 * 5 * 3, dtype=np.float32).reshape(2, 5, 3) - 10
+    mask = np.zeros((2, 5), bool)
+    mask[0, :2] = mask[1, 4] = True
+    obs.update_split(x, mask)
+    vis, txt = x[mask], x[~mask]
+    assert obs.visual.range() == (vis.min(), vis.max())
+    assert obs.text.range() == (txt.min(), txt.max())
+    assert obs.tokens.tolist() == [3, 7]
+    back = observer_from_state(observer_state(obs))
+    assert isinstance(back.text, HistogramObserver) and back.visual.range() == obs.visual.range()
+    assert back.range() == (x.min(), x.max())
+    with pytest.raises(ValueError, match="does not match"):
+        obs.update_split(x, mask[:, :4])
+    with pytest.raises(TypeError, match="update_split"):
+        obs.update(x)

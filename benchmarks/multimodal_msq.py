@@ -14,7 +14,7 @@ calib.npz (16 samples); evaluation: eval.npz (32 samples, disjoint images and te
 Fidelity against the fp32 graph at the text positions after the image: mean KL divergence of the
 next-token distributions and top-1 agreement. Also: visual vs text absmax per layer as calibrated
 by MSQ (the range table), and onnxruntime CPU latency of one forward pass (196 visual + 64 text
-tokens, batch 1, median of 10, runs interleaved across the graphs) for fp32, single, msq+aifs, msq
+tokens, batch 1, median of 30, runs interleaved across the graphs) for fp32, single, msq+aifs, msq
 and msq with the ``select`` lowering (two QDQs and a per-token select, what interleaved MSQ costs a
 backend with only per-tensor Q/DQ).
 
@@ -127,8 +127,10 @@ def main(argv=None) -> int:
     p.add_argument("--out", type=Path, required=True, help="JSON results file")
     p.add_argument("--work", type=Path, default=REPO / "artifacts" / "bench-msq")
     p.add_argument("--bits", default="w8a8,w4a8,w4a8-g128")
-    p.add_argument("--repeats", type=int, default=10)
+    p.add_argument("--repeats", type=int, default=30)
     p.add_argument("--skip-compile", action="store_true", help="reuse the graphs already in --work")
+    p.add_argument("--latency-only", action="store_true",
+                   help="reuse the graphs in --work and the fidelity in --out; measure latency again")
     a = p.parse_args(argv)
 
     from edgeq.models.composed_vlm import load_split
@@ -137,12 +139,17 @@ def main(argv=None) -> int:
     inputs, meta = load_split(a.model_dir, "eval")
     results: dict = {"model": str(fp32), "eval_samples": int(inputs["inputs_embeds"].shape[0]), "fidelity": {}}
     graphs: dict[str, Path] = {}
+    if a.latency_only:
+        results = json.loads(a.out.read_text())
+        a.skip_compile = True
     for bits in a.bits.split(","):
         for variant in VARIANTS + (LATENCY_ONLY if bits == "w8a8" else ()):
             out = a.work / f"{bits}-{variant.replace('+', '-')}"
             if not a.skip_compile:
                 compile_variant(fp32, a.model_dir / "calib.npz", out, recipe_text(bits, variant))
             graphs[f"{bits}/{variant}"] = out / "model.onnx"
+        if a.latency_only:
+            continue
         results["fidelity"][bits] = fidelity({v: graphs[f"{bits}/{v}"] for v in VARIANTS}, fp32, inputs, meta)
         f = results["fidelity"][bits]
         results["fidelity"][bits]["targets"] = {

@@ -179,6 +179,19 @@ def add_keep_float(graph: gs.Graph, names) -> None:
     set_graph_metadata(graph, KEEP_FLOAT_KEY, json.dumps(sorted(keep_float_nodes(graph) | set(names))))
 
 
+WEIGHT_ONLY_KEY = "edgeq.weights_quantized_first"
+
+
+def weights_quantized_first(graph: gs.Graph) -> set[str]:
+    """Linears whose weights a weight pass (gptq) quantized and whose activations the qdq pass
+    should still quantize (nodes listed here are not left out as already quantized)."""
+    return set(json.loads(graph_metadata(graph).get(WEIGHT_ONLY_KEY, "[]")))
+
+
+def add_weights_quantized_first(graph: gs.Graph, names) -> None:
+    set_graph_metadata(graph, WEIGHT_ONLY_KEY, json.dumps(sorted(weights_quantized_first(graph) | set(names))))
+
+
 def set_metadata(model: onnx.ModelProto, key: str, value: str) -> None:
     for prop in model.metadata_props:
         if prop.key == key:

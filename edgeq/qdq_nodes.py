@@ -79,9 +79,12 @@ def insert_dequantize(graph: gs.Graph, index: ir.GraphIndex, quantize: Quantized
 
 
 def insert_weight_dequantize(graph: gs.Graph, index: ir.GraphIndex, w: np.ndarray, spec: QuantSpec,
-                             base: str) -> gs.Variable:
-    """Quantize a float weight offline; return the output of its DequantizeLinear."""
-    q, scale, zp = quantize_weight(np.asarray(w, np.float32), spec)
+                             base: str, params: tuple | None = None) -> gs.Variable:
+    """Quantize a float weight offline (round to nearest, or take ``params`` = (q, scale, zero
+    point) already computed, e.g. by GPTQ, in ``quantize_weight``'s layout); return the output of
+    its DequantizeLinear."""
+    q, scale, zp = params if params is not None else quantize_weight(np.asarray(w, np.float32), spec)
+    q, zp = np.asarray(q).astype(spec.np_dtype), np.asarray(zp).astype(spec.np_dtype)
     prefix = f"{base}_{spec.dtype}"
     q_const = integer_constant(ir.unique_name(index, prefix), q, spec)
     s_const = gs.Constant(ir.unique_name(index, prefix + "_scale"), scale.astype(np.float32))

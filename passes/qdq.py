@@ -109,9 +109,10 @@ class QDQPass(Pass):
         cfg: QDQConfig = self.config
         index = ir.GraphIndex(graph)
         keep_float = ir.keep_float_nodes(graph)
+        weights_done = ir.weights_quantized_first(graph)  # gptq's: activations still to quantize
         linears = [
-            lin for lin in find_linears(graph)
-            if lin.role not in cfg.skip_roles and lin.node not in keep_float and lin.node not in cfg.exclude_nodes
+            lin for lin in find_linears(graph, include_quantized=True)
+            if (not lin.quantized or lin.node in weights_done) and lin.role not in cfg.skip_roles and lin.node not in keep_float and lin.node not in cfg.exclude_nodes
             and not _is_dequantized(index, lin.input)
         ]
         if not linears:
@@ -125,6 +126,8 @@ class QDQPass(Pass):
         for lin in linears:
             node = nodes[lin.node]
             self._wire_input(graph, index, node, act_sites[lin.input])
+            if lin.quantized:
+                continue  # weights already quantized (gptq), kept as they are
             key = (lin.weight, lin.weight_transposed)
             if key not in quantized_weights:
                 quantized_weights[key] = self._quantize_weight(graph, index, lin)

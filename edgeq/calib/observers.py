@@ -210,6 +210,40 @@ class ChannelStatsObserver(Observer):
         return -m, m
 
 
+class HessianObserver(Observer):
+    """``X^T X`` of a linear input over every token (last axis = K), in float64, and the token
+    count: GPTQ's Hessian is ``2 X^T X / n``. Memory is K^2, whatever the number of tokens."""
+
+    kind = "hessian"
+
+    def __init__(self):
+        self.xtx: np.ndarray | None = None
+        self.count = 0
+
+    def update(self, x):
+        flat = np.asarray(x, np.float64).reshape(-1, x.shape[-1])
+        xtx = flat.T @ flat
+        self.xtx = xtx if self.xtx is None else self.xtx + xtx
+        self.count += flat.shape[0]
+
+    @property
+    def hessian(self) -> np.ndarray:
+        return 2.0 * self.xtx / max(self.count, 1)
+
+    def state(self):
+        return {"xtx": self.xtx, "count": np.array(self.count)}
+
+    @classmethod
+    def from_state(cls, state):
+        obs = cls()
+        obs.xtx, obs.count = np.asarray(state["xtx"], np.float64), int(state["count"])
+        return obs
+
+    def range(self):
+        m = float(np.sqrt(np.max(np.diag(self.xtx)))) if self.xtx is not None else 0.0
+        return -m, m
+
+
 class ModalitySplitObserver(Observer):
     """Two observers of one tensor: one fed the visual tokens, one the text tokens (MQuant's MSQ
     calibrates a static scale per modality). ``update_split(x, is_visual)`` takes the tensor
@@ -255,7 +289,7 @@ class ModalitySplitObserver(Observer):
 
 
 OBSERVERS = {cls.kind: cls for cls in (MinMaxObserver, PerChannelAbsMaxObserver, HistogramObserver, ChannelStatsObserver,
-                                       ModalitySplitObserver)}
+                                       HessianObserver, ModalitySplitObserver)}
 
 
 def observer_from_state(state: dict[str, np.ndarray]) -> Observer:

@@ -1,0 +1,537 @@
+"""Triton W4A8 GEMM for DPQ: ``Y = bf16((X8 @ W8^T) * s_a * s8)``, INT4 weights dequantized to FP8.
+
+Why: DPQ (``edgeq.kernels.w4a8_gemm_ref``, paper 003) stores weights as INT4 with FP8-domain group
+scales and a per-tensor power-of-two scale s8, and multiplies in FP8. Decode (M <= 16) is bound by
+reading the weight: 4 bits a weight is a quarter of bf16's bytes. Prefill (large M) is bound by
+the multiply: FP8 tensor cores run at twice bf16's rate. torch has no such GEMM: ``_scaled_mm``
+needs the FP8 weight (twice the bytes) and cuBLAS has no INT4 input.
+
+How: one program computes the tile ``Y[m0:m0+BLOCK_M, n0:n0+BLOCK_N]`` as its transpose,
+``acc[BLOCK_N, BLOCK_M] = W8 tile @ X8 tile^T`` ("swap AB"):
+
+- The weight is the MMA's M side. Hopper's wgmma needs M tiles of 64 but takes N tiles of 16, so
+  swapping lets M = 1..16 decode use a 16-wide activation tile on the wgmma path instead of
+  padding M to 64; and the dequantized weight, computed in registers, is the A operand, which
+  wgmma may read from registers (B must come from shared memory).
+- K loop, one 128-wide group per step (``G = 128``, the packing block): load the packed bytes
+  ``[BLOCK_N, 64]`` (byte j = inputs j and 64 + j, see the reference's layout), the group's
+  ``BLOCK_N`` scales (contiguous: scales are stored ``[K/G, N]``) and the two 64-wide activation
+  slices ``X[:, k0:k0+64]``, ``X[:, k0+64:k0+128]``. Dequantize each nibble plane exactly as the
+  reference: ``u`` becomes a float by placing it in the mantissa of 2^23 (PRMT: no int->float
+  conversion instruction), minus ``2^23 + z`` (exact), times ``s_g`` (exact for scales of fp16
+  precision), one RNE rounding to e4m3 (``cvt.rn.satfinite.e4m3x2``): about 4 instructions a
+  weight in the inline-PTX routine (``asm_dequant=True``), a little more in plain Triton ops.
+  Two ``tl.dot`` of K = 64.
+- Scales stored in fp32 (the reference's default) are prefetched by Triton's cp.async pipeline
+  with the tiles; fp16 / bf16 scales (2 bytes a thread, under cp.async's 4) are loaded in each
+  step and waited for: correct, but slower.
+- Accumulation: fp32. Hopper's FP8 wgmma adds into its accumulator with reduced precision
+  (DeepSeek-V3 measured ~14 bits); ``fast_accum=False`` (the default, like ``torch._scaled_mm``)
+  sets ``max_num_imprecise_acc = 64`` so that each 64-deep dot lands in a fresh accumulator that
+  is added to the fp32 sum on the CUDA cores; ``fast_accum=True`` chains the wgmma accumulator
+  (faster, larger error; ``_scaled_mm(use_fast_accum=True)`` is its counterpart).
+- Epilogue: ``acc * (s_a * s8)`` in fp32 (s8 is a power of two: exact), one rounding to bf16,
+  stored transposed into ``Y [M, N]``. s_a and s8 are read from device tensors (no host sync).
+- Split-K (decode and mid M): N / BLOCK_N tiles are too few for the 132 SMs, so SPLIT_K programs
+  share a tile, each over a contiguous range of groups. Each writes its fp32 partial to a
+  workspace, then bumps the tile's counter (barrier, then one acq_rel atomic); the program that
+  arrives last sums the SPLIT_K partials in a fixed order (deterministic result), stores Y and
+  resets the counter to 0 for the next launch. One launch, no memset. The counters are one
+  buffer per device: do not run two split-K calls at the same time on different streams.
+- Rows past M and columns past N are read wrapped (``% M``, ``% N``) and dropped at the store.
+
+Constraints (checked by the wrapper, ``ValueError``): K and N multiples of 128, group size 128,
+any M >= 0; x float8_e4m3fn ``[..., K]``, packed uint8 ``[N, K/2]``, scales ``[K/G, N]`` fp32 /
+fp16 / bf16, zeros (asymmetric) uint8 ``[K/G, N]``. Symmetric weights use zero point 8
+(offset-binary nibbles, ``zeros=None``).
+
+Autotuning: ``DECODE_CONFIGS`` (M <= 32: 16/32-row activation tiles, split-K 2 to 8 so 128 to 512
+programs stream the weight), ``MID_CONFIGS`` (M 64..512: 64/128 tiles, split-K 1 or 2) and
+``LARGE_CONFIGS`` (M >= 1024: 128x128 to 128x256 wgmma tiles). The key buckets M to a power of
+two (at least 16); tuning times CUDA-graph replays (no host launch cost). ``config=`` pins one.
+
+``w4a8_dequantize_fp8`` is the dequantization alone (same code, written to an FP8 ``[N, K]``),
+and ``w4a8_gemm_two_pass`` is the unfused alternative: that kernel, then ``torch._scaled_mm``.
+The fused kernel re-dequantizes each weight tile once per BLOCK_M rows of X, so at large M the
+two passes win (one dequantization, then cuBLAS's FP8 GEMM); ``w4a8_gemm(path="auto")`` (the
+default) takes the fused kernel below ``TWO_PASS_MIN_M`` rows and the two passes from there.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+import triton.testing
+
+from edgeq.kernels.w4a8_gemm_ref import FP8_DTYPE, GROUP_SIZE, SCALE_DTYPES
+
+HALF = tl.constexpr(GROUP_SIZE // 2)  # each packed byte holds inputs j and j + 64 of its 128-wide group
+COUNTER_SLOTS = 1 << 16  # split-K tile counters per device (tiles of one split-K launch)
+TWO_PASS_MIN_M = 512  # path="auto": rows of X from which the two-pass path is taken
+
+
+def _config(bn: int, bm: int, split_k: int, warps: int, stages: int, group: int = 8) -> triton.Config:
+    return triton.Config({"BLOCK_N": bn, "BLOCK_M": bm, "SPLIT_K": split_k, "GROUP_M": group},
+                         num_warps=warps, num_stages=stages)
+
+
+# (BLOCK_N weight rows, BLOCK_M activation rows, SPLIT_K, num_warps, num_stages). Shared memory a
+# stage: BLOCK_N * 64 packed bytes + 2 * BLOCK_M * 64 FP8 activations (+ scales).
+DECODE_CONFIGS = [  # M <= 32; for N = 4096: 64 or 32 tiles, times SPLIT_K programs
+    _config(64, 16, 4, 4, 4),
+    _config(64, 16, 2, 4, 6),
+    _config(64, 16, 8, 4, 4),
+    _config(64, 16, 8, 4, 2),
+    _config(128, 16, 4, 4, 4),
+    _config(128, 16, 4, 8, 4),
+    _config(128, 16, 8, 8, 3),
+    _config(64, 32, 4, 4, 4),
+]
+MID_CONFIGS = [  # 64 <= M <= 512
+    _config(64, 64, 2, 4, 4),
+    _config(128, 64, 1, 4, 4),
+    _config(64, 128, 1, 4, 4),
+    _config(128, 128, 1, 8, 4),
+    _config(128, 64, 2, 4, 4),
+]
+LARGE_CONFIGS = [  # M >= 1024
+    _config(128, 256, 1, 8, 3),
+    _config(128, 128, 1, 8, 4),
+    _config(256, 128, 1, 8, 3),
+    _config(128, 128, 1, 4, 4),
+    _config(64, 256, 1, 4, 3),
+]
+CONFIGS = DECODE_CONFIGS + MID_CONFIGS + LARGE_CONFIGS
+_CONFIG_KEYS = {"BLOCK_N", "BLOCK_M", "SPLIT_K", "GROUP_M", "num_warps", "num_stages"}
+
+
+def m_bucket(m: int) -> int:
+    """The autotuning key of M: the next power of two, at least 16."""
+    return max(16, triton.next_power_of_2(max(m, 1)))
+
+
+def candidate_configs(bucket: int, k: int) -> list:
+    """The configs tuned for an M bucket (and K: no more splits than groups)."""
+    pool = DECODE_CONFIGS if bucket <= 32 else MID_CONFIGS if bucket <= 512 else LARGE_CONFIGS
+    groups = max(k // GROUP_SIZE, 1)
+    kept = [c for c in pool if c.kwargs["SPLIT_K"] <= groups]
+    return kept or [c for c in pool if c.kwargs["SPLIT_K"] == min(x.kwargs["SPLIT_K"] for x in pool)] or pool
+
+
+def _prune_configs(configs, named_args, **kwargs):
+    keep = [config_dict(c) for c in candidate_configs(named_args["M_BUCKET"], named_args["K"])]
+    return [c for c in configs if config_dict(c) in keep]
+
+
+def _tuning_bench(kernel_call, quantiles):
+    """CUDA-graph replays: at decode sizes the host's launch cost (tens of us) would otherwise
+    swamp the 5-10 us kernels and rank the tiles by noise."""
+    return triton.testing.do_bench_cudagraph(kernel_call, rep=20, quantiles=quantiles)
+
+
+@triton.jit
+def _tile_ids(M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
+    """(pid_m, pid_n) of this program, GROUP_M row tiles at a time (programs resident together
+    read the same weight tiles from L2)."""
+    pid = tl.program_id(0)
+    num_pid_m = tl.cdiv(M, BLOCK_M)
+    num_pid_n = tl.cdiv(N, BLOCK_N)
+    width = GROUP_M * num_pid_n
+    first_m = (pid // width) * GROUP_M
+    size_m = tl.minimum(num_pid_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % width) % size_m
+    pid_n = (pid % width) // size_m
+    return pid_m, pid_n
+
+
+@triton.jit
+def _dequant(nibbles, scale, offset):
+    """FP8 ``(u - z) * s`` of uint8 nibbles ``[R, C]``; scale ``[R]`` fp32, offset ``[R]`` = 2^23 + z.
+    ``u | 0x4B000000`` read as fp32 is exactly 2^23 + u; the subtraction is exact and so is the
+    product for fp16 / bf16 scales; the cast rounds once (RNE, saturating)."""
+    f = (nibbles.to(tl.int32) | 0x4B000000).to(tl.float32, bitcast=True)
+    return ((f - offset[:, None]) * scale[:, None]).to(tl.float8e4nv)
+
+
+# One call converts 4 packed bytes (8 nibbles) into 4 low-plane and 4 high-plane e4m3 bytes, with
+# the arithmetic of ``_dequant``: PRMT builds the fp32 words 2^23 + u (mantissa = the nibble, top
+# byte 0x4B), then sub.rn (2^23 + z), mul.rn (s), and cvt.rn.satfinite.e4m3x2 packs two results.
+# $0/$1: low/high outputs; $2: the 4 bytes; $3-$6: their scales; $7-$10: their offsets 2^23 + z.
+_DEQUANT_ASM = tl.constexpr("""
+{
+.reg .b32 ql, qh, mg, t<4>;
+.reg .f32 f<4>;
+.reg .b16 h<2>;
+mov.b32 mg, 0x4B000000;
+and.b32 ql, $2, 0x0F0F0F0F;
+shr.u32 qh, $2, 4;
+and.b32 qh, qh, 0x0F0F0F0F;
+""" + "".join(
+    f"""prmt.b32 t0, {q}, mg, 0x7440;
+prmt.b32 t1, {q}, mg, 0x7441;
+prmt.b32 t2, {q}, mg, 0x7442;
+prmt.b32 t3, {q}, mg, 0x7443;
+mov.b32 f0, t0;
+mov.b32 f1, t1;
+mov.b32 f2, t2;
+mov.b32 f3, t3;
+sub.rn.f32 f0, f0, $7;
+sub.rn.f32 f1, f1, $8;
+sub.rn.f32 f2, f2, $9;
+sub.rn.f32 f3, f3, $10;
+mul.rn.f32 f0, f0, $3;
+mul.rn.f32 f1, f1, $4;
+mul.rn.f32 f2, f2, $5;
+mul.rn.f32 f3, f3, $6;
+cvt.rn.satfinite.e4m3x2.f32 h0, f1, f0;
+cvt.rn.satfinite.e4m3x2.f32 h1, f3, f2;
+mov.b32 ${out}, {{h0, h1}};
+""" for q, out in (("ql", 0), ("qh", 1))) + "}")
+
+
+@triton.jit
+def _dequant_planes(packed, scale, offset, DEQ_ASM: tl.constexpr):
+    """(low, high) FP8 tiles ``[R, C]`` of packed bytes ``[R, C]``: inputs j and 64 + j of each
+    group. DEQ_ASM: the inline-PTX version (about half the instructions), same arithmetic."""
+    if DEQ_ASM:
+        s = tl.broadcast_to(scale[:, None], packed.shape)
+        c = tl.broadcast_to(offset[:, None], packed.shape)
+        lo, hi = tl.inline_asm_elementwise(
+            asm=_DEQUANT_ASM, constraints="=r,=r,r,f,f,f,f,f,f,f,f", args=[packed, s, c],
+            dtype=(tl.uint8, tl.uint8), is_pure=True, pack=4)
+        return lo.to(tl.float8e4nv, bitcast=True), hi.to(tl.float8e4nv, bitcast=True)
+    else:
+        return _dequant(packed & 0xF, scale, offset), _dequant(packed >> 4, scale, offset)
+
+
+@triton.jit
+def _group_params(s_ptr, z_ptr, rows, g, stride_sg, HAS_ZERO: tl.constexpr):
+    """The raw scales and zero points (uint8; the scales again when symmetric) of group g."""
+    s = tl.load(s_ptr + g * stride_sg + rows)
+    if HAS_ZERO:
+        return s, tl.load(z_ptr + g * stride_sg + rows)
+    else:
+        return s, s
+
+
+@triton.jit
+def _group_offset(z, HAS_ZERO: tl.constexpr, BLOCK: tl.constexpr):
+    """2^23 + z for a row of zero points (or the symmetric 8)."""
+    if HAS_ZERO:
+        return z.to(tl.float32) + 8388608.0
+    else:
+        return tl.full((BLOCK,), 8388616.0, tl.float32)
+
+
+@triton.jit
+def _mma(w, x, acc, FAST_ACC: tl.constexpr):
+    """acc += w [BN, 64] @ x [BM, 64]^T, FP8 operands, fp32 accumulator."""
+    if FAST_ACC:
+        return tl.dot(w, tl.trans(x), acc)
+    else:
+        return tl.dot(w, tl.trans(x), acc, max_num_imprecise_acc=64)
+
+
+@triton.jit
+def _store_tile(y_ptr, y, offs_m, offs_n, M, N, stride_ym):
+    """Y[m, n] = y[n, m] (bf16), rows past M and columns past N dropped."""
+    ptrs = y_ptr + offs_m[None, :].to(tl.int64) * stride_ym + offs_n[:, None]
+    mask = (offs_m[None, :] < M) & (offs_n[:, None] < N)
+    tl.store(ptrs, y.to(tl.bfloat16), mask=mask)
+
+
+@triton.jit(do_not_specialize=["M", "M_BUCKET"])
+def _w4a8_kernel(
+    x_ptr, w_ptr, s_ptr, z_ptr, y_ptr, sa_ptr, s8_ptr, ws_ptr, cnt_ptr,
+    M, N, K, M_BUCKET,
+    stride_xm, stride_wn, stride_sg, stride_ym,
+    HAS_ZERO: tl.constexpr, FAST_ACC: tl.constexpr, DEQ_ASM: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, SPLIT_K: tl.constexpr, GROUP_M: tl.constexpr,
+):
+    """Y[M, N] = bf16((X8 @ dequant(W)^T) * s_a * s8). M_BUCKET only keys the autotuner."""
+    pid_m, pid_n = _tile_ids(M, N, BLOCK_M, BLOCK_N, GROUP_M)
+    pid_k = tl.program_id(1)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_h = tl.arange(0, HALF)
+    rows_x = (offs_m % M).to(tl.int64)  # wrapped: in-bounds loads, the store drops these
+    rows_w = (offs_n % N).to(tl.int64)
+
+    num_groups = K // 128
+    g0 = (pid_k * num_groups) // SPLIT_K  # balanced: splits differ by at most one group
+    g1 = ((pid_k + 1) * num_groups) // SPLIT_K
+    w_ptrs = w_ptr + rows_w[:, None] * stride_wn + (g0 * HALF + offs_h)[None, :]
+    x_ptrs = x_ptr + rows_x[:, None] * stride_xm + (g0 * 128 + offs_h)[None, :]
+
+    acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    for g in range(g0, g1):
+        packed = tl.load(w_ptrs)
+        x_lo = tl.load(x_ptrs)
+        x_hi = tl.load(x_ptrs + HALF)
+        gs, gz = _group_params(s_ptr, z_ptr, rows_w, g, stride_sg, HAS_ZERO)
+        w_lo, w_hi = _dequant_planes(packed, gs.to(tl.float32), _group_offset(gz, HAS_ZERO, BLOCK_N), DEQ_ASM)
+        acc = _mma(w_lo, x_lo, acc, FAST_ACC)
+        acc = _mma(w_hi, x_hi, acc, FAST_ACC)
+        w_ptrs += HALF
+        x_ptrs += 128
+
+    out_scale = tl.load(sa_ptr) * tl.load(s8_ptr)
+    if SPLIT_K == 1:
+        _store_tile(y_ptr, acc * out_scale, offs_m, offs_n, M, N, stride_ym)
+    else:
+        _split_k_reduce(acc, out_scale, ws_ptr, cnt_ptr, y_ptr, pid_m, pid_n, pid_k, offs_m, offs_n,
+                        M, N, stride_ym, BLOCK_N, BLOCK_M, SPLIT_K)
+
+
+@triton.jit
+def _split_k_reduce(acc, out_scale, ws_ptr, cnt_ptr, y_ptr, pid_m, pid_n, pid_k, offs_m, offs_n,
+                    M, N, stride_ym, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, SPLIT_K: tl.constexpr):
+    """Write this split's partial; the last of the SPLIT_K programs of the tile sums all of them
+    in order 0..SPLIT_K-1, stores Y and resets the tile's counter."""
+    tile = pid_m * tl.cdiv(N, BLOCK_N) + pid_n
+    local = tl.arange(0, BLOCK_N)[:, None] * BLOCK_M + tl.arange(0, BLOCK_M)[None, :]
+    tile_ws = ws_ptr + tile.to(tl.int64) * (SPLIT_K * BLOCK_N * BLOCK_M)
+    tl.store(tile_ws + pid_k * (BLOCK_N * BLOCK_M) + local, acc)
+    tl.debug_barrier()  # every thread's partial is written before the release below
+    arrived = tl.atomic_add(cnt_ptr + tile, 1, sem="acq_rel", scope="gpu")
+    if arrived == SPLIT_K - 1:
+        total = tl.load(tile_ws + local, cache_modifier=".cg")
+        for s in tl.static_range(1, SPLIT_K):
+            total += tl.load(tile_ws + s * (BLOCK_N * BLOCK_M) + local, cache_modifier=".cg")
+        _store_tile(y_ptr, total * out_scale, offs_m, offs_n, M, N, stride_ym)
+        tl.atomic_xchg(cnt_ptr + tile, 0, sem="relaxed", scope="gpu")
+
+
+_kernel = _w4a8_kernel
+_kernel_tuned = triton.autotune(
+    configs=CONFIGS,
+    key=["M_BUCKET", "N", "K", "HAS_ZERO", "FAST_ACC", "DEQ_ASM"],
+    prune_configs_by={"early_config_prune": _prune_configs},
+    do_bench=_tuning_bench,
+)(_w4a8_kernel)
+
+
+@triton.jit
+def _dequant_kernel(w_ptr, s_ptr, z_ptr, out_ptr, N, stride_wn, stride_sg, stride_on,
+                    HAS_ZERO: tl.constexpr, DEQ_ASM: tl.constexpr, BLOCK_N: tl.constexpr):
+    """out[n, g*128 + j] and out[n, g*128 + 64 + j] (FP8) for one [BLOCK_N, 128] block."""
+    pid_n = tl.program_id(0)
+    g = tl.program_id(1)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_h = tl.arange(0, HALF)
+    rows = (offs_n % N).to(tl.int64)
+    packed = tl.load(w_ptr + rows[:, None] * stride_wn + g * HALF + offs_h[None, :])
+    s, z = _group_params(s_ptr, z_ptr, rows, g, stride_sg, HAS_ZERO)
+    scale = s.to(tl.float32)
+    offset = _group_offset(z, HAS_ZERO, BLOCK_N)
+    out = out_ptr + offs_n[:, None].to(tl.int64) * stride_on + g * 128 + offs_h[None, :]
+    mask = offs_n[:, None] < N
+    w_lo, w_hi = _dequant_planes(packed, scale, offset, DEQ_ASM)
+    tl.store(out, w_lo, mask=mask)
+    tl.store(out + HALF, w_hi, mask=mask)
+
+
+# ----------------------------------------------------------------------------------------------
+# Python side
+
+
+def config_dict(config: triton.Config) -> dict:
+    """A ``triton.Config`` as the plain dict ``config=`` accepts (and JSON can hold)."""
+    return {**config.kwargs, "num_warps": config.num_warps, "num_stages": config.num_stages}
+
+
+def last_tuned_config() -> dict | None:
+    """The config the autotuner used for the most recent tuned launch (None before any)."""
+    best = getattr(_kernel_tuned, "best_config", None)
+    return config_dict(best) if best is not None else None
+
+
+def tuning_timings() -> dict:
+    """{config as a string: [ms, ...]} of the most recent autotuning run (empty before any)."""
+    timings = getattr(_kernel_tuned, "configs_timings", None) or {}
+    return {str(config_dict(c)): (list(v) if isinstance(v, (list, tuple)) else v) for c, v in timings.items()}
+
+
+_COUNTERS: dict = {}
+
+
+def _counters(device: torch.device, tiles: int) -> torch.Tensor:
+    """The per-device split-K tile counters (zeros; every launch leaves them at zero)."""
+    key = (device.type, device.index)
+    cnt = _COUNTERS.get(key)
+    if cnt is None or cnt.numel() < tiles:
+        if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError("w4a8_gemm: call it once outside CUDA graph capture first "
+                               "(it allocates its split-K counters on the first call)")
+        cnt = torch.zeros(max(COUNTER_SLOTS, tiles), dtype=torch.int32, device=device)
+        _COUNTERS[key] = cnt
+    return cnt
+
+
+def _on_device(t: torch.Tensor) -> bool:
+    """CUDA, or any device under the Triton interpreter (CPU debugging)."""
+    return t.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def _check_weight(fn: str, packed, group_scales, zeros, group_size) -> tuple[int, int]:
+    """(N, K) of a packed weight, after checking every tensor of it."""
+    if group_size != GROUP_SIZE:
+        raise ValueError(f"{fn}: group_size must be {GROUP_SIZE} (the kernel's K step and packing block), "
+                         f"got {group_size}")
+    if not isinstance(packed, torch.Tensor) or packed.dtype != torch.uint8 or packed.dim() != 2:
+        raise TypeError(f"{fn}: packed must be a uint8 [N, K/2] tensor, got "
+                        f"{getattr(packed, 'dtype', type(packed).__name__)} {tuple(getattr(packed, 'shape', ()))}")
+    n, k = packed.shape[0], packed.shape[1] * 2
+    if k % GROUP_SIZE or n % 128:
+        raise ValueError(f"{fn}: K and N must be multiples of 128, got K={k} (packed [N, K/2] = "
+                         f"{tuple(packed.shape)}) and N={n}")
+    if not isinstance(group_scales, torch.Tensor) or group_scales.dtype not in SCALE_DTYPES:
+        raise TypeError(f"{fn}: group_scales must be a {SCALE_DTYPES} tensor, got "
+                        f"{getattr(group_scales, 'dtype', type(group_scales).__name__)}")
+    want = (k // GROUP_SIZE, n)
+    if tuple(group_scales.shape) != want:
+        raise ValueError(f"{fn}: group_scales must be [K/G, N] = {list(want)}, got {tuple(group_scales.shape)}")
+    if zeros is not None and (not isinstance(zeros, torch.Tensor) or zeros.dtype != torch.uint8
+                              or tuple(zeros.shape) != want):
+        raise ValueError(f"{fn}: zeros must be None or uint8 [K/G, N] = {list(want)}")
+    for name, t in (("packed", packed), ("group_scales", group_scales), ("zeros", zeros)):
+        if t is not None and not _on_device(t):
+            raise ValueError(f"{fn}: {name} must be on a CUDA device, got {t.device}")
+        if t is not None and t.device != packed.device:
+            raise ValueError(f"{fn}: {name} is on {t.device}, packed on {packed.device}")
+    return n, k
+
+
+def _scale_tensor(v, what: str, device) -> torch.Tensor:
+    """A per-tensor scale as a 1-element fp32 device tensor (no host sync for device tensors)."""
+    if isinstance(v, torch.Tensor):
+        if not v.is_floating_point() or v.numel() != 1:
+            raise TypeError(f"{what} must be a number or a 1-element float tensor, got {v.dtype} {tuple(v.shape)}")
+        return v.to(device=device, dtype=torch.float32).reshape(1)
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        raise TypeError(f"{what} must be a number or a 1-element float tensor, got {type(v).__name__}")
+    return torch.full((1,), float(v), dtype=torch.float32, device=device)
+
+
+def _check_config(config: dict) -> dict:
+    missing = {"BLOCK_N", "BLOCK_M"} - config.keys()
+    unknown = config.keys() - _CONFIG_KEYS
+    if missing or unknown:
+        raise ValueError(f"config needs BLOCK_N, BLOCK_M (and may set SPLIT_K, GROUP_M, num_warps, num_stages); "
+                         f"missing {sorted(missing)}, unknown {sorted(unknown)}")
+    return {"SPLIT_K": 1, "GROUP_M": 8, "num_warps": 4, "num_stages": 3, **config}
+
+
+def _workspace_elems(configs: list[dict], m: int, n: int) -> int:
+    """fp32 elements of split-K workspace the largest of ``configs`` needs at this M, N."""
+    need = 0
+    for c in configs:
+        if c["SPLIT_K"] > 1:
+            tiles = triton.cdiv(m, c["BLOCK_M"]) * triton.cdiv(n, c["BLOCK_N"])
+            need = max(need, c["SPLIT_K"] * tiles * c["BLOCK_N"] * c["BLOCK_M"])
+    return need
+
+
+def w4a8_gemm(x_fp8: torch.Tensor, s_a, packed: torch.Tensor, group_scales: torch.Tensor, s8,
+              group_size: int = GROUP_SIZE, zeros: torch.Tensor | None = None, *, fast_accum: bool = False,
+              asm_dequant: bool = True, config: dict | None = None, out: torch.Tensor | None = None,
+              path: str = "auto") -> torch.Tensor:
+    """bf16 ``(x_fp8 @ W8^T) * s_a * s8`` with ``W8 = fp8((u - z) * s_g)`` dequantized in registers.
+
+    x_fp8: float8_e4m3fn ``[..., K]`` (quantized with the static per-tensor scale s_a). packed:
+    uint8 ``[N, K/2]`` (layout: ``w4a8_gemm_ref.pack_int4``), group_scales ``[K/128, N]``
+    (fp16 / bf16 / fp32), zeros None (symmetric, zero point 8) or uint8 ``[K/128, N]``. s_a, s8:
+    numbers or 1-element float tensors. K and N multiples of 128, group_size 128. Returns bf16
+    ``[..., N]`` (written into ``out`` if given, a contiguous bf16 ``[M, N]`` / ``[..., N]``).
+    ``fast_accum``: chain Hopper's reduced-precision FP8 accumulator (see the module docstring).
+    ``asm_dequant``: dequantize with the inline-PTX routine (default) or plain Triton ops (same bits).
+    ``path``: "fused" (this kernel), "two_pass" (``w4a8_gemm_two_pass``) or "auto" (fused below
+    ``TWO_PASS_MIN_M`` rows; ``config`` or ``asm_dequant=False`` force the fused kernel).
+    ``config`` pins one tile config (keys of ``config_dict``) instead of autotuning.
+    Raises TypeError for wrong dtypes and ValueError for wrong shapes or devices."""
+    n, k = _check_weight("w4a8_gemm", packed, group_scales, zeros, group_size)
+    if not isinstance(x_fp8, torch.Tensor) or x_fp8.dtype != FP8_DTYPE:
+        raise TypeError(f"w4a8_gemm: x_fp8 must be a {FP8_DTYPE} tensor, got {getattr(x_fp8, 'dtype', type(x_fp8))}")
+    if x_fp8.dim() < 1 or x_fp8.shape[-1] != k:
+        raise ValueError(f"w4a8_gemm: x_fp8 must be [..., K={k}] to match packed [N, K/2], got {tuple(x_fp8.shape)}")
+    if x_fp8.device != packed.device:
+        raise ValueError(f"w4a8_gemm: x_fp8 is on {x_fp8.device}, packed on {packed.device}")
+    x2 = x_fp8.reshape(-1, k)
+    if x2.stride(1) != 1:
+        x2 = x2.contiguous()
+    m = x2.shape[0]
+    if out is not None and (out.dtype != torch.bfloat16 or out.numel() != m * n or not out.is_contiguous()):
+        raise ValueError(f"w4a8_gemm: out must be a contiguous bf16 tensor of {m} x {n} elements")
+    if path not in ("auto", "fused", "two_pass"):
+        raise ValueError(f"w4a8_gemm: path must be 'auto', 'fused' or 'two_pass', got {path!r}")
+    sa = _scale_tensor(s_a, "s_a", x2.device)
+    s8t = _scale_tensor(s8, "s8", x2.device)
+    two_pass = path == "two_pass" or (path == "auto" and m >= TWO_PASS_MIN_M and config is None and asm_dequant)
+    if m and two_pass:
+        y = w4a8_gemm_two_pass(x2, sa, packed, group_scales, s8t, zeros=zeros, fast_accum=fast_accum)
+        if out is not None:
+            y = out.view(m, n).copy_(y)
+    else:
+        y = out.view(m, n) if out is not None else torch.empty((m, n), dtype=torch.bfloat16, device=x2.device)
+        if m:
+            _launch(x2, packed, group_scales.contiguous(), zeros, y, sa, s8t, fast_accum, asm_dequant, config)
+    return y.reshape(*x_fp8.shape[:-1], n)
+
+
+def _launch(x2, packed, scales, zeros, y, sa, s8t, fast_accum, asm_dequant, config):
+    m, k = x2.shape
+    n = packed.shape[0]
+    bucket = m_bucket(m)
+    if config is None:
+        metas = [config_dict(c) for c in candidate_configs(bucket, k)]
+    else:
+        metas = [_check_config(config)]
+    ws = torch.empty(max(_workspace_elems(metas, m, n), 1), dtype=torch.float32, device=x2.device)
+    tiles = max(triton.cdiv(m, c["BLOCK_M"]) * triton.cdiv(n, c["BLOCK_N"]) for c in metas)
+    cnt = _counters(x2.device, tiles)
+    zeros_arg = zeros.contiguous() if zeros is not None else scales  # never read when symmetric
+    args = (x2, packed, scales, zeros_arg, y, sa, s8t, ws, cnt,
+            m, n, k, bucket, x2.stride(0), packed.stride(0), scales.stride(0), y.stride(0))
+    flags = dict(HAS_ZERO=zeros is not None, FAST_ACC=bool(fast_accum), DEQ_ASM=bool(asm_dequant))
+    if config is None:
+        grid = lambda meta: (triton.cdiv(m, meta["BLOCK_M"]) * triton.cdiv(n, meta["BLOCK_N"]),  # noqa: E731
+                             meta["SPLIT_K"])
+        return _kernel_tuned[grid](*args, **flags)
+    meta = metas[0]
+    grid = (triton.cdiv(m, meta["BLOCK_M"]) * triton.cdiv(n, meta["BLOCK_N"]), meta["SPLIT_K"])
+    return _kernel[grid](*args, **flags, **meta)
+
+
+def w4a8_dequantize_fp8(packed: torch.Tensor, group_scales: torch.Tensor, zeros: torch.Tensor | None = None,
+                        group_size: int = GROUP_SIZE, *, asm_dequant: bool = True) -> torch.Tensor:
+    """The FP8 weight ``[N, K]`` the GEMM multiplies (same dequantization code), for checks and
+    for the two-pass path. Bit-identical to ``w4a8_gemm_ref.dequantize_fp8``."""
+    n, k = _check_weight("w4a8_dequantize_fp8", packed, group_scales, zeros, group_size)
+    out = torch.empty((n, k), dtype=FP8_DTYPE, device=packed.device)
+    scales = group_scales.contiguous()
+    zeros_arg = zeros.contiguous() if zeros is not None else scales
+    block_n = 64
+    _dequant_kernel[(triton.cdiv(n, block_n), k // GROUP_SIZE)](
+        packed, scales, zeros_arg, out, n, packed.stride(0), scales.stride(0), out.stride(0),
+        HAS_ZERO=zeros is not None, DEQ_ASM=bool(asm_dequant), BLOCK_N=block_n, num_warps=4)
+    return out
+
+
+def w4a8_gemm_two_pass(x_fp8: torch.Tensor, s_a, packed: torch.Tensor, group_scales: torch.Tensor, s8,
+                       group_size: int = GROUP_SIZE, zeros: torch.Tensor | None = None, *,
+                       fast_accum: bool = False) -> torch.Tensor:
+    """The unfused alternative: ``w4a8_dequantize_fp8`` (reads the packed weight, writes the FP8
+    weight: K / 2 + K bytes a row) then cuBLAS ``torch._scaled_mm`` on it. Same function as
+    ``w4a8_gemm``; worth it only for large M, where that extra pass is small next to the multiply."""
+    w8 = w4a8_dequantize_fp8(packed, group_scales, zeros, group_size)
+    k = w8.shape[1]
+    if x_fp8.dtype != FP8_DTYPE or x_fp8.shape[-1] != k:
+        raise ValueError(f"w4a8_gemm_two_pass: x_fp8 must be {FP8_DTYPE} [..., {k}]")
+    x2 = x_fp8.reshape(-1, k).contiguous()
+    sa = _scale_tensor(s_a, "s_a", x2.device)
+    s8t = _scale_tensor(s8, "s8", x2.device)
+    y = torch._scaled_mm(x2, w8.t(), scale_a=sa, scale_b=s8t, out_dtype=torch.bfloat16, use_fast_accum=fast_accum)
+    return y.reshape(*x_fp8.shape[:-1], w8.shape[0])

@@ -4,9 +4,10 @@ For each M (default 1, 16, 256, 4096) at K = N = 4096: a Gaussian weight ``[N, K
 ``quantize_dpq`` (symmetric INT4, fp16 group scales of 128, power-of-two s8), activations
 ``[M, K]`` quantized to FP8 with a static per-tensor scale, and these ops on the same values:
 
-- ``w4a8``: ``w4a8_gemm`` (fused INT4 -> FP8 dequantization, FP8 MMA with fp32 promotion of every
-  64-deep dot, bf16 out); ``w4a8_fast``: the same with ``fast_accum=True``; ``w4a8_plain``: the
-  same with the dequantization in plain Triton ops instead of inline PTX; ``w4a8_f16s``: fused with
+- ``w4a8``: ``w4a8_gemm(path="fused")`` (INT4 -> FP8 dequantization in registers, packed-fp16
+  inline PTX, FP8 MMA with fp32 promotion of every 64-deep dot, bf16 out); ``w4a8_fast``: the same
+  with ``fast_accum=True``; ``w4a8_f32`` / ``w4a8_plain``: the same with the fp32 inline-PTX /
+  plain-Triton dequantization; ``w4a8_f16s``: fused with
   the same scales stored fp16 (not prefetched by the pipeline); ``w4a8_auto``: ``w4a8_gemm``'s
   default path (fused below ``TWO_PASS_MIN_M`` rows, two passes from there);
 - ``bf16``: ``torch.matmul(x_bf16, w_bf16.T)`` (cuBLAS), the unquantized layer;
@@ -25,7 +26,9 @@ default path). Targets:
 speedup_vs_bf16 >= 1.5 at M <= 16, time_vs_fp8 <= 1.25 at M = 4096. Errors: against the exact
 float64 reference, max |y - exact| / max |exact|, for w4a8, w4a8_fast and both ``_scaled_mm``.
 
-Usage: python kernels/bench_w4a8_gemm.py --out $OUT/w4a8-gemm.json [--m 1 16 256 4096]
+Usage: python kernels/bench_w4a8_gemm.py --out $OUT/w4a8-gemm.json [--m 1 16 256 4096] [--sass PATH]
+(``benchmarks/results/w4a8-gemm-h200.json``: ``--m 1 16 128 256 4096`` on an H200; ``--sass`` adds
+registers, spills and SASS opcode counts of the tuned configs.)
 """
 
 from __future__ import annotations
@@ -91,10 +94,10 @@ def _ops() -> dict:
     """name -> function of one operand set; the names are the JSON keys (``<name>_ms``)."""
     from edgeq.kernels.w4a8_gemm_triton import w4a8_gemm, w4a8_gemm_two_pass
 
-    def w4a8(s, fast=False, asm=True, path="fused", scales="group_scales"):
+    def w4a8(s, fast=False, dequant="auto", path="fused", scales="group_scales"):
         q = s["q"]
         return w4a8_gemm(s["x8"], s["sa"], q.packed, s[scales] if scales in s else q.group_scales, s["s8"],
-                         fast_accum=fast, asm_dequant=asm, path=path)
+                         fast_accum=fast, dequant=dequant, path=path)
 
     def fp8(s, fast=False):
         return torch._scaled_mm(s["x8"], s["w8"].t(), scale_a=s["sa"], scale_b=s["s8"], out_dtype=torch.bfloat16,
@@ -103,7 +106,8 @@ def _ops() -> dict:
     return {
         "w4a8": w4a8,
         "w4a8_fast": lambda s: w4a8(s, fast=True),
-        "w4a8_plain": lambda s: w4a8(s, asm=False),
+        "w4a8_f32": lambda s: w4a8(s, dequant="f32"),
+        "w4a8_plain": lambda s: w4a8(s, dequant="triton"),
         "w4a8_f16s": lambda s: w4a8(s, scales="gs16"),
         "w4a8_auto": lambda s: w4a8(s, path="auto"),
         "bf16": lambda s: torch.matmul(s["x16"], s["w16"].T),
@@ -121,7 +125,8 @@ def _errors(s: dict, ops: dict) -> dict:
     exact = w4a8_gemm_ref(s["x8"], s["sa"], q.packed, q.group_scales, s["s8"], out_dtype=torch.float64)
     scale = exact.abs().max().item()
     out = {}
-    for name in ("w4a8", "w4a8_fast", "w4a8_plain", "w4a8_f16s", "w4a8_auto", "fp8", "fp8_fast", "two_pass"):
+    for name in ("w4a8", "w4a8_fast", "w4a8_f32", "w4a8_plain", "w4a8_f16s", "w4a8_auto", "fp8", "fp8_fast",
+                 "two_pass"):
         try:
             y = ops[name](s)
         except RuntimeError as e:
@@ -138,7 +143,8 @@ def run_case(m: int, n: int, k: int, wsets: list, gen, *, warmup_ms: int, rep_ms
     sets = [_operand_set(m, k, w, gen) for w in wsets]
     row = {"M": m, "N": n, "K": k, "operand_sets": len(sets)}
     ops = _ops()
-    for tag, kw in (("", {}), ("_fast", {"fast_accum": True}), ("_plain", {"asm_dequant": False})):
+    for tag, kw in (("", {}), ("_fast", {"fast_accum": True}), ("_f32", {"dequant": "f32"}),
+                    ("_plain", {"dequant": "triton"})):
         q = sets[0]["q"]  # tune first, record the choice and every config's time
         w4a8_gemm(sets[0]["x8"], sets[0]["sa"], q.packed, q.group_scales, sets[0]["s8"], path="fused", **kw)
         row[f"config{tag}"] = last_tuned_config()
@@ -204,19 +210,24 @@ def sass_report(results: list[dict], n: int, k: int) -> str:
         x2 = torch.zeros(r["M"], k, device="cuda").to(torch.float8_e4m3fn)
         y = torch.empty(r["M"], n, device="cuda", dtype=torch.bfloat16)
         one = torch.ones(1, device="cuda")
-        for tag, fast, asm in (("", False, True), ("_fast", True, True), ("_plain", False, False)):
+        for tag, fast, deq in (("", False, W.DEQ_F16X2), ("_fast", True, W.DEQ_F16X2), ("_f32", False, W.DEQ_F32),
+                               ("_plain", False, W.DEQ_TRITON)):
             cfg = r.get(f"config{tag}")
             if not cfg:
                 continue
             try:
-                kern = W._launch(x2, q.packed, q.group_scales, None, y, one, one, fast, asm, cfg)
+                kern = W._launch(x2, q.packed, q.group_scales, None, y, one, one, fast, deq, cfg)
                 sass = kern.asm["sass"]
             except Exception as e:  # diagnostics must not end the benchmark
                 lines.append(f"M={r['M']}{tag} {cfg}: {type(e).__name__}: {e}")
                 continue
-            ops = collections.Counter(m.group(1).split(".")[0] for m in
-                                      re.finditer(r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)", sass))
-            dots = [ln.strip()[:240] for ln in kern.asm["ttgir"].splitlines() if "warp_group_dot " in ln or "tt.dot " in ln]
+            ops = collections.Counter()  # one instruction a line, after its address or control code
+            for ln in sass.splitlines():
+                m = re.match(r"^\s*(?:/\*[0-9a-f]+\*/|[-\w:]+:\d+)\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)", ln)
+                if m:
+                    ops[m.group(1).split(".")[0]] += 1
+            dots = [ln.strip()[:240] for ln in kern.asm["ttgir"].splitlines()
+                    if "warp_group_dot " in ln or "tt.dot " in ln]
             lines.append(f"M={r['M']}{tag} {cfg} regs={kern.n_regs} spills={kern.n_spills} "
                          f"local_alloc={kern.asm['ttgir'].count('local_alloc')}")
             lines.extend("   " + d for d in dots[:2])
@@ -233,7 +244,8 @@ def _fmt(v, width: int = 8) -> str:
 
 
 def table(results: list[dict]) -> str:
-    head = (f"{'M':>5} {'w4a8':>8} {'w4a8fast':>8} {'plain':>8} {'f16s':>8} {'auto':>8} {'bf16':>8} {'fp8':>8} {'fp8fast':>8} {'2pass':>8} "
+    head = (f"{'M':>5} {'w4a8':>8} {'w4a8fast':>8} {'f32deq':>8} {'plain':>8} {'f16s':>8} {'auto':>8} {'bf16':>8} "
+            f"{'fp8':>8} {'fp8fast':>8} {'2pass':>8} "
             f"{'xbf16':>6} {'xbf16f':>6} {'/fp8':>6} {'/fp8f':>6} {'TFLOPS':>7} {'GB/s':>6} {'err':>8} {'errfast':>8} "
             f"{'errfp8':>8}")
     lines = [head]
@@ -247,7 +259,8 @@ def table(results: list[dict]) -> str:
             return f"{v:>8.1e}" if isinstance(v, float) else f"{'-':>8}"
 
         lines.append(
-            f"{r['M']:>5} {_fmt(r['w4a8_ms'])} {_fmt(r['w4a8_fast_ms'])} {_fmt(r['w4a8_plain_ms'])} "
+            f"{r['M']:>5} {_fmt(r['w4a8_ms'])} {_fmt(r['w4a8_fast_ms'])} {_fmt(r['w4a8_f32_ms'])} "
+            f"{_fmt(r['w4a8_plain_ms'])} "
             f"{_fmt(r['w4a8_f16s_ms'])} {_fmt(r['w4a8_auto_ms'])} "
             f"{_fmt(r['bf16_ms'])} {_fmt(r['fp8_ms'])} "
             f"{_fmt(r['fp8_fast_ms'])} {_fmt(r['two_pass_ms'])} {f2('speedup_vs_bf16')} {f2('speedup_vs_bf16_fast')} "

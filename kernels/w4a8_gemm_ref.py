@@ -23,21 +23,24 @@ Storage (what ``quantize_dpq`` returns and the Triton kernel reads):
   uses ``q`` in [-7, 7] (``s_g = max|W8_g| / 7``); asymmetric (the paper's scheme): ``zeros``
   uint8 ``[K / G, N]`` with ``z_g`` in [0, 15], ``s_g = (max(W8_g, 0) - min(W8_g, 0)) / 15``.
 - ``group_scales``: ``[K / G, N]`` (group-major: the N scales of one group are contiguous, so a
-  kernel tile loads them coalesced). Default: fp32 storage of values rounded to fp16 precision
-  (11 significant bits; fp32 lets the kernel's pipeliner prefetch them, 4 bytes a thread being
-  cp.async's minimum); fp16 and bf16 storage are accepted too, and so are arbitrary fp32 values.
+  kernel tile loads them coalesced). ``quantize_dpq`` rounds them to 7 significant bits
+  (``SCALE_BITS``; a relative change of at most 2^-8, far below the INT4 step) so that the kernel
+  can dequantize in packed fp16 arithmetic exactly, and stores them as fp32 by default (4 bytes a
+  thread is cp.async's minimum, so the kernel's pipeline prefetches them); fp16 / bf16 storage
+  hold the same values. Arbitrary scales are accepted too (the kernel then uses fp32 arithmetic).
 
 Why no overflow (the protective range): symmetric, ``|q * s_g| <= 7 * s_g = max|W8_g| <= R``
-(times ``1 + 2^-11`` for the rounding of ``s_g``); asymmetric, the zero point's rounding
-moves the grid by at most ``s_g / 2 <= R / 15``, so ``|(u - z) * s_g| <= R + R/15 = 446.0 < 448``.
+(times ``1 + 2^-8`` for the rounding of ``s_g``); asymmetric, the zero point's rounding moves
+the grid by at most ``s_g / 2 <= R / 15``, so ``|(u - z) * s_g| <= (R + R/15)(1 + 2^-8) = 447.8``.
 FP8 rounding then lands on at most 448, the e4m3fn maximum (e4m3fn has no infinity; torch turns
 an overflow into NaN, the GPU's ``satfinite`` conversion into 448). A hand-made symmetric nibble
 0 (q = -8) is outside what ``quantize_dpq`` produces and could reach ``8/7 R = 478`` (saturates).
 
-Exact emulation: ``u - z`` is a small integer and ``s_g`` has 11 significant bits (fp16 values), so
-``(u - z) * s_g`` is exact in fp32 and the only rounding is the one to FP8, round-to-nearest-even
-on both sides (torch here, ``cvt.rn.satfinite.e4m3x2.f32`` in the kernel). Arbitrary fp32 scales
-add one fp32 rounding of the product first, which both sides perform identically. Every product of two
+Exact emulation: ``u - z`` is a small integer (4 bits) and ``s_g`` has 7 significant bits, so
+``(u - z) * s_g`` is exact in fp32 and in fp16 alike and the only rounding is the one to FP8,
+round-to-nearest-even on both sides (torch here, ``cvt.rn.satfinite.e4m3x2`` in the kernel).
+Arbitrary fp32 scales add one fp32 rounding of the product first, which both sides perform
+identically (the kernel's fp32 paths; its fp16 path is only used for scales that fit). Every product of two
 e4m3 values is exact in float64 and their sums are too (the terms span 2^-18 .. 2^30 for
 K <= 4096, 48 bits < 53), so ``w4a8_gemm_ref``'s float64 accumulator is the exact sum; the kernel
 differs from it only by its fp32 (tensor-core) accumulation and the final bf16 rounding.
@@ -60,6 +63,7 @@ GROUP_SIZE = 128
 PACK_BLOCK = 128  # K block of the nibble pairing: byte j holds k0 + j (low) and k0 + 64 + j (high)
 SYM_ZERO = 8  # symmetric nibbles are offset binary: q = u - 8
 SCALE_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+SCALE_BITS = 7  # significant bits of the fitted group scales (exact packed-fp16 dequantization)
 
 
 @dataclass
@@ -119,8 +123,8 @@ def fit_groups(w8: torch.Tensor, group_size: int = GROUP_SIZE, symmetric: bool =
                scale_dtype: torch.dtype = torch.float32):
     """RTN INT4 fit of FP8-domain values ``w8`` ``[N, K]``: (nibbles uint8 ``[N, K]``, group scales
     ``[K / G, N]`` in ``scale_dtype``, zeros uint8 ``[K / G, N]`` or None). Scales are rounded to
-    fp16 precision (then to bf16 if that is the storage), and the fit uses the rounded scale, so
-    dequantization sees exactly the grid the fit chose."""
+    ``SCALE_BITS`` significant bits (exact in fp32, fp16 and bf16 storage), and the fit uses the
+    rounded scale, so dequantization sees exactly the grid the fit chose."""
     n, k = w8.shape
     if k % group_size:
         raise ValueError(f"fit_groups: K={k} is not a multiple of the group size {group_size}")
@@ -133,7 +137,7 @@ def fit_groups(w8: torch.Tensor, group_size: int = GROUP_SIZE, symmetric: bool =
         lo = g.amin(dim=-1).clamp(max=0.0)
         hi = g.amax(dim=-1).clamp(min=0.0)
         s = (hi - lo) / 15
-    s = torch.where(s > 0, s, torch.ones_like(s)).to(torch.float16).to(scale_dtype)
+    s = round_significant(torch.where(s > 0, s, torch.ones_like(s)), SCALE_BITS).to(scale_dtype)
     s64 = s.to(torch.float64)
     if symmetric:
         q = torch.round(g / s64[..., None]).clamp(-8, 7)
@@ -145,6 +149,12 @@ def fit_groups(w8: torch.Tensor, group_size: int = GROUP_SIZE, symmetric: bool =
         zeros = z.to(torch.uint8).T.contiguous()
     nibbles = u.to(torch.uint8).reshape(n, k)
     return nibbles, s.T.contiguous(), zeros
+
+
+def round_significant(x: torch.Tensor, bits: int) -> torch.Tensor:
+    """``x`` rounded (to nearest, ties to even) to ``bits`` significant bits, same dtype."""
+    mant, exp = torch.frexp(x)
+    return torch.ldexp(torch.round(mant * 2.0**bits) / 2.0**bits, exp.to(x.dtype)).to(x.dtype)
 
 
 def quantize_dpq(w: torch.Tensor, group_size: int = GROUP_SIZE, symmetric: bool = True,
@@ -164,7 +174,8 @@ def quantize_dpq(w: torch.Tensor, group_size: int = GROUP_SIZE, symmetric: bool 
 def dequantize_fp8(packed: torch.Tensor, group_scales: torch.Tensor, zeros: torch.Tensor | None = None,
                    group_size: int = GROUP_SIZE) -> torch.Tensor:
     """The FP8 weight ``[N, K]`` the kernel multiplies: ``fp8_e4m3fn((u - z) * s_g)``, with the
-    product rounded to fp32 first (a no-op for scales of fp16 precision), as the kernel computes it."""
+    product rounded to fp32 first (a no-op for scales of up to 11 significant bits), as the kernel's
+    fp32 paths compute it (its fp16 path only runs where the product is exact)."""
     u = unpack_int4(packed).to(torch.float64)
     n, k = u.shape
     _check_group_tensors(group_scales, zeros, n, k, group_size)

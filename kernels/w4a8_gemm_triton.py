@@ -1,8 +1,8 @@
 """Triton W4A8 GEMM for DPQ: ``Y = bf16((X8 @ W8^T) * s_a * s8)``, INT4 weights dequantized to FP8.
 
 Why: DPQ (``edgeq.kernels.w4a8_gemm_ref``, paper 003) stores weights as INT4 with FP8-domain group
-scales and a per-tensor power-of-two scale s8, and multiplies in FP8. Decode (M <= 16) is bound by
-reading the weight: 4 bits a weight is a quarter of bf16's bytes. Prefill (large M) is bound by
+scales and a per-tensor power-of-two scale s8, and multiplies in FP8. A bf16 decode GEMM (M <= 16)
+is bound by reading the weight: 4 bits a weight is a quarter of bf16's bytes. Prefill (large M) is bound by
 the multiply: FP8 tensor cores run at twice bf16's rate. torch has no such GEMM: ``_scaled_mm``
 needs the FP8 weight (twice the bytes) and cuBLAS has no INT4 input.
 
@@ -12,24 +12,30 @@ How: one program computes the tile ``Y[m0:m0+BLOCK_M, n0:n0+BLOCK_N]`` as its tr
 - The weight is the MMA's M side. Hopper's wgmma needs M tiles of 64 but takes N tiles of 16, so
   swapping lets M = 1..16 decode use a 16-wide activation tile on the wgmma path instead of
   padding M to 64; and the dequantized weight, computed in registers, is the A operand, which
-  wgmma may read from registers (B must come from shared memory).
-- K loop, one 128-wide group per step (``G = 128``, the packing block): load the packed bytes
-  ``[BLOCK_N, 64]`` (byte j = inputs j and 64 + j, see the reference's layout), the group's
-  ``BLOCK_N`` scales (contiguous: scales are stored ``[K/G, N]``) and the two 64-wide activation
-  slices ``X[:, k0:k0+64]``, ``X[:, k0+64:k0+128]``. Dequantize each nibble plane exactly as the
-  reference: ``u`` becomes a float by placing it in the mantissa of 2^23 (PRMT: no int->float
-  conversion instruction), minus ``2^23 + z`` (exact), times ``s_g`` (exact for scales of fp16
-  precision), one RNE rounding to e4m3 (``cvt.rn.satfinite.e4m3x2``): about 4 instructions a
-  weight in the inline-PTX routine (``asm_dequant=True``), a little more in plain Triton ops.
-  Two ``tl.dot`` of K = 64.
+  wgmma reads from registers (B, the activations, comes from shared memory).
+- K loop, one 128-wide group per step (``G = 128``, the packing block): cp.async-pipelined loads
+  of the packed bytes ``[BLOCK_N, 64]`` (byte j = inputs j and 64 + j, see the reference's
+  layout), the group's ``BLOCK_N`` scales (contiguous: scales are stored ``[K/G, N]``) and the two
+  64-wide activation slices ``X[:, k0:k0+64]``, ``X[:, k0+64:k0+128]``; dequantize both nibble
+  planes in registers; two ``tl.dot`` of K = 64 on FP8 tensor cores (QGMMA in the SASS).
+- Dequantization, bit-exact with the reference (``fp8_e4m3fn((u - z) * s_g)``, one RNE rounding):
+  ``dequant="f16x2"`` (inline PTX, packed halves, ~3 instructions a weight: PRMT places two
+  nibbles in the mantissas of two fp16 1024s, ``sub.rn.f16x2`` 1024 + z, ``mul.rn.f16x2`` s_g,
+  ``cvt.rn.satfinite.e4m3x2.f16x2``) is exact for scales of at most 7 significant bits, which
+  ``quantize_dpq`` produces; ``"f32"`` (inline PTX, fp32: 2^23 + u by PRMT, sub, mul, cvt; ~4 a
+  weight) and ``"triton"`` (the same in plain Triton ops) take any scales. ``"auto"`` checks the
+  scales once per tensor. For the decode tile (BLOCK_N = 64, 4 warps) the K step compiles to
+  272 / 367 / 502 SASS instructions for the three, and on an H200 at M = 16 the GEMM takes
+  8.4 / 10.1 / 11.3 us: the dequantization's instruction count, not HBM, bounds decode.
 - Scales stored in fp32 (the reference's default) are prefetched by Triton's cp.async pipeline
   with the tiles; fp16 / bf16 scales (2 bytes a thread, under cp.async's 4) are loaded in each
-  step and waited for: correct, but slower.
+  step and waited for: same results, 12-15% slower decode.
 - Accumulation: fp32. Hopper's FP8 wgmma adds into its accumulator with reduced precision
   (DeepSeek-V3 measured ~14 bits); ``fast_accum=False`` (the default, like ``torch._scaled_mm``)
   sets ``max_num_imprecise_acc = 64`` so that each 64-deep dot lands in a fresh accumulator that
-  is added to the fp32 sum on the CUDA cores; ``fast_accum=True`` chains the wgmma accumulator
-  (faster, larger error; ``_scaled_mm(use_fast_accum=True)`` is its counterpart).
+  is added to the fp32 sum on the CUDA cores (96.7% of outputs equal the bf16 rounding of the
+  exact result at K = 4096, against 95% for ``_scaled_mm``); ``fast_accum=True`` chains the wgmma
+  accumulator (77%, like ``_scaled_mm(use_fast_accum=True)``; faster only at large M).
 - Epilogue: ``acc * (s_a * s8)`` in fp32 (s8 is a power of two: exact), one rounding to bf16,
   stored transposed into ``Y [M, N]``. s_a and s8 are read from device tensors (no host sync).
 - Split-K (decode and mid M): N / BLOCK_N tiles are too few for the 132 SMs, so SPLIT_K programs
@@ -43,23 +49,29 @@ How: one program computes the tile ``Y[m0:m0+BLOCK_M, n0:n0+BLOCK_N]`` as its tr
 Constraints (checked by the wrapper, ``ValueError``): K and N multiples of 128, group size 128,
 any M >= 0; x float8_e4m3fn ``[..., K]``, packed uint8 ``[N, K/2]``, scales ``[K/G, N]`` fp32 /
 fp16 / bf16, zeros (asymmetric) uint8 ``[K/G, N]``. Symmetric weights use zero point 8
-(offset-binary nibbles, ``zeros=None``).
+(offset-binary nibbles, ``zeros=None``). The first call per device must run outside CUDA graph
+capture (it allocates the split-K counters and checks the scales).
 
 Autotuning: ``DECODE_CONFIGS`` (M <= 32: 16/32-row activation tiles, split-K 2 to 8 so 128 to 512
-programs stream the weight), ``MID_CONFIGS`` (M 64..512: 64/128 tiles, split-K 1 or 2) and
-``LARGE_CONFIGS`` (M >= 1024: 128x128 to 128x256 wgmma tiles). The key buckets M to a power of
+programs share the dequantization), ``MID_CONFIGS`` (M 64..512: 64/128 tiles, split-K 1 or 2) and
+``LARGE_CONFIGS`` (M >= 1024: 128x128 to 256x128 wgmma tiles). The key buckets M to a power of
 two (at least 16); tuning times CUDA-graph replays (no host launch cost). ``config=`` pins one.
+Host cost: a call spends ~0.1 ms in Python and Triton's launcher, more than the decode kernel:
+capture decode steps in a CUDA graph (the benchmark's main timings replay graphs).
 
-``w4a8_dequantize_fp8`` is the dequantization alone (same code, written to an FP8 ``[N, K]``),
-and ``w4a8_gemm_two_pass`` is the unfused alternative: that kernel, then ``torch._scaled_mm``.
-The fused kernel re-dequantizes each weight tile once per BLOCK_M rows of X, so at large M the
-two passes win (one dequantization, then cuBLAS's FP8 GEMM); ``w4a8_gemm(path="auto")`` (the
-default) takes the fused kernel below ``TWO_PASS_MIN_M`` rows and the two passes from there.
+Large M: the fused kernel re-dequantizes each weight tile once per BLOCK_M rows of X, so from a
+few hundred rows the unfused ``w4a8_gemm_two_pass`` wins: ``w4a8_dequantize_fp8`` (this file's
+dequantization, written to an FP8 ``[N, K]``) then cuBLAS ``torch._scaled_mm``. ``w4a8_gemm``'s
+default ``path="auto"`` takes the fused kernel below ``TWO_PASS_MIN_M`` rows and the two passes
+from there (H200, K = N = 4096: fused 8.4 us vs two-pass 13.8 us at M = 16; 17.1 vs 15.8 us at
+M = 128; 236 vs 124 us at M = 4096, where ``_scaled_mm`` alone takes 120 us).
 """
 
 from __future__ import annotations
 
+import functools
 import os
+import weakref
 
 import torch
 import triton
@@ -70,7 +82,7 @@ from edgeq.kernels.w4a8_gemm_ref import FP8_DTYPE, GROUP_SIZE, SCALE_DTYPES
 
 HALF = tl.constexpr(GROUP_SIZE // 2)  # each packed byte holds inputs j and j + 64 of its 128-wide group
 COUNTER_SLOTS = 1 << 16  # split-K tile counters per device (tiles of one split-K launch)
-TWO_PASS_MIN_M = 512  # path="auto": rows of X from which the two-pass path is taken
+TWO_PASS_MIN_M = 128  # path="auto": rows of X from which the two-pass path is taken
 
 
 def _config(bn: int, bm: int, split_k: int, warps: int, stages: int, group: int = 8) -> triton.Config:
@@ -151,7 +163,7 @@ def _tile_ids(M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.co
 def _dequant(nibbles, scale, offset):
     """FP8 ``(u - z) * s`` of uint8 nibbles ``[R, C]``; scale ``[R]`` fp32, offset ``[R]`` = 2^23 + z.
     ``u | 0x4B000000`` read as fp32 is exactly 2^23 + u; the subtraction is exact and so is the
-    product for fp16 / bf16 scales; the cast rounds once (RNE, saturating)."""
+    product for scales of up to 11 significant bits; the cast rounds once (RNE, saturating)."""
     f = (nibbles.to(tl.int32) | 0x4B000000).to(tl.float32, bitcast=True)
     return ((f - offset[:, None]) * scale[:, None]).to(tl.float8e4nv)
 
@@ -192,11 +204,48 @@ mov.b32 ${out}, {{h0, h1}};
 """ for q, out in (("ql", 0), ("qh", 1))) + "}")
 
 
+# The same in packed half arithmetic, two weights an instruction: PRMT puts two nibbles in the
+# mantissas of two fp16 1024s, sub.rn.f16x2 (1024 + z), mul.rn.f16x2 (s), one cvt per pair. Exact
+# only for scales of at most 7 significant bits within [2^-14, 2^11] (then (u - z) * s has at most
+# 11 and is an fp16), which ``quantize_dpq`` produces; ``w4a8_gemm`` checks before using it.
+# $0/$1: low/high outputs; $2: the 4 bytes; $3-$4: scale pairs (fp16x2); $5-$6: (1024 + z) pairs.
+_DEQUANT_ASM_F16X2 = tl.constexpr("""
+{
+.reg .b32 ql, qh, mg, p<2>;
+.reg .b16 h<2>;
+mov.b32 mg, 0x64646464;
+and.b32 ql, $2, 0x0F0F0F0F;
+shr.u32 qh, $2, 4;
+and.b32 qh, qh, 0x0F0F0F0F;
+""" + "".join(
+    f"""prmt.b32 p0, {q}, mg, 0x4140;
+prmt.b32 p1, {q}, mg, 0x4342;
+sub.rn.f16x2 p0, p0, $5;
+sub.rn.f16x2 p1, p1, $6;
+mul.rn.f16x2 p0, p0, $3;
+mul.rn.f16x2 p1, p1, $4;
+cvt.rn.satfinite.e4m3x2.f16x2 h0, p0;
+cvt.rn.satfinite.e4m3x2.f16x2 h1, p1;
+mov.b32 ${out}, {{h0, h1}};
+""" for q, out in (("ql", 0), ("qh", 1))) + "}")
+
+DEQ_TRITON, DEQ_F32, DEQ_F16X2 = 0, 1, 2  # the kernels' DEQ constexpr
+_DEQ_MODES = {"triton": DEQ_TRITON, "f32": DEQ_F32, "f16x2": DEQ_F16X2}
+
+
 @triton.jit
-def _dequant_planes(packed, scale, offset, DEQ_ASM: tl.constexpr):
+def _dequant_planes(packed, scale, offset, DEQ: tl.constexpr):
     """(low, high) FP8 tiles ``[R, C]`` of packed bytes ``[R, C]``: inputs j and 64 + j of each
-    group. DEQ_ASM: the inline-PTX version (about half the instructions), same arithmetic."""
-    if DEQ_ASM:
+    group; scale and offset (2^23 + z) ``[R]`` fp32. DEQ: DEQ_TRITON (plain ops), DEQ_F32 (inline
+    PTX, fp32, same arithmetic, fewer instructions) or DEQ_F16X2 (inline PTX, packed halves)."""
+    if DEQ == 2:
+        s = tl.broadcast_to(scale.to(tl.float16)[:, None], packed.shape)
+        c = tl.broadcast_to((offset - 8387584.0).to(tl.float16)[:, None], packed.shape)  # 1024 + z
+        lo, hi = tl.inline_asm_elementwise(
+            asm=_DEQUANT_ASM_F16X2, constraints="=r,=r,r,r,r,r,r", args=[packed, s, c],
+            dtype=(tl.uint8, tl.uint8), is_pure=True, pack=4)
+        return lo.to(tl.float8e4nv, bitcast=True), hi.to(tl.float8e4nv, bitcast=True)
+    elif DEQ == 1:
         s = tl.broadcast_to(scale[:, None], packed.shape)
         c = tl.broadcast_to(offset[:, None], packed.shape)
         lo, hi = tl.inline_asm_elementwise(
@@ -248,7 +297,7 @@ def _w4a8_kernel(
     x_ptr, w_ptr, s_ptr, z_ptr, y_ptr, sa_ptr, s8_ptr, ws_ptr, cnt_ptr,
     M, N, K, M_BUCKET,
     stride_xm, stride_wn, stride_sg, stride_ym,
-    HAS_ZERO: tl.constexpr, FAST_ACC: tl.constexpr, DEQ_ASM: tl.constexpr,
+    HAS_ZERO: tl.constexpr, FAST_ACC: tl.constexpr, DEQ: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, SPLIT_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):
     """Y[M, N] = bf16((X8 @ dequant(W)^T) * s_a * s8). M_BUCKET only keys the autotuner."""
@@ -272,7 +321,7 @@ def _w4a8_kernel(
         x_lo = tl.load(x_ptrs)
         x_hi = tl.load(x_ptrs + HALF)
         gs, gz = _group_params(s_ptr, z_ptr, rows_w, g, stride_sg, HAS_ZERO)
-        w_lo, w_hi = _dequant_planes(packed, gs.to(tl.float32), _group_offset(gz, HAS_ZERO, BLOCK_N), DEQ_ASM)
+        w_lo, w_hi = _dequant_planes(packed, gs.to(tl.float32), _group_offset(gz, HAS_ZERO, BLOCK_N), DEQ)
         acc = _mma(w_lo, x_lo, acc, FAST_ACC)
         acc = _mma(w_hi, x_hi, acc, FAST_ACC)
         w_ptrs += HALF
@@ -308,7 +357,7 @@ def _split_k_reduce(acc, out_scale, ws_ptr, cnt_ptr, y_ptr, pid_m, pid_n, pid_k,
 _kernel = _w4a8_kernel
 _kernel_tuned = triton.autotune(
     configs=CONFIGS,
-    key=["M_BUCKET", "N", "K", "HAS_ZERO", "FAST_ACC", "DEQ_ASM"],
+    key=["M_BUCKET", "N", "K", "HAS_ZERO", "FAST_ACC", "DEQ"],
     prune_configs_by={"early_config_prune": _prune_configs},
     do_bench=_tuning_bench,
 )(_w4a8_kernel)
@@ -316,7 +365,7 @@ _kernel_tuned = triton.autotune(
 
 @triton.jit
 def _dequant_kernel(w_ptr, s_ptr, z_ptr, out_ptr, N, stride_wn, stride_sg, stride_on,
-                    HAS_ZERO: tl.constexpr, DEQ_ASM: tl.constexpr, BLOCK_N: tl.constexpr):
+                    HAS_ZERO: tl.constexpr, DEQ: tl.constexpr, BLOCK_N: tl.constexpr):
     """out[n, g*128 + j] and out[n, g*128 + 64 + j] (FP8) for one [BLOCK_N, 128] block."""
     pid_n = tl.program_id(0)
     g = tl.program_id(1)
@@ -329,7 +378,7 @@ def _dequant_kernel(w_ptr, s_ptr, z_ptr, out_ptr, N, stride_wn, stride_sg, strid
     offset = _group_offset(z, HAS_ZERO, BLOCK_N)
     out = out_ptr + offs_n[:, None].to(tl.int64) * stride_on + g * 128 + offs_h[None, :]
     mask = offs_n[:, None] < N
-    w_lo, w_hi = _dequant_planes(packed, scale, offset, DEQ_ASM)
+    w_lo, w_hi = _dequant_planes(packed, scale, offset, DEQ)
     tl.store(out, w_lo, mask=mask)
     tl.store(out + HALF, w_hi, mask=mask)
 
@@ -416,6 +465,41 @@ def _scale_tensor(v, what: str, device) -> torch.Tensor:
     return torch.full((1,), float(v), dtype=torch.float32, device=device)
 
 
+@functools.lru_cache(maxsize=64)
+def _candidate_metas(bucket: int, k: int) -> list[dict]:
+    """``config_dict`` of each candidate config of an M bucket (cached: it runs on every call)."""
+    return [config_dict(c) for c in candidate_configs(bucket, k)]
+
+
+_F16X2_OK: dict = {}  # id(scale tensor) -> (its _version, whether f16x2 dequantization is exact)
+
+
+def scales_fit_f16x2(scales: torch.Tensor) -> bool:
+    """Whether every scale has at most 7 significant bits and lies in [2^-14, 2^11]: then the
+    f16x2 dequantization is exact. Checked on the device once per tensor (one sync), cached by
+    identity and version; inside CUDA graph capture an unchecked tensor counts as not fitting."""
+    hit = _F16X2_OK.get(id(scales))
+    if hit is not None and hit[0] == scales._version:
+        return hit[1]
+    if scales.is_cuda and torch.cuda.is_current_stream_capturing():
+        return False
+    s = scales.to(torch.float32)
+    mant, _ = torch.frexp(s)
+    ok = bool(((mant * 128 == torch.round(mant * 128)) & (s >= 2.0**-14) & (s <= 2.0**11)).all())
+    if hit is None:
+        weakref.finalize(scales, _F16X2_OK.pop, id(scales), None)
+    _F16X2_OK[id(scales)] = (scales._version, ok)
+    return ok
+
+
+def _dequant_mode(dequant: str, scales: torch.Tensor) -> int:
+    if dequant == "auto":
+        return DEQ_F16X2 if scales_fit_f16x2(scales) else DEQ_F32
+    if dequant not in _DEQ_MODES:
+        raise ValueError(f"dequant must be 'auto', 'f16x2', 'f32' or 'triton', got {dequant!r}")
+    return _DEQ_MODES[dequant]
+
+
 def _check_config(config: dict) -> dict:
     missing = {"BLOCK_N", "BLOCK_M"} - config.keys()
     unknown = config.keys() - _CONFIG_KEYS
@@ -437,19 +521,22 @@ def _workspace_elems(configs: list[dict], m: int, n: int) -> int:
 
 def w4a8_gemm(x_fp8: torch.Tensor, s_a, packed: torch.Tensor, group_scales: torch.Tensor, s8,
               group_size: int = GROUP_SIZE, zeros: torch.Tensor | None = None, *, fast_accum: bool = False,
-              asm_dequant: bool = True, config: dict | None = None, out: torch.Tensor | None = None,
+              dequant: str = "auto", config: dict | None = None, out: torch.Tensor | None = None,
               path: str = "auto") -> torch.Tensor:
     """bf16 ``(x_fp8 @ W8^T) * s_a * s8`` with ``W8 = fp8((u - z) * s_g)`` dequantized in registers.
 
     x_fp8: float8_e4m3fn ``[..., K]`` (quantized with the static per-tensor scale s_a). packed:
-    uint8 ``[N, K/2]`` (layout: ``w4a8_gemm_ref.pack_int4``), group_scales ``[K/128, N]``
-    (fp16 / bf16 / fp32), zeros None (symmetric, zero point 8) or uint8 ``[K/128, N]``. s_a, s8:
-    numbers or 1-element float tensors. K and N multiples of 128, group_size 128. Returns bf16
+    uint8 ``[N, K/2]`` (layout: ``w4a8_gemm_ref.pack_int4``), group_scales ``[K/128, N]`` (fp32, the
+    fast storage, or fp16 / bf16), zeros None (symmetric, zero point 8) or uint8 ``[K/128, N]``.
+    s_a, s8: numbers or 1-element float tensors. K and N multiples of 128, group_size 128. Returns bf16
     ``[..., N]`` (written into ``out`` if given, a contiguous bf16 ``[M, N]`` / ``[..., N]``).
     ``fast_accum``: chain Hopper's reduced-precision FP8 accumulator (see the module docstring).
-    ``asm_dequant``: dequantize with the inline-PTX routine (default) or plain Triton ops (same bits).
+    ``dequant``: "f16x2" (packed-half inline PTX; needs scales of at most 7 significant bits in
+    [2^-14, 2^11], as ``quantize_dpq`` makes them), "f32" (inline PTX, any scales), "triton" (plain
+    Triton ops, any scales) or "auto" (f16x2 when the scales allow it, checked once per scale
+    tensor, else f32). All give the same bits where they apply.
     ``path``: "fused" (this kernel), "two_pass" (``w4a8_gemm_two_pass``) or "auto" (fused below
-    ``TWO_PASS_MIN_M`` rows; ``config`` or ``asm_dequant=False`` force the fused kernel).
+    ``TWO_PASS_MIN_M`` rows; a ``config`` forces the fused kernel).
     ``config`` pins one tile config (keys of ``config_dict``) instead of autotuning.
     Raises TypeError for wrong dtypes and ValueError for wrong shapes or devices."""
     n, k = _check_weight("w4a8_gemm", packed, group_scales, zeros, group_size)
@@ -469,33 +556,32 @@ def w4a8_gemm(x_fp8: torch.Tensor, s_a, packed: torch.Tensor, group_scales: torc
         raise ValueError(f"w4a8_gemm: path must be 'auto', 'fused' or 'two_pass', got {path!r}")
     sa = _scale_tensor(s_a, "s_a", x2.device)
     s8t = _scale_tensor(s8, "s8", x2.device)
-    two_pass = path == "two_pass" or (path == "auto" and m >= TWO_PASS_MIN_M and config is None and asm_dequant)
+    deq = _dequant_mode(dequant, group_scales)
+    two_pass = path == "two_pass" or (path == "auto" and m >= TWO_PASS_MIN_M and config is None)
     if m and two_pass:
-        y = w4a8_gemm_two_pass(x2, sa, packed, group_scales, s8t, zeros=zeros, fast_accum=fast_accum)
+        y = w4a8_gemm_two_pass(x2, sa, packed, group_scales, s8t, zeros=zeros, fast_accum=fast_accum,
+                               dequant=dequant)
         if out is not None:
             y = out.view(m, n).copy_(y)
     else:
         y = out.view(m, n) if out is not None else torch.empty((m, n), dtype=torch.bfloat16, device=x2.device)
         if m:
-            _launch(x2, packed, group_scales.contiguous(), zeros, y, sa, s8t, fast_accum, asm_dequant, config)
+            _launch(x2, packed, group_scales.contiguous(), zeros, y, sa, s8t, fast_accum, deq, config)
     return y.reshape(*x_fp8.shape[:-1], n)
 
 
-def _launch(x2, packed, scales, zeros, y, sa, s8t, fast_accum, asm_dequant, config):
+def _launch(x2, packed, scales, zeros, y, sa, s8t, fast_accum, deq: int, config):
     m, k = x2.shape
     n = packed.shape[0]
     bucket = m_bucket(m)
-    if config is None:
-        metas = [config_dict(c) for c in candidate_configs(bucket, k)]
-    else:
-        metas = [_check_config(config)]
+    metas = _candidate_metas(bucket, k) if config is None else [_check_config(config)]
     ws = torch.empty(max(_workspace_elems(metas, m, n), 1), dtype=torch.float32, device=x2.device)
     tiles = max(triton.cdiv(m, c["BLOCK_M"]) * triton.cdiv(n, c["BLOCK_N"]) for c in metas)
     cnt = _counters(x2.device, tiles)
     zeros_arg = zeros.contiguous() if zeros is not None else scales  # never read when symmetric
     args = (x2, packed, scales, zeros_arg, y, sa, s8t, ws, cnt,
             m, n, k, bucket, x2.stride(0), packed.stride(0), scales.stride(0), y.stride(0))
-    flags = dict(HAS_ZERO=zeros is not None, FAST_ACC=bool(fast_accum), DEQ_ASM=bool(asm_dequant))
+    flags = dict(HAS_ZERO=zeros is not None, FAST_ACC=bool(fast_accum), DEQ=deq)
     if config is None:
         grid = lambda meta: (triton.cdiv(m, meta["BLOCK_M"]) * triton.cdiv(n, meta["BLOCK_N"]),  # noqa: E731
                              meta["SPLIT_K"])
@@ -506,7 +592,7 @@ def _launch(x2, packed, scales, zeros, y, sa, s8t, fast_accum, asm_dequant, conf
 
 
 def w4a8_dequantize_fp8(packed: torch.Tensor, group_scales: torch.Tensor, zeros: torch.Tensor | None = None,
-                        group_size: int = GROUP_SIZE, *, asm_dequant: bool = True) -> torch.Tensor:
+                        group_size: int = GROUP_SIZE, *, dequant: str = "auto") -> torch.Tensor:
     """The FP8 weight ``[N, K]`` the GEMM multiplies (same dequantization code), for checks and
     for the two-pass path. Bit-identical to ``w4a8_gemm_ref.dequantize_fp8``."""
     n, k = _check_weight("w4a8_dequantize_fp8", packed, group_scales, zeros, group_size)
@@ -516,17 +602,17 @@ def w4a8_dequantize_fp8(packed: torch.Tensor, group_scales: torch.Tensor, zeros:
     block_n = 64
     _dequant_kernel[(triton.cdiv(n, block_n), k // GROUP_SIZE)](
         packed, scales, zeros_arg, out, n, packed.stride(0), scales.stride(0), out.stride(0),
-        HAS_ZERO=zeros is not None, DEQ_ASM=bool(asm_dequant), BLOCK_N=block_n, num_warps=4)
+        HAS_ZERO=zeros is not None, DEQ=_dequant_mode(dequant, group_scales), BLOCK_N=block_n, num_warps=4)
     return out
 
 
 def w4a8_gemm_two_pass(x_fp8: torch.Tensor, s_a, packed: torch.Tensor, group_scales: torch.Tensor, s8,
                        group_size: int = GROUP_SIZE, zeros: torch.Tensor | None = None, *,
-                       fast_accum: bool = False) -> torch.Tensor:
+                       fast_accum: bool = False, dequant: str = "auto") -> torch.Tensor:
     """The unfused alternative: ``w4a8_dequantize_fp8`` (reads the packed weight, writes the FP8
     weight: K / 2 + K bytes a row) then cuBLAS ``torch._scaled_mm`` on it. Same function as
     ``w4a8_gemm``; worth it only for large M, where that extra pass is small next to the multiply."""
-    w8 = w4a8_dequantize_fp8(packed, group_scales, zeros, group_size)
+    w8 = w4a8_dequantize_fp8(packed, group_scales, zeros, group_size, dequant=dequant)
     k = w8.shape[1]
     if x_fp8.dtype != FP8_DTYPE or x_fp8.shape[-1] != k:
         raise ValueError(f"w4a8_gemm_two_pass: x_fp8 must be {FP8_DTYPE} [..., {k}]")

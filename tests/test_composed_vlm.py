@@ -383,7 +383,7 @@ def test_composed_vlm_mquant_vlm_recipe(composed_vlm_dir, tmp_path, capsys):
     report = json.loads((out / "report.json").read_text())
     msq = next(p for p in report["passes"] if p["name"] == "msq")["summary"]
     assert msq["layout"].startswith("prefix") and msq["lowering"] == "integer"
-    assert msq["linears_quantized"] == 211
+    assert msq["linears_quantized"] >= 211  # + the massive-split GEMV branches msq quantizes
     inputs, _ = cv.load_split(composed_vlm_dir, "eval")
     feeds = {k: v[:2] for k, v in inputs.items()}
     after = np.arange(feeds["attention_mask"].shape[1])[None] >= (feeds["visual_start"] + feeds["visual_len"])[:, None]

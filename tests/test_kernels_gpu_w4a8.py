@@ -46,6 +46,7 @@ from edgeq.kernels.w4a8_gemm_ref import (  # noqa: E402
     dequantize_fp8,
     pack_int4,
     quantize_activation_fp8,
+    round_significant,
     quantize_dpq,
     unpack_int4,
     w4a8_abs_terms,
@@ -115,13 +116,13 @@ def _assert_close(y, x8, sa, q, eps: float) -> None:
                           f"(eps {eps:.1e}); {far} of {y.numel()} outputs more than 2 bf16 ulps off")
 
 
-@pytest.mark.parametrize("asm", [True, False], ids=["asm", "plain"])
+@pytest.mark.parametrize("dequant", ["f16x2", "f32", "triton"])
 @pytest.mark.parametrize("k,n", KN, ids=lambda v: str(v))
 @pytest.mark.parametrize("m", M_SIZES)
-def test_matches_reference(m, k, n, asm):
+def test_matches_reference(m, k, n, dequant):
     q = _layer(n, k)
     x8, sa = _acts(m, k)
-    _assert_close(_gemm(x8, sa, q, asm_dequant=asm), x8, sa, q, PRECISE_EPS)
+    _assert_close(_gemm(x8, sa, q, dequant=dequant), x8, sa, q, PRECISE_EPS)
 
 
 @pytest.mark.parametrize("m", M_SIZES)
@@ -148,12 +149,13 @@ def test_scale_dtypes(scale_dtype):
     _assert_close(_gemm(x8, sa, q, config=DECODE_CFG), x8, sa, q, PRECISE_EPS)
 
 
-@pytest.mark.parametrize("asm", [True, False], ids=["asm", "plain"])
+@pytest.mark.parametrize("dequant", ["f16x2", "f32", "triton"])
 @pytest.mark.parametrize("scale_dtype", [torch.float16, torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("symmetric", [True, False], ids=["sym", "asym"])
-def test_dequant_kernel_is_bit_exact(symmetric, scale_dtype, asm):
+def test_dequant_kernel_is_bit_exact(symmetric, scale_dtype, dequant):
     q = _layer(640, 1024, symmetric=symmetric, scale_dtype=scale_dtype, heavy=True)
-    w8 = w4a8_dequantize_fp8(q.packed, q.group_scales, q.zeros, asm_dequant=asm)
+    assert W.scales_fit_f16x2(q.group_scales)
+    w8 = w4a8_dequantize_fp8(q.packed, q.group_scales, q.zeros, dequant=dequant)
     ref = dequantize_fp8(q.packed, q.group_scales, q.zeros)
     assert w8.dtype == FP8_DTYPE and w8.shape == (640, 1024)
     assert torch.equal(w8.view(torch.uint8), ref.view(torch.uint8))
@@ -161,19 +163,34 @@ def test_dequant_kernel_is_bit_exact(symmetric, scale_dtype, asm):
 
 def test_dequant_of_every_nibble_and_scale_is_bit_exact():
     """Every nibble (both planes) against every zero point and fp32 scales of all magnitudes the
-    fit produces (up to 15 * 2^4.5 < 448; down to e4m3 subnormals), fp32 scales so the product
-    itself rounds."""
+    fit produces (up to 15 * 2^4.5 < 448; down to e4m3 subnormals): arbitrary fp32 scales (the
+    product itself rounds; "auto" must pick the fp32 path) and the same rounded to 7 bits (f16x2)."""
     n, k = 256, 256
     u = (torch.arange(n * k, device="cuda") % 16).to(torch.uint8).reshape(n, k)
     u = u[:, torch.randperm(k, device="cuda", generator=_gen(11))]
     scales = (2.0 ** torch.empty(k // 128, n, device="cuda").uniform_(-12, 4.5, generator=_gen(12))).float()
     zeros = (torch.arange(2 * n, device="cuda") % 16).to(torch.uint8).reshape(k // 128, n)
     packed = pack_int4(u)
-    for z in (None, zeros):
-        ref = dequantize_fp8(packed, scales, z)
-        for asm in (True, False):
-            w8 = w4a8_dequantize_fp8(packed, scales, z, asm_dequant=asm)
-            assert torch.equal(w8.view(torch.uint8), ref.view(torch.uint8)), f"asm={asm} zeros={z is not None}"
+    scales7 = round_significant(scales, 7)
+    assert not W.scales_fit_f16x2(scales) and W.scales_fit_f16x2(scales7)
+    for sc, modes in ((scales, ("auto", "f32", "triton")), (scales7, ("auto", "f16x2", "f32", "triton"))):
+        for z in (None, zeros):
+            ref = dequantize_fp8(packed, sc, z)
+            for mode in modes:
+                w8 = w4a8_dequantize_fp8(packed, sc, z, dequant=mode)
+                assert torch.equal(w8.view(torch.uint8), ref.view(torch.uint8)), f"{mode} zeros={z is not None}"
+
+
+def test_f16x2_check_is_cached_and_follows_in_place_changes():
+    q = quantize_dpq(torch.randn(128, 256, device="cuda") * 0.02)
+    sc = q.group_scales.clone()
+    assert W.scales_fit_f16x2(sc) and W.scales_fit_f16x2(sc)
+    sc[0, 0] = 0.1  # 0.1 has more than 7 significant bits; the version counter moves
+    assert not W.scales_fit_f16x2(sc)
+    x8, sa = _acts(16, 256)
+    y = w4a8_gemm(x8, sa, q.packed, sc, q.s8, path="fused")  # auto -> f32 path, still exact
+    ref = w4a8_gemm_ref(x8, sa, q.packed, sc, q.s8, out_dtype=torch.float64)
+    assert ((y.double() - ref).abs() <= ref.abs() * 2.0**-8 + 1e-3 * ref.abs().max()).all()
 
 
 @pytest.mark.parametrize("symmetric", [True, False], ids=["sym", "asym"])
@@ -186,7 +203,8 @@ def test_no_fp8_overflow(symmetric):
     w[1, 128:256] = torch.linspace(0.01, a, 128, device="cuda")  # one-sided group
     w[2, 256:384] = -torch.linspace(0.01, a, 128, device="cuda")
     q = quantize_dpq(w, symmetric=symmetric)
-    for w8 in (dequantize_fp8(q.packed, q.group_scales, q.zeros), w4a8_dequantize_fp8(q.packed, q.group_scales, q.zeros)):
+    for w8 in (dequantize_fp8(q.packed, q.group_scales, q.zeros),
+               w4a8_dequantize_fp8(q.packed, q.group_scales, q.zeros)):
         w8f = w8.to(torch.float32)
         assert torch.isfinite(w8f).all() and w8f.abs().max() <= FP8_MAX
     x8, sa = _acts(16, 512)

@@ -32,9 +32,17 @@ class GptqResult:
     dequantized: np.ndarray  # [K, N] float32: what the graph computes with
 
 
-def _fit(w_rows: np.ndarray, spec: QuantSpec, mse: bool) -> tuple[np.ndarray, np.ndarray]:
-    """Scale and zero point per row of ``w_rows`` [N, m] (RTN range, or the MSE-best shrunk range)."""
+def _fit(w_rows: np.ndarray, spec: QuantSpec, mse: bool, full_range: bool = False) -> tuple[np.ndarray, np.ndarray]:
+    """Scale and zero point per row of ``w_rows`` [N, m] (RTN range, or the MSE-best shrunk range).
+
+    ``full_range`` (symmetric signed types): the value of largest magnitude maps to qmin exactly
+    (scale = v / qmin, negative when v > 0), so all 2^b levels are used, as onnxruntime's
+    MatMulNBits quantizer does, instead of the restricted [-qmax, qmax]."""
     lo, hi = w_rows.min(1), w_rows.max(1)
+    if full_range:
+        ext = np.where(-lo > hi, lo, hi)
+        scale = np.where(ext == 0, 1.0, ext / spec.qmin).astype(np.float32)
+        return scale, np.zeros_like(scale, dtype=spec.np_dtype)
     scale, zp = scale_zero_point(lo, hi, spec)
     if not mse:
         return scale, zp
@@ -68,7 +76,7 @@ def inverse_hessian_factor(h: np.ndarray, damp: float) -> tuple[np.ndarray, np.n
 
 def gptq_quantize(w_kn: np.ndarray, hessian: np.ndarray, spec: QuantSpec, group_size: int = 0,
                   block_size: int = 128, damp: float = 0.01, act_order: bool = False,
-                  mse: bool = False) -> GptqResult:
+                  mse: bool = False, full_range: bool = False) -> GptqResult:
     """GPTQ of one weight ``[K, N]`` against the input Hessian ``[K, K]`` (per output channel when
     ``group_size`` is 0, else per group of ``group_size`` inputs)."""
     k, n = w_kn.shape
@@ -87,7 +95,7 @@ def gptq_quantize(w_kn: np.ndarray, hessian: np.ndarray, spec: QuantSpec, group_
     if not group_size or act_order:  # parameters fitted up front on the original weight
         for g in range(groups):
             cols = slice(g * group_size, min((g + 1) * group_size, k)) if group_size else slice(None)
-            s, z = _fit(w[:, cols], spec, mse)
+            s, z = _fit(w[:, cols], spec, mse, full_range)
             scale[g], zp[g] = s, z
     fitted = np.zeros(groups, bool) if group_size and not act_order else np.ones(groups, bool)
     w = w[:, perm]
@@ -103,7 +111,7 @@ def gptq_quantize(w_kn: np.ndarray, hessian: np.ndarray, spec: QuantSpec, group_
             if not fitted[g]:  # in order: the group's columns are this one and the next ones
                 stop = min(i + group_size, i2 - i1)
                 rest = np.concatenate([w1[:, i:stop], w[:, i1 + stop:min(i1 + i + group_size, k)]], axis=1)
-                scale[g], zp[g] = _fit(rest, spec, mse)
+                scale[g], zp[g] = _fit(rest, spec, mse, full_range)
                 fitted[g] = True
             q, d = _quantize_column(w1[:, i], scale[g], zp[g], spec)
             q_int[:, i1 + i], deq[:, i1 + i] = q, d

@@ -44,6 +44,9 @@ class GptqConfig(PassConfig):
     damp: float = 0.01  # fraction of the mean Hessian diagonal added to it
     act_order: bool = False  # visit columns by decreasing Hessian diagonal
     mse: bool = False  # search a shrunk range per channel/group minimizing the rounding MSE
+    # symmetric: map the largest-magnitude value to -2^(b-1) (all 16 int4 levels, signed scales,
+    # like onnxruntime's MatMulNBits quantizer) instead of +-(2^(b-1) - 1)
+    full_range: bool = False
     skip_roles: tuple[str, ...] = ()
 
     def __post_init__(self):
@@ -55,6 +58,8 @@ class GptqConfig(PassConfig):
             raise UserInputError(f"gptq: group_size must be 32, 64 or 128, got {self.group_size}")
         if self.block_size < 1 or (self.weight_granularity == "group" and self.block_size % self.group_size):
             raise UserInputError("gptq: block_size must be a positive multiple of group_size")
+        if self.full_range and (not self.weight_symmetric or self.mse or self.weight_dtype.startswith("u")):
+            raise UserInputError("gptq: full_range needs symmetric signed weights without mse")
         if not 0.0 <= self.damp < 1.0:
             raise UserInputError(f"gptq: damp must be in [0, 1), got {self.damp}")
 
@@ -96,7 +101,7 @@ class GptqPass(Pass):
                 stored_nk = lin.op == "Gemm" and lin.weight_transposed
                 w_kn = w.T if lin.weight_transposed else w  # the math's [K, N]
                 h = hessians[lin.input].hessian
-                res = gptq_quantize(w_kn, h, self.spec(False), group, cfg.block_size, cfg.damp, cfg.act_order, cfg.mse)
+                res = gptq_quantize(w_kn, h, self.spec(False), group, cfg.block_size, cfg.damp, cfg.act_order, cfg.mse, cfg.full_range)
                 ratios.append(_output_error(w_kn, res.dequantized, h) / max(_output_error(w_kn, _rtn(w_kn, self.spec(False)), h), 1e-30))
                 q, scale, zp = res.q, res.scale, res.zero_point
                 if stored_nk:

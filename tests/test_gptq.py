@@ -103,3 +103,18 @@ def test_gptq_defaults_are_int4_groups_of_128():
 def test_gptq_bad_config(kwargs, needle):
     with pytest.raises(UserInputError, match=needle):
         get_pass("gptq").Config(**kwargs)
+
+
+def test_gptq_full_range_uses_all_int4_levels(layer):
+    """full_range: the largest-magnitude value of every group sits exactly on -8 (signed scale),
+    the dequantized weight is what DequantizeLinear computes, and the layer error is lower than
+    with the restricted +-7 grid."""
+    x, w, h = layer
+    spec = QuantSpec("int4", True, axis=0, block_size=64)
+    full = gptq_quantize(w, h, spec, group_size=64, full_range=True)
+    restricted = gptq_quantize(w, h, spec, group_size=64)
+    assert full.q.min() == -8 and (full.scale < 0).any()
+    np.testing.assert_array_equal(dequantize_weight(full.q, full.scale, full.zero_point, spec), full.dequantized)
+    assert layer_error(x, w, full.dequantized) < layer_error(x, w, restricted.dequantized)
+    with pytest.raises(UserInputError, match="full_range"):
+        get_pass("gptq").Config(full_range=True, weight_symmetric=False)

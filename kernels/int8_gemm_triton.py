@@ -44,6 +44,7 @@ import triton.language as tl
 import triton.testing
 
 from edgeq.kernels.int8_gemm_ref import MAX_EXACT_INT32_K
+from edgeq.kernels.triton_tiles import tile_ids
 
 
 def _config(bm: int, bn: int, bk: int, warps: int, stages: int, group: int = 8) -> triton.Config:
@@ -94,21 +95,6 @@ def _tuning_bench(kernel_call, quantiles):
 
 
 @triton.jit
-def _tile_ids(M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
-    """(pid_m, pid_n) of this program, GROUP_M row tiles at a time, so that the programs resident
-    together read the same few B column tiles (L2 reuse)."""
-    pid = tl.program_id(0)
-    num_pid_m = tl.cdiv(M, BLOCK_M)
-    num_pid_n = tl.cdiv(N, BLOCK_N)
-    width = GROUP_M * num_pid_n
-    first_m = (pid // width) * GROUP_M
-    size_m = tl.minimum(num_pid_m - first_m, GROUP_M)
-    pid_m = first_m + (pid % width) % size_m
-    pid_n = (pid % width) // size_m
-    return pid_m, pid_n
-
-
-@triton.jit
 def _mac(acc, a_rows, stride_ak, b_cols, stride_bk, K, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr):
     """acc += A[:, :K] @ B[:K, :] for one K segment; a_rows is [BLOCK_M, 1] row pointers, b_cols
     [1, BLOCK_N] column pointers. Full blocks unmasked, then one masked tail unless EVEN_K."""
@@ -139,7 +125,7 @@ def _int8_gemm_kernel(
 ):
     """C[M, N] = A[M, K1] @ B[:K1] (+ X[M, K2] @ BX[:K2] when HAS_AUX), int32 accumulation, then
     either the raw int32 (OUT_INT32) or the dequantized fp16. M_BUCKET only keys the autotuner."""
-    pid_m, pid_n = _tile_ids(M, N, BLOCK_M, BLOCK_N, GROUP_M)
+    pid_m, pid_n = tile_ids(M, N, BLOCK_M, BLOCK_N, GROUP_M)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     rows = (offs_m % M).to(tl.int64)  # wrapped: in-bounds loads, the store drops these rows

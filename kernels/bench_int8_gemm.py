@@ -36,6 +36,7 @@ import torch
 
 from edgeq.kernels.bench_timing import bench_eager as _bench_eager
 from edgeq.kernels.bench_timing import bench_graph as _bench_graph
+from edgeq.kernels.bench_timing import fmt_ms as _fmt
 from edgeq.kernels.bench_timing import warm_up as _warm_up
 
 
@@ -124,14 +125,6 @@ def run_case(m: int, n: int, k_base: int, outliers: int, gen, *, n_sets: int, wa
     if isinstance(row["int_mm_dequant_ms"], float):
         row["speedup_vs_int_mm_dequant"] = row["int_mm_dequant_ms"] / best
     return row
-
-
-def _fmt(v, width: int = 8) -> str:
-    if v is None:
-        return f"{'-':>{width}}"
-    if isinstance(v, str):
-        return f"{'unsup':>{width}}"
-    return f"{v:>{width}.4f}"
 
 
 def table(results: list[dict]) -> str:

@@ -38,3 +38,12 @@ def warm_up(seconds: float = 0.5) -> None:
         for _ in range(20):
             x @ x
         torch.cuda.synchronize()
+
+
+def fmt_ms(v, width: int = 8) -> str:
+    """A table cell: milliseconds to 4 decimals, '-' when not run, 'unsup' when unsupported."""
+    if v is None:
+        return f"{'-':>{width}}"
+    if isinstance(v, str):
+        return f"{'unsup':>{width}}"
+    return f"{v:>{width}.4f}"

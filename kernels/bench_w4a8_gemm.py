@@ -41,6 +41,7 @@ import torch
 
 from edgeq.kernels.bench_timing import bench_eager as _bench_eager
 from edgeq.kernels.bench_timing import bench_graph as _bench_graph
+from edgeq.kernels.bench_timing import fmt_ms as _fmt
 from edgeq.kernels.bench_timing import warm_up as _warm_up
 
 
@@ -210,14 +211,6 @@ def sass_report(results: list[dict], n: int, k: int) -> str:
             lines.extend("   " + d for d in dots[:2])
             lines.append("   sass: " + ", ".join(f"{o}:{c}" for o, c in ops.most_common(28)))
     return "\n".join(lines)
-
-
-def _fmt(v, width: int = 8) -> str:
-    if v is None:
-        return f"{'-':>{width}}"
-    if isinstance(v, str):
-        return f"{'unsup':>{width}}"
-    return f"{v:>{width}.4f}"
 
 
 def table(results: list[dict]) -> str:

@@ -93,7 +93,11 @@ from edgeq.kernels.w4a8_dequant_triton import (  # noqa: F401  (re-exported: the
     w4a8_gemm_two_pass,
 )
 from edgeq.kernels.w4a8_gemm_ref import FP8_DTYPE, GROUP_SIZE
+
 COUNTER_SLOTS = 1 << 16  # split-K tile counters per device (tiles of one split-K launch)
+__all__ = ["w4a8_gemm", "w4a8_gemm_two_pass", "w4a8_dequantize_fp8", "scales_fit_f16x2", "config_dict",
+           "last_tuned_config", "tuning_timings", "candidate_configs", "m_bucket", "CONFIGS",
+           "DEQ_TRITON", "DEQ_F32", "DEQ_F16X2", "TWO_PASS_MIN_M"]
 TWO_PASS_MIN_M = 128  # path="auto": rows of X from which the two-pass path is taken
 
 

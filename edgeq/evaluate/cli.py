@@ -7,7 +7,7 @@ import json
 import math
 from typing import Any
 
-from edgeq.argtypes import positive_int
+from edgeq.argtypes import non_negative_int, positive_int
 from edgeq.errors import UserInputError
 
 _PROTOCOL = (
@@ -17,16 +17,6 @@ _PROTOCOL = (
     "[--offset, --offset + --windows); each window predicts tokens 2..seq-len; "
     "perplexity = exp(total NLL / predicted tokens)"
 )
-
-
-def _non_negative(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {value}")
-    return value
 
 
 def register(subparsers: Any) -> argparse.ArgumentParser:
@@ -55,7 +45,7 @@ def register(subparsers: Any) -> argparse.ArgumentParser:
         "--tokenizer", required=True, metavar="DIR", help="folder holding the model's tokenizer.json (or the file)"
     )
     ppl.add_argument("--windows", type=positive_int, default=None, metavar="N", help="windows to evaluate (default: all)")
-    ppl.add_argument("--offset", type=_non_negative, default=0, metavar="K", help="first window (default 0)")
+    ppl.add_argument("--offset", type=non_negative_int, default=0, metavar="K", help="first window (default 0)")
     ppl.add_argument("--seq-len", type=positive_int, default=512, metavar="L", help="tokens per window (default 512)")
     ppl.add_argument("--batch-size", type=positive_int, default=1, metavar="B", help="windows per run (default 1)")
     ppl.add_argument(
@@ -92,7 +82,7 @@ def register(subparsers: Any) -> argparse.ArgumentParser:
                      "masks ones, position ids arange, floats normal)")
     cmp.add_argument("--tokenizer", metavar="DIR", help="folder holding tokenizer.json (with --text)")
     cmp.add_argument("--windows", type=positive_int, default=4, metavar="N", help="windows with --text (default 4)")
-    cmp.add_argument("--offset", type=_non_negative, default=0, metavar="K", help="first window with --text (default 0)")
+    cmp.add_argument("--offset", type=non_negative_int, default=0, metavar="K", help="first window with --text (default 0)")
     cmp.add_argument(
         "--seq-len", type=positive_int, default=None, metavar="L",
         help="tokens per window with --text (default 512); dynamic sequence dims with --random (default 32)",

@@ -3,62 +3,101 @@ error onto the columns not yet quantized through the inverse Hessian of the laye
 
 Why: round-to-nearest 4-bit weights cost SmolLM2 a third of its perplexity; GPTQ minimizes the
 layer's output error ``||X W - X Q||`` over the calibration inputs instead of the weight error,
-which is what keeps 4-bit weights usable. Everything here is numpy on one weight; the pass
-(``edgeq.passes.gptq``) collects ``H = 2 X^T X / n`` per linear input and writes the integers.
+which is what keeps 4-bit weights usable. Everything here is numpy on one weight; the passes
+(``gptq``, ``dpq``) collect ``H = 2 X^T X / n`` per linear input and write the integers.
 
 Conventions: the weight is given as the MatMul reads it, ``[K, N]`` (inputs x outputs); GPTQ runs
 over the K input columns of ``W^T`` ``[N, K]``. Scales are per output channel (``[N]``) or per
-group of ``group_size`` consecutive inputs (``[K / group_size, N]``), the layouts
-``DequantizeLinear`` reads (axis 1, or axis 0 with ``block_size``; the last group is shorter when
-K is not a multiple, as ``block_size`` allows), so the result goes straight into the graph. Group parameters are fitted when the sweep reaches the group, on the already-updated
-columns (the usual GPTQ choice); with ``act_order`` they are fitted up front on the original
-weight ("static groups"), since the columns of one group are then visited out of order.
+group of ``group_size`` consecutive inputs (``[ceil(K / group_size), N]``, the last group shorter
+when K is not a multiple, as DequantizeLinear's ``block_size`` allows), so the result goes
+straight into the graph.
+
+What a column becomes is the job of a column quantizer (``IntColumns`` here: one integer grid;
+``edgeq.dpq.DpqColumns``: INT4 through FP8, DPQ's two levels), so the error that is propagated is
+always against what the graph will compute with. The visiting order:
+
+- ``natural``: columns in stored order; group parameters fitted when the sweep reaches the group,
+  on its already-updated columns (the usual GPTQ choice);
+- ``act_order``: by decreasing Hessian diagonal; the columns of one group are then visited out of
+  order, so group parameters are fitted up front on the original weight ("static groups");
+- ``gar`` (DPQ's group-aware reordering): inside each group by decreasing diagonal, whole groups by
+  their largest diagonal. Groups stay consecutive in the stored weight (no runtime permutation),
+  each group is swept as one run, so its parameters are fitted on updated columns as in natural.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Protocol
 
 import numpy as np
 
 from edgeq.quant import QuantSpec, scale_zero_point
 
+ORDERS = ("natural", "act_order", "gar")
+
 
 @dataclass(frozen=True)
 class GptqResult:
     q: np.ndarray  # [K, N] integers (int64 values, cast by the caller to the storage type)
-    scale: np.ndarray  # [N] or [K / group_size, N], float32
+    scale: np.ndarray  # [N] or [groups, N], float32: the real-domain scale of each integer step
     zero_point: np.ndarray  # same shape as scale, the spec's storage type
     dequantized: np.ndarray  # [K, N] float32: what the graph computes with
+    fp8_scale: float | None = None  # DPQ: the per-tensor power-of-two FP8 scale s8
 
 
-def _fit(w_rows: np.ndarray, spec: QuantSpec, mse: bool, full_range: bool = False) -> tuple[np.ndarray, np.ndarray]:
-    """Scale and zero point per row of ``w_rows`` [N, m] (RTN range, or the MSE-best shrunk range).
+class ColumnQuantizer(Protocol):
+    """Fits grid parameters on rows of weights and quantizes one column with them."""
+
+    spec: QuantSpec
+    s8: float | None  # a per-tensor FP8 level below the integers (DPQ), else None
+
+    def fit(self, w_rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]: ...
+
+    def quantize(self, col: np.ndarray, scale: np.ndarray, zp: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(integers, the real values the graph computes with) of one column [N]."""
+
+    def real_scale(self, scale: np.ndarray) -> np.ndarray:
+        """The fitted scales as the real-domain step DequantizeLinear multiplies by."""
+
+
+class IntColumns:
+    """One integer grid (``spec``): RTN range, MSE-searched shrunk range, or ``full_range``.
 
     ``full_range`` (symmetric signed types): the value of largest magnitude maps to qmin exactly
     (scale = v / qmin, negative when v > 0), so all 2^b levels are used, as onnxruntime's
     MatMulNBits quantizer does, instead of the restricted [-qmax, qmax]."""
-    lo, hi = w_rows.min(1), w_rows.max(1)
-    if full_range:
-        ext = np.where(-lo > hi, lo, hi)
-        scale = np.where(ext == 0, 1.0, ext / spec.qmin).astype(np.float32)
-        return scale, np.zeros_like(scale, dtype=spec.np_dtype)
-    scale, zp = scale_zero_point(lo, hi, spec)
-    if not mse:
+
+    s8 = None
+
+    def __init__(self, spec: QuantSpec, mse: bool = False, full_range: bool = False):
+        self.spec, self.mse, self.full_range = spec, mse, full_range
+
+    def real_scale(self, scale: np.ndarray) -> np.ndarray:
+        return scale
+
+    def fit(self, w_rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        spec = self.spec
+        lo, hi = w_rows.min(1), w_rows.max(1)
+        if self.full_range:
+            ext = np.where(-lo > hi, lo, hi)
+            scale = np.where(ext == 0, 1.0, ext / spec.qmin).astype(np.float32)
+            return scale, np.zeros_like(scale, dtype=spec.np_dtype)
+        scale, zp = scale_zero_point(lo, hi, spec)
+        if not self.mse:
+            return scale, zp
+        best = np.full(w_rows.shape[0], np.inf)
+        for shrink in np.linspace(1.0, 0.55, 19):
+            s, z = scale_zero_point(lo * shrink, hi * shrink, spec)
+            deq = (np.clip(np.round(w_rows / s[:, None]) + z[:, None], spec.qmin, spec.qmax) - z[:, None]) * s[:, None]
+            err = ((w_rows - deq) ** 2).sum(1)
+            better = err < best
+            best[better], scale[better], zp[better] = err[better], s[better], z[better]
         return scale, zp
-    best = np.full(w_rows.shape[0], np.inf)
-    for shrink in np.linspace(1.0, 0.55, 19):
-        s, z = scale_zero_point(lo * shrink, hi * shrink, spec)
-        deq = (np.clip(np.round(w_rows / s[:, None]) + z[:, None], spec.qmin, spec.qmax) - z[:, None]) * s[:, None]
-        err = ((w_rows - deq) ** 2).sum(1)
-        better = err < best
-        best[better], scale[better], zp[better] = err[better], s[better], z[better]
-    return scale, zp
 
-
-def _quantize_column(w: np.ndarray, scale: np.ndarray, zp: np.ndarray, spec: QuantSpec) -> tuple[np.ndarray, np.ndarray]:
-    q = np.clip(np.round(w / scale) + zp, spec.qmin, spec.qmax)
-    return q, (q - zp) * scale
+    def quantize(self, col, scale, zp):
+        q = np.clip(np.round(col / scale) + zp, self.spec.qmin, self.spec.qmax)
+        return q, (q - zp) * scale
 
 
 def inverse_hessian_factor(h: np.ndarray, damp: float) -> tuple[np.ndarray, np.ndarray]:
@@ -74,55 +113,94 @@ def inverse_hessian_factor(h: np.ndarray, damp: float) -> tuple[np.ndarray, np.n
     return np.linalg.cholesky(h_inv).T, dead
 
 
+def group_slices(k: int, group_size: int) -> list[np.ndarray]:
+    """The input indices of each group (one group of all K when ``group_size`` is 0)."""
+    if not group_size:
+        return [np.arange(k)]
+    return [np.arange(g0, min(g0 + group_size, k)) for g0 in range(0, k, group_size)]
+
+
+def column_order(diag: np.ndarray, group_size: int, order: str) -> np.ndarray:
+    """The permutation GPTQ visits the K columns in (see the module docstring)."""
+    k = len(diag)
+    if order == "act_order":
+        return np.argsort(-diag, kind="stable")
+    if order == "gar" and group_size:
+        groups = group_slices(k, group_size)
+        inner = [grp[np.argsort(-diag[grp], kind="stable")] for grp in groups]
+        rank = np.argsort([-diag[grp].max() for grp in groups], kind="stable")
+        return np.concatenate([inner[g] for g in rank])
+    if order not in ORDERS:
+        raise ValueError(f"unknown GPTQ order '{order}', expected one of {ORDERS}")
+    return np.arange(k)
+
+
+def _blocks(perm: np.ndarray, group_size: int, block_size: int, aligned: bool) -> list[tuple[int, int]]:
+    """Lazy-update blocks over the permuted columns; ``aligned``: each block holds whole groups,
+    so a group's parameters can be fitted on its columns when the sweep reaches its first one."""
+    k = len(perm)
+    if not aligned:
+        return [(i, min(i + block_size, k)) for i in range(0, k, block_size)]
+    starts = [i for i in range(1, k) if perm[i] // group_size != perm[i - 1] // group_size]
+    bounds, begin = [], 0
+    for s in starts + [k]:  # close a block at the first group end at or past block_size columns
+        if s - begin >= block_size or s == k:
+            bounds.append((begin, s))
+            begin = s
+    return bounds
+
+
 def gptq_quantize(w_kn: np.ndarray, hessian: np.ndarray, spec: QuantSpec, group_size: int = 0,
                   block_size: int = 128, damp: float = 0.01, act_order: bool = False,
-                  mse: bool = False, full_range: bool = False) -> GptqResult:
+                  mse: bool = False, full_range: bool = False, order: str | None = None,
+                  columns: ColumnQuantizer | None = None) -> GptqResult:
     """GPTQ of one weight ``[K, N]`` against the input Hessian ``[K, K]`` (per output channel when
-    ``group_size`` is 0, else per group of ``group_size`` inputs)."""
+    ``group_size`` is 0, else per group of ``group_size`` inputs). ``order`` overrides
+    ``act_order``; ``columns`` overrides the integer grid built from ``spec``/``mse``/``full_range``."""
+    order = order or ("act_order" if act_order else "natural")
+    if order not in ORDERS:
+        raise ValueError(f"unknown GPTQ order '{order}', expected one of {ORDERS}")
+    cq = columns or IntColumns(spec, mse, full_range)
+    spec = cq.spec
     k, n = w_kn.shape
     w = np.array(w_kn.T, np.float64)  # [N, K]
-    u, dead = inverse_hessian_factor(hessian, damp)
-    w[:, dead] = 0.0
-    perm = np.argsort(-np.diag(hessian), kind="stable") if act_order else np.arange(k)
+    diag = np.diag(np.asarray(hessian, np.float64))
+    perm = column_order(diag, group_size, order)
     inv_perm = np.argsort(perm)
-    if act_order:
-        h = np.asarray(hessian, np.float64)[np.ix_(perm, perm)]
-        h = np.where(np.eye(k, dtype=bool) & (np.diag(h) == 0)[:, None], 1.0, h)
-        u, _ = inverse_hessian_factor(h, damp)
-    groups = -(-k // group_size) if group_size else 1  # the last group may be shorter (K = 576, g = 128)
-    scale = np.zeros((groups, n), np.float64)
-    zp = np.zeros((groups, n), np.int64)
-    if not group_size or act_order:  # parameters fitted up front on the original weight
-        for g in range(groups):
-            cols = slice(g * group_size, min((g + 1) * group_size, k)) if group_size else slice(None)
-            s, z = _fit(w[:, cols], spec, mse, full_range)
-            scale[g], zp[g] = s, z
-    fitted = np.zeros(groups, bool) if group_size and not act_order else np.ones(groups, bool)
+    h = np.asarray(hessian, np.float64)[np.ix_(perm, perm)]
+    u, dead = inverse_hessian_factor(h, damp)
     w = w[:, perm]
+    w[:, dead] = 0.0
+    groups = group_slices(k, group_size)
+    scale = np.zeros((len(groups), n), np.float64)
+    zp = np.zeros((len(groups), n), np.int64)
+    dynamic = bool(group_size) and order != "act_order"
+    if not dynamic:  # parameters fitted up front on the original weight
+        for g, cols in enumerate(groups):
+            scale[g], zp[g] = cq.fit(np.array(w_kn.T, np.float64)[:, cols])
+    size = {g: len(cols) for g, cols in enumerate(groups)}
     q_int = np.zeros((n, k), np.int64)
     deq = np.zeros((n, k), np.float64)
-    for i1 in range(0, k, block_size):
-        i2 = min(i1 + block_size, k)
+    for i1, i2 in _blocks(perm, group_size, block_size, dynamic):
         w1, err1 = w[:, i1:i2].copy(), np.zeros((n, i2 - i1))
         u1 = u[i1:i2, i1:i2]
         for i in range(i2 - i1):
             col = int(perm[i1 + i])
             g = col // group_size if group_size else 0
-            if not fitted[g]:  # in order: the group's columns are this one and the next ones
-                stop = min(i + group_size, i2 - i1)
-                rest = np.concatenate([w1[:, i:stop], w[:, i1 + stop:min(i1 + i + group_size, k)]], axis=1)
-                scale[g], zp[g] = _fit(rest, spec, mse, full_range)
-                fitted[g] = True
-            q, d = _quantize_column(w1[:, i], scale[g], zp[g], spec)
+            if dynamic and (i1 + i == 0 or int(perm[i1 + i - 1]) // group_size != g):
+                scale[g], zp[g] = cq.fit(w1[:, i:i + size[g]])  # the group's updated columns
+            q, d = cq.quantize(w1[:, i], scale[g], zp[g])
             q_int[:, i1 + i], deq[:, i1 + i] = q, d
             e = (w1[:, i] - d) / u1[i, i]
             w1[:, i:] -= np.outer(e, u1[i, i:])
             err1[:, i] = e
         w[:, i2:] -= err1 @ u[i1:i2, i2:]
     q_int, deq = q_int[:, inv_perm], deq[:, inv_perm]
+    scale = cq.real_scale(scale)
     if not group_size:
         scale, zp = scale[0], zp[0]
-    return GptqResult(q_int.T.copy(), scale.astype(np.float32), zp.astype(spec.np_dtype), deq.T.astype(np.float32))
+    return GptqResult(q_int.T.copy(), scale.astype(np.float32), zp.astype(spec.np_dtype), deq.T.astype(np.float32),
+                      cq.s8)
 
 
 def layer_error(x: np.ndarray, w_kn: np.ndarray, w_hat_kn: np.ndarray) -> float:

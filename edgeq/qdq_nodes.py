@@ -152,3 +152,26 @@ def insert_token_fake_quant(graph: gs.Graph, index: ir.GraphIndex, tensor: gs.Te
     ]
     graph.nodes.extend(nodes)
     return out
+
+
+def fp8_zero_point(name: str) -> gs.Constant:
+    """A float8 e4m3fn scalar 0: the zero point that makes QuantizeLinear produce FP8."""
+    import ml_dtypes  # a dependency of onnx itself
+    from onnx_graphsurgeon.ir.tensor import LazyValues
+
+    proto = onnx.numpy_helper.from_array(np.zeros((), ml_dtypes.float8_e4m3fn), name)
+    return gs.Constant(name, LazyValues(proto))
+
+
+def insert_fp8_qdq(graph: gs.Graph, index: ir.GraphIndex, tensor: gs.Tensor, scale: float, base: str) -> gs.Variable:
+    """QuantizeLinear to float8 e4m3fn (static per-tensor ``scale``, saturating) and its
+    DequantizeLinear: the FP8 compute precision of DPQ's weights and activations (opset >= 19)."""
+    s_const = gs.Constant(ir.unique_name(index, f"{base}_fp8_scale"), np.asarray(scale, np.float32).reshape(()))
+    z_const = fp8_zero_point(ir.unique_name(index, f"{base}_fp8_zero_point"))
+    q = gs.Variable(ir.unique_name(index, f"{base}_fp8"))
+    out = gs.Variable(ir.unique_name(index, f"{base}_fp8_dequantized"), dtype=np.float32, shape=tensor.shape)
+    graph.nodes.append(gs.Node("QuantizeLinear", ir.unique_name(index, f"{base}_fp8_QuantizeLinear"), {"saturate": 1},
+                               [tensor, s_const, z_const], [q]))
+    graph.nodes.append(gs.Node("DequantizeLinear", ir.unique_name(index, f"{base}_fp8_DequantizeLinear"), {},
+                               [q, s_const, z_const], [out]))
+    return out

@@ -212,31 +212,57 @@ class ChannelStatsObserver(Observer):
 
 class HessianObserver(Observer):
     """``X^T X`` of a linear input over every token (last axis = K), in float64, and the token
-    count: GPTQ's Hessian is ``2 X^T X / n``. Memory is K^2, whatever the number of tokens."""
+    count: GPTQ's Hessian is ``2 X^T X / n``. Memory is K^2, whatever the number of tokens.
+
+    It also keeps ``X_0^T X_0`` of the first token of every sequence (inputs [batch, seq, K]):
+    that token is the attention sink, one token in hundreds of the calibration set, so plain GPTQ
+    treats its direction as unimportant and pushes rounding error into it, and every later
+    query attends to the damaged key and value (measured on SmolLM2: attention projections
+    alone go from 32.8 (RTN) to 35.8 perplexity with plain GPTQ, 30.0 with the sink weighted).
+    ``hessian_with_sink(weight)`` counts each first token ``weight`` times."""
 
     kind = "hessian"
 
     def __init__(self):
         self.xtx: np.ndarray | None = None
+        self.first_xtx: np.ndarray | None = None
         self.count = 0
+        self.first_count = 0
 
     def update(self, x):
+        x = np.asarray(x)
         flat = np.asarray(x, np.float64).reshape(-1, x.shape[-1])
         xtx = flat.T @ flat
         self.xtx = xtx if self.xtx is None else self.xtx + xtx
         self.count += flat.shape[0]
+        if x.ndim >= 3:
+            first = np.asarray(x[:, 0], np.float64).reshape(-1, x.shape[-1])
+            ftx = first.T @ first
+            self.first_xtx = ftx if self.first_xtx is None else self.first_xtx + ftx
+            self.first_count += first.shape[0]
 
     @property
     def hessian(self) -> np.ndarray:
         return 2.0 * self.xtx / max(self.count, 1)
 
+    def hessian_with_sink(self, weight: float) -> np.ndarray:
+        """The Hessian with each sequence's first token counted ``weight`` times (1: plain)."""
+        if weight == 1.0 or self.first_xtx is None:
+            return self.hessian
+        return 2.0 * (self.xtx + (weight - 1.0) * self.first_xtx) / max(self.count, 1)
+
     def state(self):
-        return {"xtx": self.xtx, "count": np.array(self.count)}
+        first = self.first_xtx if self.first_xtx is not None else np.zeros((0, 0))
+        return {"xtx": self.xtx, "count": np.array(self.count), "first_xtx": first,
+                "first_count": np.array(self.first_count)}
 
     @classmethod
     def from_state(cls, state):
         obs = cls()
         obs.xtx, obs.count = np.asarray(state["xtx"], np.float64), int(state["count"])
+        first = np.asarray(state["first_xtx"], np.float64)
+        obs.first_xtx = first if first.size else None
+        obs.first_count = int(state["first_count"])
         return obs
 
     def range(self):

@@ -118,3 +118,37 @@ def test_gptq_full_range_uses_all_int4_levels(layer):
     assert layer_error(x, w, full.dequantized) < layer_error(x, w, restricted.dequantized)
     with pytest.raises(UserInputError, match="full_range"):
         get_pass("gptq").Config(full_range=True, weight_symmetric=False)
+
+
+def test_hessian_observer_weights_the_first_token():
+    """The first token of every sequence (the attention sink) can be counted ``w`` times; the
+    plain Hessian is unchanged, and the state survives the calibration cache."""
+    from edgeq.calib.observers import HessianObserver, observer_from_state, observer_state
+
+    rng = np.random.default_rng(3)
+    xs = [rng.standard_normal((2, 5, 6)) for _ in range(3)]
+    obs = HessianObserver()
+    for x in xs:
+        obs.update(x.astype(np.float32))
+    flat = np.concatenate([x.reshape(-1, 6) for x in xs])
+    first = np.concatenate([x[:, 0] for x in xs])
+    np.testing.assert_allclose(obs.hessian, 2 * flat.T @ flat / 30, rtol=1e-6)
+    want = 2 * (flat.T @ flat + 63 * first.T @ first) / 30
+    np.testing.assert_allclose(obs.hessian_with_sink(64.0), want, rtol=1e-6)
+    again = observer_from_state(observer_state(obs))
+    np.testing.assert_array_equal(again.hessian_with_sink(64.0), obs.hessian_with_sink(64.0))
+    flat_only = HessianObserver()
+    flat_only.update(flat)  # 2-D input: no sequence axis, so no first token to weight
+    np.testing.assert_array_equal(flat_only.hessian_with_sink(64.0), flat_only.hessian)
+
+
+@pytest.mark.parametrize("kwargs,needle", [
+    ({"order": "random"}, "order"),
+    ({"order": "gar", "weight_granularity": "channel"}, "gar"),
+    ({"sink_weight": 0.5}, "sink_weight"),
+    ({"lowering": "matmulnbits", "weight_dtype": "int8"}, "matmulnbits"),
+    ({"lowering": "custom"}, "lowering"),
+])
+def test_gptq_bad_order_sink_lowering(kwargs, needle):
+    with pytest.raises(UserInputError, match=needle):
+        get_pass("gptq").Config(**kwargs)

@@ -82,13 +82,17 @@ class IntColumns:
         if self.full_range:
             ext = np.where(-lo > hi, lo, hi)
             scale = np.where(ext == 0, 1.0, ext / spec.qmin).astype(np.float32)
-            return scale, np.zeros_like(scale, dtype=spec.np_dtype)
-        scale, zp = scale_zero_point(lo, hi, spec)
+            zp = np.zeros_like(scale, dtype=spec.np_dtype)
+        else:
+            scale, zp = scale_zero_point(lo, hi, spec)
         if not self.mse:
             return scale, zp
         best = np.full(w_rows.shape[0], np.inf)
         for shrink in np.linspace(1.0, 0.55, 19):
-            s, z = scale_zero_point(lo * shrink, hi * shrink, spec)
+            if self.full_range:
+                s, z = (scale * shrink).astype(np.float32), zp
+            else:
+                s, z = scale_zero_point(lo * shrink, hi * shrink, spec)
             deq = (np.clip(np.round(w_rows / s[:, None]) + z[:, None], spec.qmin, spec.qmax) - z[:, None]) * s[:, None]
             err = ((w_rows - deq) ** 2).sum(1)
             better = err < best

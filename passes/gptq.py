@@ -71,8 +71,8 @@ class GptqConfig(PassConfig):
             raise UserInputError(f"{self.pass_name}: order must be one of {', '.join(ORDERS)}, got '{self.order}'")
         if self.order == "gar" and self.weight_granularity != "group":
             raise UserInputError(f"{self.pass_name}: order 'gar' reorders groups; it needs weight_granularity = 'group'")
-        if self.full_range and (not self.weight_symmetric or self.mse or self.weight_dtype.startswith("u")):
-            raise UserInputError(f"{self.pass_name}: full_range needs symmetric signed weights without mse")
+        if self.full_range and (not self.weight_symmetric or self.weight_dtype.startswith("u")):
+            raise UserInputError(f"{self.pass_name}: full_range needs symmetric signed weights")
         if not 0.0 <= self.damp < 1.0:
             raise UserInputError(f"{self.pass_name}: damp must be in [0, 1), got {self.damp}")
         if not self.sink_weight >= 1.0:

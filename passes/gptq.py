@@ -161,7 +161,8 @@ class GptqPass(Pass):
         if cfg.lowering == "matmulnbits":
             from edgeq.passes.gptq_lowering import lower_to_matmulnbits
 
-            extra["matmulnbits"] = lower_to_matmulnbits(graph, index, linears, nodes, results, group)
+            extra["matmulnbits"] = lower_to_matmulnbits(graph, index, linears, nodes, results, group,
+                                                        signed=cfg.weight_dtype == "int4")
         return PassResult(True, {
             "linears_quantized": len(linears),
             "weights_quantized": len(done),

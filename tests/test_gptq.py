@@ -152,3 +152,20 @@ def test_hessian_observer_weights_the_first_token():
 def test_gptq_bad_order_sink_lowering(kwargs, needle):
     with pytest.raises(UserInputError, match=needle):
         get_pass("gptq").Config(**kwargs)
+
+
+def test_gptq_matmulnbits_lowering_equals_dequantize_form(tiny_models, tmp_path):
+    """lowering = "matmulnbits": every linear becomes onnxruntime's MatMulNBits (accuracy level
+    0) and computes what the DequantizeLinear + MatMul form computes, optimizations off."""
+    model = ir.load_model(tiny_models["llama"])
+    ctx = _ctx(model, tmp_path)
+    feeds = random_feeds(ir.make_session(model).get_inputs(), seed=5, seq=32)
+    cfg = dict(group_size=32, full_range=True, order="gar", skip_roles=("lm_head",))
+    dq_form, _ = Pipeline([_gptq(**cfg)]).run(model, ctx)
+    nbits, rec = Pipeline([_gptq(lowering="matmulnbits", **cfg)]).run(model, ctx)
+    ops = [n.op_type for n in nbits.graph.node]
+    assert ops.count("MatMulNBits") == rec[0]["summary"]["matmulnbits"] == rec[0]["summary"]["linears_quantized"]
+    assert "DequantizeLinear" not in ops
+    a = ir.make_session(dq_form, optimize=False).run(None, feeds)[0]
+    b = ir.make_session(nbits, optimize=False).run(None, feeds)[0]
+    np.testing.assert_allclose(b, a, rtol=1e-4, atol=1e-4 * float(np.abs(a).max()))

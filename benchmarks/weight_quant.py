@@ -82,6 +82,7 @@ def main(argv=None) -> int:
     parser.set_defaults(calib_windows=64)
     parser.add_argument("--skip-7b", action="store_true", help="skip the 7B sweep-time projection (minutes)")
     parser.add_argument("--latency-only", action="store_true", help="re-time the graphs compiled by an earlier run")
+    parser.add_argument("--resume", action="store_true", help="keep the rows of an earlier --out whose model exists")
     a = parser.parse_args(argv)
 
     from edgeq.evaluate.ppl import perplexity
@@ -90,11 +91,16 @@ def main(argv=None) -> int:
     env = {**os.environ, "EDGEQ_PROGRESS": "0"}
     a.work.mkdir(parents=True, exist_ok=True)
     results: dict = {"calib_windows": a.calib_windows, "eval_windows": a.eval_windows}
+    if a.resume and a.out.is_file():
+        results = json.loads(a.out.read_text())
     names = [r for r in a.recipes.split(",") if r] + [name for name, *_ in ABLATIONS]
     if not a.latency_only:
-        results["fp32"] = round(perplexity(fp32, DATA / "test.txt", a.model_dir, windows=a.eval_windows)["ppl"], 3)
+        if "fp32" not in results:
+            results["fp32"] = round(perplexity(fp32, DATA / "test.txt", a.model_dir, windows=a.eval_windows)["ppl"], 3)
         abl = {name: (base, p, ch) for name, base, p, ch in ABLATIONS}
         for name in names:
+            if name in results and (a.work / name / "model.onnx").is_file():
+                continue
             recipe = name
             if name in abl:
                 recipe = a.work / f"{name}.toml"
@@ -113,7 +119,7 @@ def main(argv=None) -> int:
                              "calibration_seconds": report["calibration"]["seconds"]}
             print(name, json.dumps(results[name]), flush=True)
             save_results(a.out, results)
-        if not a.skip_7b:
+        if not a.skip_7b and "projection_7b" not in results:
             results["projection_7b"] = sweep_seconds_7b()
     paths = {"fp32": fp32, **{r: a.work / r / "model.onnx" for r in a.recipes.split(",") if r}}
     results["latency_ms_512"] = {k: round(v, 1) for k, v in interleaved_latency_ms(paths, repeats=10).items()}

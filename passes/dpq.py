@@ -7,13 +7,19 @@ reordering (``order = "gar"``, the default) quantizes the groups holding the mos
 first without any runtime permutation. ``two_level = false`` is the ablation "GPTQ, then cast to
 FP8": plain GPTQ INT4 on the real weight, then the same FP8 form.
 
-ONNX form (per linear; onnxruntime's CPU provider runs it, emulating FP8 in float32):
+ONNX form (per linear), ``lowering = "qdq"``:
 ``DequantizeLinear(INT4 [K, N], real group scale s_g * s8, zero point; axis 0, block_size)`` ->
 ``QuantizeLinear/DequantizeLinear(float8e4m3fn, s8)`` is the weight; the activation gets a static
 per-tensor ``QuantizeLinear/DequantizeLinear(float8e4m3fn, s_x = max|x| / 448)`` from calibration.
-``lowering = "custom"`` writes one ``edgeq::W4A8Linear`` node per linear instead, whose function
-body is exactly that subgraph (a native W4A8 kernel, e.g. ``kernels/w4a8_gemm_triton.py``, matches
-it by name).
+Standard ops only, the hand-off form for NPU SDKs. onnxruntime 1.31's CPU provider runs it with
+graph optimizations at BASIC or below (FP8 emulated in float32: it rounds exactly like the numpy
+reference); at its default level its QDQ selector rewrites DQ(FP8) x DQ(FP8) -> MatMul into
+MatMulIntegerToFloat without checking the type and the model fails to load (measured;
+``tests/test_w4a8_linear_op.py`` keeps that on record).
+``lowering = "custom"`` (the recipe's choice) writes one ``edgeq::W4A8Linear`` node per linear
+instead: its function body is the same computation with the FP8 dequantization written as
+``Cast * scale``, so onnxruntime loads it at every level, and a native W4A8 kernel (e.g.
+``kernels/w4a8_gemm_triton.py``) matches the op by name.
 """
 
 from __future__ import annotations

@@ -5,6 +5,8 @@
 - ``online_hadamard``: ``edgeq::OnlineHadamard`` (function body, numpy reference, graph helpers).
 - ``modality_qdq``: ``edgeq::ModalityQDQ``, MSQ's quantize-dequantize with a visual and a text
   static scale (function body, numpy reference); the msq pass that inserts it is not written yet.
+- ``w4a8_linear``: ``edgeq::W4A8Linear``, DPQ's fused linear (int4/uint4 group-quantized weight
+  requantized to FP8, FP8 static activation, matmul; function body, numpy reference, node helper).
 - ``schema``: the one table of edgeq ops, ``ensure_functions``, ``reference_evaluator_ops``.
 
 Importing this package imports numpy and onnx only (no graphsurgeon, no torch, no triton).
@@ -32,6 +34,11 @@ from edgeq.runtime_ops.online_hadamard import (
     online_hadamard_reference,
 )
 from edgeq.runtime_ops.schema import SCHEMAS, OpSchema, ensure_functions, get_schema, reference_evaluator_ops
+from edgeq.runtime_ops.w4a8_linear import (
+    OP_TYPE as W4A8_LINEAR,
+    make_w4a8_linear_node,
+    w4a8_linear_reference,
+)
 
 __all__ = [
     "DOMAIN",
@@ -39,6 +46,7 @@ __all__ = [
     "ONLINE_HADAMARD",
     "SCHEMAS",
     "SPEC_BASE_ORDERS",
+    "W4A8_LINEAR",
     "OpSchema",
     "Rotation",
     "ensure_functions",
@@ -50,6 +58,7 @@ __all__ = [
     "insert_online_hadamard",
     "is_hadamard_size",
     "make_online_hadamard_node",
+    "make_w4a8_linear_node",
     "normalized_hadamard_factors",
     "normalized_hadamard_matrix",
     "online_hadamard_constants",
@@ -57,4 +66,5 @@ __all__ = [
     "random_orthogonal",
     "randomized_hadamard",
     "reference_evaluator_ops",
+    "w4a8_linear_reference",
 ]

@@ -22,6 +22,7 @@ from onnx import helper
 
 from edgeq.runtime_ops import modality_qdq as _mq
 from edgeq.runtime_ops import online_hadamard as _oh
+from edgeq.runtime_ops import w4a8_linear as _w4
 from edgeq.runtime_ops.domain import DOMAIN, DOMAIN_VERSION
 
 
@@ -57,6 +58,7 @@ class OpSchema:
     attributes: tuple[AttrSpec, ...] = field(default=())
     domain: str = DOMAIN
     version: int = DOMAIN_VERSION
+    min_opset: int = 1  # the oldest default-domain opset the function body is valid at (checked by ensure_functions)
 
 
 SCHEMAS: dict[str, OpSchema] = {
@@ -87,6 +89,24 @@ SCHEMAS: dict[str, OpSchema] = {
         doc=_mq.__doc__,
         function_builder=_mq.modality_qdq_function,
         reference=_mq.modality_qdq_reference,
+    ),
+    _w4.OP_TYPE: OpSchema(
+        name=_w4.OP_TYPE,
+        inputs=(
+            IOSpec("x", "float32 [..., K]; any rank >= 1, leading dims may be symbolic"),
+            IOSpec("w", "uint4 or int4 [K, N]: the stored 4-bit weight, K-major (DequantizeLinear axis 0)"),
+            IOSpec("w_scale", "float32 [ceil(K / block_size), N]: real-domain group scales (s_g * s8)"),
+            IOSpec("w_zero_point", "w's type, w_scale's shape: group zero points (zeros for symmetric int4)"),
+            IOSpec("w_fp8_scale", "float32 scalar s8 (a power of two): the weight's per-tensor float8 e4m3fn scale"),
+            IOSpec("x_scale", "float32 scalar: the activation's static float8 e4m3fn scale"),
+        ),
+        outputs=(IOSpec("y", "float32 [..., N]: fp8(x) @ fp8(dequantized w), FP8 rounding saturating at +-448"),),
+        doc=_w4.__doc__,
+        function_builder=_w4.w4a8_linear_function,
+        reference=_w4.w4a8_linear_reference,
+        attributes=(AttrSpec("block_size", "INT", _w4.DEFAULT_BLOCK_SIZE,
+                             "rows of w per (scale, zero point) group along K; the last group may be shorter"),),
+        min_opset=_w4.MIN_OPSET,
     ),
 }
 
@@ -132,7 +152,8 @@ def ensure_functions(model: onnx.ModelProto) -> onnx.ModelProto:
 
     In place (and returned). Idempotent: an existing body is replaced only when it imports a
     different default opset than the model (a pass may have raised the model's opset since).
-    Unknown edgeq op names raise KeyError.
+    Unknown edgeq op names raise KeyError; a model opset older than an op's ``min_opset`` raises
+    ValueError (its body would not be valid there).
     """
     ops = used_ops(model)
     if not ops:
@@ -140,7 +161,10 @@ def ensure_functions(model: onnx.ModelProto) -> onnx.ModelProto:
     opset = _default_opset(model)
     existing = {(f.domain, f.name): i for i, f in enumerate(model.functions)}
     for op in sorted(ops):
-        fn = get_schema(op).function_builder(opset)
+        schema = get_schema(op)
+        if opset < schema.min_opset:
+            raise ValueError(f"{DOMAIN}::{op} needs default-domain opset >= {schema.min_opset}; the model imports {opset}")
+        fn = schema.function_builder(opset)
         i = existing.get((DOMAIN, op))
         if i is None:
             model.functions.append(fn)
@@ -163,10 +187,12 @@ def reference_evaluator_ops() -> list[type]:
 
     classes = []
     for schema in SCHEMAS.values():
-        attr_names = [a.name for a in schema.attributes]
+        # OpRun.run passes the attributes a node carries (function-linked ones resolved) as
+        # keywords; the schema supplies the defaults of the others
+        attr_defaults = tuple((a.name, a.default) for a in schema.attributes)
 
-        def _run(self, *inputs, _schema=schema, _attrs=tuple(attr_names)):
-            kwargs = {name: getattr(self, name) for name in _attrs}
+        def _run(self, *inputs, _schema=schema, _attrs=attr_defaults, **given):
+            kwargs = {name: given.get(name, default) for name, default in _attrs}
             return tuple(_schema.reference(*inputs, **kwargs))
 
         classes.append(type(schema.name, (OpRun,), {"op_domain": schema.domain, "_run": _run}))

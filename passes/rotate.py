@@ -69,15 +69,7 @@ class RotatePass(Pass):
         d = stream.hidden
         q, is_hadamard = randomized_hadamard(d, seed=cfg.seed)
         kind = "randomized-hadamard" if is_hadamard else "dense-random-orthogonal"
-        for lin in stream.readers:
-            editor.set_weight(lin, q.T @ editor.weight(lin))
-        writers_w = {lin.node: editor.weight(lin) @ q for lin in stream.writers}
-        for lin in stream.writers:
-            b = editor.bias(lin)
-            if b is not None:
-                editor.set_bias(lin, b @ q)
-        for source in stream.sources:
-            _rotate_source(graph, editor.index, source, q)
+        writers_w = rotate_stream(graph, stream, editor, q)
         online = {}
         if cfg.online_hadamard:
             nodes = {n.name: n for n in graph.nodes}
@@ -106,6 +98,22 @@ class RotatePass(Pass):
             "online": {"hadamard": sum(v == "hadamard" for v in online.values()),
                        "dense_fallback": sorted(k for k, v in online.items() if v != "hadamard")},
         })
+
+
+def rotate_stream(graph: gs.Graph, stream, editor: LinearEditor, q: np.ndarray) -> dict[str, np.ndarray]:
+    """Put the residual stream in the basis ``q`` (orthogonal, float64): sources ``E q``, readers
+    ``q^T W``, writer biases ``b q``. Returns the writers' new weights ``W q`` by node, not yet
+    set, so a caller can fold more into them (rotate: the online Hadamard's ``H^T``)."""
+    for lin in stream.readers:
+        editor.set_weight(lin, q.T @ editor.weight(lin))
+    writers_w = {lin.node: editor.weight(lin) @ q for lin in stream.writers}
+    for lin in stream.writers:
+        b = editor.bias(lin)
+        if b is not None:
+            editor.set_bias(lin, b @ q)
+    for source in stream.sources:
+        _rotate_source(graph, editor.index, source, q)
+    return writers_w
 
 
 def _rotate_source(graph: gs.Graph, index: ir.GraphIndex, source: dict, q: np.ndarray) -> None:

@@ -7,6 +7,9 @@
   static scale (function body, numpy reference); the msq pass that inserts it is not written yet.
 - ``w4a8_linear``: ``edgeq::W4A8Linear``, DPQ's fused linear (int4/uint4 group-quantized weight
   requantized to FP8, FP8 static activation, matmul; function body, numpy reference, node helper).
+- ``subspace_qdq``: ``edgeq::SubspaceQDQ``, ResQ's mixed-precision quantize-dequantize of one GEMM
+  input (first d - r channels at 4 bits, last r at 8, each with its own scale; static per-tensor
+  or dynamic per-token; function body, numpy reference, node helper).
 - ``schema``: the one table of edgeq ops, ``ensure_functions``, ``reference_evaluator_ops``.
 
 Importing this package imports numpy and onnx only (no graphsurgeon, no torch, no triton).
@@ -34,6 +37,11 @@ from edgeq.runtime_ops.online_hadamard import (
     online_hadamard_reference,
 )
 from edgeq.runtime_ops.schema import SCHEMAS, OpSchema, ensure_functions, get_schema, reference_evaluator_ops
+from edgeq.runtime_ops.subspace_qdq import (
+    OP_TYPE as SUBSPACE_QDQ,
+    make_subspace_qdq_node,
+    subspace_qdq_reference,
+)
 from edgeq.runtime_ops.w4a8_linear import (
     OP_TYPE as W4A8_LINEAR,
     make_w4a8_linear_node,
@@ -46,6 +54,7 @@ __all__ = [
     "ONLINE_HADAMARD",
     "SCHEMAS",
     "SPEC_BASE_ORDERS",
+    "SUBSPACE_QDQ",
     "W4A8_LINEAR",
     "OpSchema",
     "Rotation",
@@ -58,6 +67,7 @@ __all__ = [
     "insert_online_hadamard",
     "is_hadamard_size",
     "make_online_hadamard_node",
+    "make_subspace_qdq_node",
     "make_w4a8_linear_node",
     "normalized_hadamard_factors",
     "normalized_hadamard_matrix",
@@ -66,5 +76,6 @@ __all__ = [
     "random_orthogonal",
     "randomized_hadamard",
     "reference_evaluator_ops",
+    "subspace_qdq_reference",
     "w4a8_linear_reference",
 ]

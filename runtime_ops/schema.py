@@ -22,6 +22,7 @@ from onnx import helper
 
 from edgeq.runtime_ops import modality_qdq as _mq
 from edgeq.runtime_ops import online_hadamard as _oh
+from edgeq.runtime_ops import subspace_qdq as _sq
 from edgeq.runtime_ops import w4a8_linear as _w4
 from edgeq.runtime_ops.domain import DOMAIN, DOMAIN_VERSION
 
@@ -107,6 +108,34 @@ SCHEMAS: dict[str, OpSchema] = {
         attributes=(AttrSpec("block_size", "INT", _w4.DEFAULT_BLOCK_SIZE,
                              "rows of w per (scale, zero point) group along K; the last group may be shorter"),),
         min_opset=_w4.MIN_OPSET,
+    ),
+    _sq.OP_TYPE: OpSchema(
+        name=_sq.OP_TYPE,
+        inputs=(
+            IOSpec("x", "float32 [..., d], projected onto ResQ's U (eigenvalues ascending): the first d - r channels "
+                        "are the low-precision subspace, the last r the high-precision one; leading dims and d may be symbolic"),
+            IOSpec("low_scale", "float32 scalar: static per-tensor scale of the first d - r channels; optional "
+                                "(may be \"\") when dynamic=1"),
+            IOSpec("low_zero_point", "int8 (symmetric=1) or uint8 (symmetric=0) scalar within the low_bits range "
+                                     "([-8, 7] or [0, 15] at 4 bits); optional when dynamic=1"),
+            IOSpec("high_scale", "float32 scalar: static per-tensor scale of the last r channels; optional when dynamic=1"),
+            IOSpec("high_zero_point", "low_zero_point's type, within the high_bits range; optional when dynamic=1"),
+        ),
+        outputs=(IOSpec("y", "float32, x's shape: Concat(qdq_low(x[..., :d - r]), qdq_high(x[..., d - r:])) on the last axis"),),
+        doc=_sq.__doc__,
+        function_builder=_sq.subspace_qdq_function,
+        reference=_sq.subspace_qdq_reference,
+        attributes=(
+            AttrSpec("rank", "INT", None, "required: r, the high-precision channels (the last r), 1 <= r < d"),
+            AttrSpec("low_bits", "INT", _sq.DEFAULT_LOW_BITS, "bit width of the first d - r channels, 2 to 8"),
+            AttrSpec("high_bits", "INT", _sq.DEFAULT_HIGH_BITS, "bit width of the last r channels, 2 to 8"),
+            AttrSpec("symmetric", "INT", 1, "static: 1 = int8 storage, signed range [-2^(b-1), 2^(b-1) - 1]; "
+                                            "0 = uint8, [0, 2^b - 1]. dynamic: 1 = per-token absmax / (2^(b-1) - 1), "
+                                            "zero point 0; 0 = per-token min/max asymmetric (ResQ's setting)"),
+            AttrSpec("dynamic", "INT", 0, "0: static per-tensor scales from the inputs (NPU); 1: per-token scales and "
+                                          "zero points computed at run time from each row's min/max, inputs ignored"),
+        ),
+        min_opset=_sq.MIN_OPSET,
     ),
 }
 

@@ -9,7 +9,7 @@ time (measured, and projected to a 7B model), onnxruntime CPU latency; one run, 
    (4096x4096, 4096->11008, 11008->4096) with their Hessians and sums 32 layers (q, k, v, o,
    gate, up, down);
 3. onnxruntime CPU latency of one 512-token pass, batch 1, median of 10 runs interleaved, for
-   fp32 and the shipped W4 graphs (the SmolLM2 export has no KV cache, so no 1-token pass);
+   fp32, the shipped W4 graphs and gptq-w4a16's DequantizeLinear form (the SmolLM2 export has no KV cache, so no 1-token pass);
    onnxruntime's optimized-graph op counts show which kernels ran (MatMulNBits or not).
 
 Usage: python benchmarks/weight_quant.py --model-dir artifacts/smollm2 --out artifacts/bench-wq.json
@@ -39,7 +39,10 @@ ABLATIONS = (
     ("dpq-w4a8-no-gar", "dpq-w4a8", "dpq", {"order": '"natural"'}),
     ("gptq-w4a16-no-gar", "gptq-w4a16", "gptq", {"order": '"natural"'}),
     ("gptq-w4a16-no-sink", "gptq-w4a16", "gptq", {"sink_weight": "1.0"}),
+    # the DequantizeLinear + MatMul form, which onnxruntime fuses into MatMulNBits at accuracy level 4
+    ("gptq-w4a16-dq-form", "gptq-w4a16", "gptq", {"lowering": '"qdq"'}),
 )
+LATENCY_EXTRA = ("gptq-w4a16-dq-form",)
 LLAMA7B = {"layers": 32, "shapes": {"qkvo": (4096, 4096, 4), "gate_up": (4096, 11008, 2), "down": (11008, 4096, 1)}}
 
 
@@ -121,7 +124,7 @@ def main(argv=None) -> int:
             save_results(a.out, results)
         if not a.skip_7b and "projection_7b" not in results:
             results["projection_7b"] = sweep_seconds_7b()
-    paths = {"fp32": fp32, **{r: a.work / r / "model.onnx" for r in a.recipes.split(",") if r}}
+    paths = {"fp32": fp32, **{r: a.work / r / "model.onnx" for r in [*a.recipes.split(","), *LATENCY_EXTRA] if r}}
     results["latency_ms_512"] = {k: round(v, 1) for k, v in interleaved_latency_ms(paths, repeats=10).items()}
     results["latency_x_fp32"] = {k: round(v / results["latency_ms_512"]["fp32"], 3) for k, v in results["latency_ms_512"].items()}
     results["fused_ops"] = {name: fused_ops(path) for name, path in paths.items()}

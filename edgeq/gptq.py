@@ -157,14 +157,21 @@ def _blocks(perm: np.ndarray, group_size: int, block_size: int, aligned: bool) -
 def gptq_quantize(w_kn: np.ndarray, hessian: np.ndarray, spec: QuantSpec, group_size: int = 0,
                   block_size: int = 128, damp: float = 0.01, act_order: bool = False,
                   mse: bool = False, full_range: bool = False, order: str | None = None,
-                  columns: ColumnQuantizer | None = None) -> GptqResult:
+                  columns: ColumnQuantizer | None = None,
+                  subsets: list[tuple[np.ndarray, ColumnQuantizer]] | None = None) -> GptqResult:
     """GPTQ of one weight ``[K, N]`` against the input Hessian ``[K, K]`` (per output channel when
     ``group_size`` is 0, else per group of ``group_size`` inputs). ``order`` overrides
-    ``act_order``; ``columns`` overrides the integer grid built from ``spec``/``mse``/``full_range``."""
+    ``act_order``; ``columns`` overrides the integer grid built from ``spec``/``mse``/``full_range``.
+
+    ``subsets`` (mixed precision, ResQ): disjoint input index sets covering K, each with its own
+    grid and per-output-channel scale (fitted up front); the result then has one scale row per
+    subset (``[len(subsets), N]``) and ``q`` holds each row's integers on its subset's grid."""
     order = order or ("act_order" if act_order else "natural")
     if order not in ORDERS:
         raise ValueError(f"unknown GPTQ order '{order}', expected one of {ORDERS}")
     cq = columns or IntColumns(spec, mse, full_range)
+    if subsets is not None:
+        return _gptq_subsets(w_kn, hessian, subsets, block_size, damp, order)
     spec = cq.spec
     k, n = w_kn.shape
     w = np.array(w_kn.T, np.float64)  # [N, K]
@@ -205,6 +212,44 @@ def gptq_quantize(w_kn: np.ndarray, hessian: np.ndarray, spec: QuantSpec, group_
         scale, zp = scale[0], zp[0]
     return GptqResult(q_int.T.copy(), scale.astype(np.float32), zp.astype(spec.np_dtype), deq.T.astype(np.float32),
                       cq.s8)
+
+
+def _gptq_subsets(w_kn: np.ndarray, hessian: np.ndarray, subsets: list[tuple[np.ndarray, ColumnQuantizer]],
+                  block_size: int, damp: float, order: str) -> GptqResult:
+    """The GPTQ sweep with one grid per input subset (see ``gptq_quantize``)."""
+    k, n = w_kn.shape
+    group_of = np.full(k, -1)
+    for g, (cols, _) in enumerate(subsets):
+        group_of[np.asarray(cols)] = g
+    if (group_of < 0).any():
+        raise ValueError("subsets must cover every input")
+    w = np.array(w_kn.T, np.float64)
+    diag = np.diag(np.asarray(hessian, np.float64))
+    perm = column_order(diag, 0, order)
+    inv_perm = np.argsort(perm)
+    u, dead = inverse_hessian_factor(np.asarray(hessian, np.float64)[np.ix_(perm, perm)], damp)
+    scale = np.zeros((len(subsets), n), np.float64)
+    zp = np.zeros((len(subsets), n), np.int64)
+    for g, (cols, cq) in enumerate(subsets):
+        scale[g], zp[g] = cq.fit(w[:, np.asarray(cols)])
+    w = w[:, perm]
+    w[:, dead] = 0.0
+    q_int = np.zeros((n, k), np.int64)
+    deq = np.zeros((n, k), np.float64)
+    for i1 in range(0, k, block_size):
+        i2 = min(i1 + block_size, k)
+        w1, err1 = w[:, i1:i2].copy(), np.zeros((n, i2 - i1))
+        u1 = u[i1:i2, i1:i2]
+        for i in range(i2 - i1):
+            g = group_of[perm[i1 + i]]
+            q, d = subsets[g][1].quantize(w1[:, i], scale[g], zp[g])
+            q_int[:, i1 + i], deq[:, i1 + i] = q, d
+            e = (w1[:, i] - d) / u1[i, i]
+            w1[:, i:] -= np.outer(e, u1[i, i:])
+            err1[:, i] = e
+        w[:, i2:] -= err1 @ u[i1:i2, i2:]
+    q_int, deq = q_int[:, inv_perm], deq[:, inv_perm]
+    return GptqResult(q_int.T.copy(), scale.astype(np.float32), zp, deq.T.astype(np.float32))
 
 
 def layer_error(x: np.ndarray, w_kn: np.ndarray, w_hat_kn: np.ndarray) -> float:

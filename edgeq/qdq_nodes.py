@@ -154,6 +154,50 @@ def insert_token_fake_quant(graph: gs.Graph, index: ir.GraphIndex, tensor: gs.Te
     return out
 
 
+def insert_token_fake_quant_asymmetric(graph: gs.Graph, index: ir.GraphIndex, tensor: gs.Tensor, bits: int) -> gs.Variable:
+    """Dynamic per-token asymmetric ``bits``-bit quantize-dequantize (ResQ's and SpinQuant's
+    activation quantizer) in standard ops, the same formula as ``edgeq::SubspaceQDQ``'s dynamic
+    asymmetric branch: ``lo = min(min(row), 0)``, ``hi = max(max(row), 0)``,
+    ``s = max((hi - lo) / (2^b - 1), tiny)``, ``z = clip(round(-lo / s), 0, 2^b - 1)``,
+    ``y = (clip(round(x / s) + z, 0, 2^b - 1) - z) * s``."""
+    name = tensor.name
+    levels = float(2 ** bits - 1)
+
+    def var(suffix):
+        return gs.Variable(ir.unique_name(index, f"{name}_{suffix}"), dtype=np.float32)
+
+    def const(suffix, value, dtype=np.float32):
+        return gs.Constant(ir.unique_name(index, f"{name}_{suffix}"), np.asarray(value, dtype))
+
+    axes, zero = const("tok_axes", [-1], np.int64), const("tok_zero", 0.0)
+    t = {k: var(f"tok_{k}") for k in ("min", "max", "lo", "hi", "range", "s0", "s", "neg", "zr", "z", "xs", "xr", "q0", "q", "qz", "y")}
+    top = const("tok_levels", levels)
+    nodes = [
+        gs.Node("ReduceMin", f"{name}_tok_ReduceMin", {"keepdims": 1}, [tensor, axes], [t["min"]]),
+        gs.Node("ReduceMax", f"{name}_tok_ReduceMax", {"keepdims": 1}, [tensor, axes], [t["max"]]),
+        gs.Node("Min", f"{name}_tok_lo", inputs=[t["min"], zero], outputs=[t["lo"]]),
+        gs.Node("Max", f"{name}_tok_hi", inputs=[t["max"], zero], outputs=[t["hi"]]),
+        gs.Node("Sub", f"{name}_tok_range", inputs=[t["hi"], t["lo"]], outputs=[t["range"]]),
+        gs.Node("Div", f"{name}_tok_s0", inputs=[t["range"], top], outputs=[t["s0"]]),
+        gs.Node("Max", f"{name}_tok_s", inputs=[t["s0"], const("tok_tiny", np.finfo(np.float32).tiny)], outputs=[t["s"]]),
+        gs.Node("Div", f"{name}_tok_neg", inputs=[t["lo"], t["s"]], outputs=[t["neg"]]),
+        gs.Node("Neg", f"{name}_tok_negate", inputs=[t["neg"]], outputs=[t["zr"]]),
+    ]
+    zr = var("tok_zround")
+    nodes += [
+        gs.Node("Round", f"{name}_tok_zround", inputs=[t["zr"]], outputs=[zr]),
+        gs.Node("Clip", f"{name}_tok_z", inputs=[zr, zero, top], outputs=[t["z"]]),
+        gs.Node("Div", f"{name}_tok_Div", inputs=[tensor, t["s"]], outputs=[t["xs"]]),
+        gs.Node("Round", f"{name}_tok_Round", inputs=[t["xs"]], outputs=[t["xr"]]),
+        gs.Node("Add", f"{name}_tok_Add", inputs=[t["xr"], t["z"]], outputs=[t["q0"]]),
+        gs.Node("Clip", f"{name}_tok_Clip", inputs=[t["q0"], zero, top], outputs=[t["q"]]),
+        gs.Node("Sub", f"{name}_tok_Sub", inputs=[t["q"], t["z"]], outputs=[t["qz"]]),
+        gs.Node("Mul", f"{name}_tok_Mul", inputs=[t["qz"], t["s"]], outputs=[t["y"]]),
+    ]
+    graph.nodes.extend(nodes)
+    return t["y"]
+
+
 def fp8_zero_point(name: str) -> gs.Constant:
     """A float8 e4m3fn scalar 0: the zero point that makes QuantizeLinear produce FP8."""
     import ml_dtypes  # a dependency of onnx itself

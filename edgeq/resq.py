@@ -46,3 +46,19 @@ def subspace_basis(cov: np.ndarray, rank: int, seed: int = 0, damp: float = 0.01
     rot[: d - rank, : d - rank] = random_orthogonal(d - rank, seed)
     rot[d - rank:, d - rank:] = random_orthogonal(rank, seed + 1)
     return SubspaceBasis(vecs @ rot, vals, rank)
+
+
+def linf_basis(absmax: np.ndarray, rank: int, seed: int = 0) -> SubspaceBasis:
+    """ResQ's Table 4 baseline (QUIK-style outlier channels + QuaRot-style rotation): the
+    ``rank`` channels with the largest calibrated |x| max form the high-precision group, a
+    seeded random rotation inside each group. ``eigenvalues`` holds the sorted absmax."""
+    absmax = np.asarray(absmax, np.float64).reshape(-1)
+    d = absmax.shape[0]
+    if not 0 < rank < d:
+        raise ValueError(f"rank must be in [1, {d - 1}], got {rank}")
+    order = np.argsort(absmax, kind="stable")  # ascending: the last ``rank`` are the outliers
+    perm = np.eye(d)[:, order]
+    rot = np.zeros((d, d))
+    rot[: d - rank, : d - rank] = random_orthogonal(d - rank, seed)
+    rot[d - rank:, d - rank:] = random_orthogonal(rank, seed + 1)
+    return SubspaceBasis(perm @ rot, absmax[order] ** 2, rank)

@@ -70,27 +70,8 @@ class RotatePass(Pass):
         q, is_hadamard = randomized_hadamard(d, seed=cfg.seed)
         kind = "randomized-hadamard" if is_hadamard else "dense-random-orthogonal"
         writers_w = rotate_stream(graph, stream, editor, q)
-        online = {}
-        if cfg.online_hadamard:
-            nodes = {n.name: n for n in graph.nodes}
-            for lin in stream.mlp_outputs:
-                n = lin.k
-                node = nodes[lin.node]
-                if is_hadamard_size(n):
-                    node.inputs[0] = insert_online_hadamard(graph, node.inputs[0], n, f"{lin.node}_online_hadamard")
-                    h = hadamard_matrix_for_fold(n)
-                    online[lin.node] = "hadamard"
-                else:
-                    h, _ = randomized_hadamard(n, seed=cfg.seed + 1)
-                    const = gs.Constant(ir.unique_name(editor.index, f"{lin.node}_online_rotation"), h.astype(np.float32))
-                    out = gs.Variable(ir.unique_name(editor.index, f"{lin.node}_rotated_input"), dtype=np.float32)
-                    graph.nodes.append(gs.Node("MatMul", f"{lin.node}_online_rotation", inputs=[node.inputs[0], const], outputs=[out]))
-                    node.inputs[0] = out
-                    online[lin.node] = "dense-random-orthogonal"
-                w = writers_w.get(lin.node, editor.weight(lin))
-                writers_w[lin.node] = h.T @ w
-        for lin in {**{w.node: w for w in stream.writers}, **{m.node: m for m in stream.mlp_outputs}}.values():
-            editor.set_weight(lin, writers_w[lin.node])
+        online = fold_online_rotations(graph, stream, editor, writers_w, cfg.seed) if cfg.online_hadamard else {}
+        set_writer_weights(stream, editor, writers_w)
         ir.set_graph_metadata(graph, ROTATED_KEY, f"seed={cfg.seed};kind={kind}")
         return PassResult(True, {
             "hidden": d, "rotation": kind, "readers": len(stream.readers), "writers": len(stream.writers),
@@ -98,6 +79,38 @@ class RotatePass(Pass):
             "online": {"hadamard": sum(v == "hadamard" for v in online.values()),
                        "dense_fallback": sorted(k for k, v in online.items() if v != "hadamard")},
         })
+
+
+def fold_online_rotations(graph: gs.Graph, stream, editor: LinearEditor, writers_w: dict[str, np.ndarray],
+                           seed: int) -> dict[str, str]:
+    """Put an online Hadamard (``edgeq.OnlineHadamard``) before each MLP output linear and fold
+    ``H^T`` into ``writers_w`` (its weight, by node); a dense seeded random orthogonal MatMul where
+    no Kronecker Hadamard of that size exists. Returns node -> "hadamard" | "dense-random-orthogonal"."""
+    online = {}
+    nodes = {n.name: n for n in graph.nodes}
+    for lin in stream.mlp_outputs:
+        n = lin.k
+        node = nodes[lin.node]
+        if is_hadamard_size(n):
+            node.inputs[0] = insert_online_hadamard(graph, node.inputs[0], n, f"{lin.node}_online_hadamard")
+            h = hadamard_matrix_for_fold(n)
+            online[lin.node] = "hadamard"
+        else:
+            h, _ = randomized_hadamard(n, seed=seed + 1)
+            const = gs.Constant(ir.unique_name(editor.index, f"{lin.node}_online_rotation"), h.astype(np.float32))
+            out = gs.Variable(ir.unique_name(editor.index, f"{lin.node}_rotated_input"), dtype=np.float32)
+            graph.nodes.append(gs.Node("MatMul", f"{lin.node}_online_rotation", inputs=[node.inputs[0], const], outputs=[out]))
+            node.inputs[0] = out
+            online[lin.node] = "dense-random-orthogonal"
+        w = writers_w.get(lin.node, editor.weight(lin))
+        writers_w[lin.node] = h.T @ w
+    return online
+
+
+def set_writer_weights(stream, editor: LinearEditor, writers_w: dict[str, np.ndarray]) -> None:
+    """Store the rewritten weights of every stream writer and MLP output linear."""
+    for lin in {**{w.node: w for w in stream.writers}, **{m.node: m for m in stream.mlp_outputs}}.values():
+        editor.set_weight(lin, writers_w[lin.node])
 
 
 def rotate_stream(graph: gs.Graph, stream, editor: LinearEditor, q: np.ndarray) -> dict[str, np.ndarray]:

@@ -88,6 +88,38 @@ class PerChannelAbsMaxObserver(Observer):
         return -m, m
 
 
+class ChannelMinMaxObserver(Observer):
+    """Minimum and maximum of each channel of the last axis: ranges of any channel subset
+    (ResQ's low and high subspaces, each with its own static scale) come from one run."""
+
+    kind = "channel_minmax"
+
+    def __init__(self):
+        self.lo: np.ndarray | None = None
+        self.hi: np.ndarray | None = None
+
+    def update(self, x):
+        flat = np.asarray(x).reshape(-1, x.shape[-1])
+        lo, hi = flat.min(0).astype(np.float64), flat.max(0).astype(np.float64)
+        self.lo = lo if self.lo is None else np.minimum(self.lo, lo)
+        self.hi = hi if self.hi is None else np.maximum(self.hi, hi)
+
+    def subset_range(self, channels: np.ndarray) -> tuple[float, float]:
+        return float(self.lo[channels].min()), float(self.hi[channels].max())
+
+    def state(self):
+        return {"lo": self.lo, "hi": self.hi}
+
+    @classmethod
+    def from_state(cls, state):
+        obs = cls()
+        obs.lo, obs.hi = np.asarray(state["lo"], np.float64), np.asarray(state["hi"], np.float64)
+        return obs
+
+    def range(self):
+        return float(self.lo.min()), float(self.hi.max())
+
+
 class HistogramObserver(Observer):
     """Histogram of |x| over [0, R] with R doubled (bins merged in pairs) when data exceed it.
 
@@ -315,7 +347,7 @@ class ModalitySplitObserver(Observer):
 
 
 OBSERVERS = {cls.kind: cls for cls in (MinMaxObserver, PerChannelAbsMaxObserver, HistogramObserver, ChannelStatsObserver,
-                                       HessianObserver, ModalitySplitObserver)}
+                                       HessianObserver, ModalitySplitObserver, ChannelMinMaxObserver)}
 
 
 def observer_from_state(state: dict[str, np.ndarray]) -> Observer:

@@ -55,6 +55,16 @@ def save_results(path: Path, results: dict) -> None:
     print(json.dumps(results, indent=1))
 
 
+def latency_results(results: dict, paths: dict[str, Path], out: Path, latency_only: bool) -> dict:
+    """Add one 512-token latency table (interleaved, median of 10), its ratios to ``fp32`` and the
+    ops onnxruntime fused to ``results``; with ``latency_only``, into the rows of an earlier ``out``."""
+    timing = {"latency_ms_512": {k: round(v, 1) for k, v in interleaved_latency_ms(paths, repeats=10).items()}}
+    timing["latency_x_fp32"] = {k: round(v / timing["latency_ms_512"]["fp32"], 3) for k, v in timing["latency_ms_512"].items()}
+    timing["fused_ops"] = {name: fused_ops(path) for name, path in paths.items()}
+    base = json.loads(out.read_text()) if latency_only and out.is_file() else results
+    return {**base, **timing}
+
+
 def interleaved_latency_ms(models: dict[str, Path], seq_len: int = 512, repeats: int = 10,
                            threads: int | None = None, feeds: dict | None = None) -> dict[str, float]:
     """Median latency of each model, runs interleaved (A, B, C, A, B, C, ...) so that load

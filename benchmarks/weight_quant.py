@@ -30,7 +30,7 @@ REPO = Path(__file__).resolve().parents[1]
 DATA = REPO / "data" / "wikitext-2"
 sys.path.insert(0, str(REPO / "benchmarks"))
 
-from foundation import bench_parser, fused_ops, interleaved_latency_ms, save_results  # noqa: E402
+from foundation import bench_parser, latency_results, save_results  # noqa: E402
 
 RECIPES = ("gptq-w4a16", "dpq-w4a8", "mquant-w4a8")
 # ablations: (name, base recipe, pass, settings replaced in that pass)
@@ -125,12 +125,7 @@ def main(argv=None) -> int:
         if not a.skip_7b and "projection_7b" not in results:
             results["projection_7b"] = sweep_seconds_7b()
     paths = {"fp32": fp32, **{r: a.work / r / "model.onnx" for r in [*a.recipes.split(","), *LATENCY_EXTRA] if r}}
-    results["latency_ms_512"] = {k: round(v, 1) for k, v in interleaved_latency_ms(paths, repeats=10).items()}
-    results["latency_x_fp32"] = {k: round(v / results["latency_ms_512"]["fp32"], 3) for k, v in results["latency_ms_512"].items()}
-    results["fused_ops"] = {name: fused_ops(path) for name, path in paths.items()}
-    if a.latency_only and a.out.is_file():
-        results = {**json.loads(a.out.read_text()), **{k: results[k] for k in ("latency_ms_512", "latency_x_fp32", "fused_ops")}}
-    save_results(a.out, results)
+    save_results(a.out, latency_results(results, paths, a.out, a.latency_only))
     return 0
 
 

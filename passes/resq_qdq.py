@@ -58,6 +58,7 @@ class ResqQDQConfig(PassConfig):
     damp: float = 0.01
     order: str = "act_order"  # per-channel scales: any GPTQ order is free at run time
     full_range: bool = True  # symmetric weights use all 2^b levels (signed scales)
+    mse: bool = False  # search a shrunk range per output channel minimizing the rounding MSE (QuaRot's w_clip)
     sink_weight: float = 1.0  # times each sequence's first token counts in the attention Hessians
     skip_roles: tuple[str, ...] = ("lm_head",)
 
@@ -215,7 +216,7 @@ class ResqQDQPass(Pass):
         specs = [_weight_spec(bits) for _, bits in parts]
         if h is not None:
             res = gptq_quantize(w_kn, h, specs[0], 0, 128, cfg.damp, order=cfg.order,
-                                subsets=[(rows, IntColumns(spec, full_range=cfg.full_range)) for (rows, _), spec in zip(parts, specs)])
+                                subsets=[(rows, IntColumns(spec, mse=cfg.mse, full_range=cfg.full_range)) for (rows, _), spec in zip(parts, specs)])
             params = [(res.q[rows], res.scale[g], res.zero_point[g].astype(spec.np_dtype)) for g, ((rows, _), spec) in enumerate(zip(parts, specs))]
         else:
             params = [quantize_weight(w_kn[rows].astype(np.float32), spec) for (rows, _), spec in zip(parts, specs)]

@@ -61,6 +61,11 @@ class ResqQDQConfig(PassConfig):
     mse: bool = False  # search a shrunk range per output channel minimizing the rounding MSE (QuaRot's w_clip)
     sink_weight: float = 1.0  # times each sequence's first token counts in the attention Hessians
     skip_roles: tuple[str, ...] = ("lm_head",)
+    # subspace: edgeq::SubspaceQDQ + one MatMul on the concatenated weight (the NPU hand-off form);
+    # integer (static only): each linear split into a low and a high GEMM, each with a standard
+    # static Q/DQ and an int8-stored weight (4-bit values), which onnxruntime fuses into two
+    # MatMulIntegerToFloat; the same integers, so the same outputs
+    lowering: str = "subspace"
 
     def __post_init__(self):
         if self.activations not in ("dynamic", "static"):
@@ -70,6 +75,10 @@ class ResqQDQConfig(PassConfig):
         for key in ("low_bits", "high_bits", "weight_low_bits", "weight_high_bits", "down_proj_bits", "kv_low_bits", "kv_high_bits"):
             if not 2 <= getattr(self, key) <= 8:
                 raise UserInputError(f"resq-qdq: {key} must be in [2, 8], got {getattr(self, key)}")
+        if self.lowering not in ("subspace", "integer"):
+            raise UserInputError(f"resq-qdq: lowering must be subspace or integer, got '{self.lowering}'")
+        if self.lowering == "integer" and self.activations != "static":
+            raise UserInputError("resq-qdq: lowering 'integer' needs static activations (activations = \"static\")")
         if not self.sink_weight >= 1.0:
             raise UserInputError(f"resq-qdq: sink_weight must be >= 1, got {self.sink_weight}")
 
@@ -85,10 +94,11 @@ class _Site:
     perm: tuple[int, ...] | None = None
 
 
-def _weight_spec(bits: int) -> QuantSpec:
-    """Per-output-channel symmetric weights: int4 storage up to 4 bits, int8 above."""
-    dtype = "int4" if bits <= 4 else "int8"
-    return QuantSpec(dtype, True, axis=1, value_bits=0 if bits in (4, 8) else bits)
+def _weight_spec(bits: int, int8_storage: bool = False) -> QuantSpec:
+    """Per-output-channel symmetric weights: int4 storage up to 4 bits, int8 above (or int8
+    storage for every width, which onnxruntime's integer GEMM takes)."""
+    dtype = "int4" if bits <= 4 and not int8_storage else "int8"
+    return QuantSpec(dtype, True, axis=1, value_bits=0 if (bits == 8 or (bits == 4 and dtype == "int4")) else bits)
 
 
 def _act_spec(bits: int) -> QuantSpec:
@@ -120,6 +130,7 @@ class ResqQDQPass(Pass):
         linears = [lin for lin in find_linears(graph) if lin.role not in cfg.skip_roles and lin.node not in keep_float]
         if not linears:
             return PassResult(False, {"linears_quantized": 0})
+        self._split_cache: dict[str, list] = {}
         sites = {lin.node: self._site(lin, layout) for lin in linears}
         kv_sites = self._kv_sites(layout) if cfg.kv else {}
         inputs = {lin.input: sites[lin.node] for lin in linears}
@@ -141,12 +152,17 @@ class ResqQDQPass(Pass):
             if obs is not None:
                 h = obs.hessian_with_sink(cfg.sink_weight if lin.role in ("q_proj", "k_proj", "v_proj", "o_proj") else 1.0)
             node = nodes[lin.node]
-            node.inputs[1] = self._weight(graph, index, lin, site, h, weight_bits)
+            parts = self._weight(graph, index, lin, site, h, weight_bits)
+            node.inputs[1] = parts[0] if len(parts) == 1 or cfg.lowering == "integer" else self._concat(graph, index, lin, parts)
             if lin.op == "Gemm":
                 node.attrs["transB"] = 0
+            if len(parts) == 2 and cfg.lowering == "integer":
+                self._split_gemm(graph, index, node, lin, site, parts[1], ranges[lin.input], act_bits)
         quantized: dict[str, gs.Variable] = {}
         for lin in linears:
             site = sites[lin.node]
+            if site.rank and cfg.lowering == "integer":
+                continue  # wired by _split_gemm
             if lin.input not in quantized:
                 quantized[lin.input] = self._activation(graph, index, index.tensors[lin.input], site, ranges.get(lin.input) if ranges else None)
                 act_bits.append(self._mean_bits(site, lin.k))
@@ -199,8 +215,8 @@ class ResqQDQPass(Pass):
 
     # -- weights ----------------------------------------------------------------------------------
     def _weight(self, graph: gs.Graph, index: ir.GraphIndex, lin: Linear, site: _Site, h: np.ndarray | None,
-                bits_log: list) -> gs.Variable:
-        """The linear's weight as ``Concat(DQ(low rows), DQ(high rows))`` [K, N] (one DQ if uniform)."""
+                bits_log: list) -> list[gs.Variable]:
+        """The DequantizeLinear outputs of the linear's low rows and high rows (one if uniform)."""
         cfg: ResqQDQConfig = self.config
         w = np.asarray(index.constant_value(index.tensors[lin.weight]), np.float64)
         w_kn = w.T if lin.weight_transposed else w
@@ -213,7 +229,7 @@ class ResqQDQPass(Pass):
             parts = [(np.arange(k - site.rank), cfg.weight_low_bits), (np.arange(k - site.rank, k), cfg.weight_high_bits)]
         else:
             parts = [(np.arange(k), cfg.weight_low_bits)]
-        specs = [_weight_spec(bits) for _, bits in parts]
+        specs = [_weight_spec(bits, cfg.lowering == "integer") for _, bits in parts]
         if h is not None:
             res = gptq_quantize(w_kn, h, specs[0], 0, 128, cfg.damp, order=cfg.order,
                                 subsets=[(rows, IntColumns(spec, mse=cfg.mse, full_range=cfg.full_range)) for (rows, _), spec in zip(parts, specs)])
@@ -224,11 +240,48 @@ class ResqQDQPass(Pass):
                 for (rows, _), spec, p, tag in zip(parts, specs, params, ("low", "high"))]
         for (rows, bits) in parts:
             bits_log.append((bits, len(rows) * w_kn.shape[1]))
-        if len(outs) == 1:
-            return outs[0]
-        out = gs.Variable(ir.unique_name(index, f"{lin.weight}_mixed"), dtype=np.float32, shape=list(w_kn.shape))
-        graph.nodes.append(gs.Node("Concat", f"{lin.node}_weight_Concat", {"axis": 0}, outs, [out]))
+        return outs
+
+    @staticmethod
+    def _concat(graph: gs.Graph, index: ir.GraphIndex, lin: Linear, parts: list[gs.Variable]) -> gs.Variable:
+        """``Concat(low rows, high rows)`` along K: the weight SubspaceQDQ's output multiplies."""
+        out = gs.Variable(ir.unique_name(index, f"{lin.weight}_mixed"), dtype=np.float32)
+        graph.nodes.append(gs.Node("Concat", f"{lin.node}_weight_Concat", {"axis": 0}, parts, [out]))
         return out
+
+    def _split_gemm(self, graph: gs.Graph, index: ir.GraphIndex, node: gs.Node, lin: Linear, site: _Site,
+                    w_high: gs.Variable, ranges: ChannelMinMaxObserver, act_bits: list) -> None:
+        """``y = DQ(Q(x_low)) W_low + DQ(Q(x_high)) W_high``: the linear keeps the low GEMM, a
+        second MatMul and an Add carry the high subspace. The quantized parts of one input are
+        shared by the linears reading it (one QuantizeLinear each, one DequantizeLinear per GEMM)."""
+        cache = self._split_cache
+        if lin.input not in cache:
+            x = index.tensors[lin.input]
+            d = len(site.perm) if site.perm is not None else len(ranges.lo)
+            channels = np.asarray(site.perm) if site.perm is not None else np.arange(d)
+            if site.perm is not None:
+                idx = gs.Constant(ir.unique_name(index, f"{x.name}_subspace_order"), channels.astype(np.int64))
+                ordered = gs.Variable(ir.unique_name(index, f"{x.name}_subspace_ordered"), dtype=np.float32)
+                graph.nodes.append(gs.Node("Gather", f"{x.name}_subspace_Gather", {"axis": -1}, [x, idx], [ordered]))
+                x = ordered
+            sizes = gs.Constant(ir.unique_name(index, f"{x.name}_subspace_sizes"), np.asarray([d - site.rank, site.rank], np.int64))
+            halves = [gs.Variable(ir.unique_name(index, f"{x.name}_subspace_{p}"), dtype=np.float32) for p in ("low", "high")]
+            graph.nodes.append(gs.Node("Split", f"{x.name}_subspace_Split", {"axis": -1}, [x, sizes], halves))
+            qs = []
+            for half, part, bits in ((halves[0], channels[: d - site.rank], site.bits), (halves[1], channels[d - site.rank:], site.high_bits)):
+                lo, hi = ranges.subset_range(part)
+                qs.append(insert_quantize(graph, index, half, lo, hi, _act_spec(bits)))
+            cache[lin.input] = qs
+            act_bits.append(self._mean_bits(site, d))
+        q_low, q_high = cache[lin.input]
+        node.inputs[0] = insert_dequantize(graph, index, q_low, f"{node.name}_low")
+        high_out = gs.Variable(ir.unique_name(index, f"{node.name}_high_output"), dtype=np.float32)
+        graph.nodes.append(gs.Node("MatMul", f"{node.name}_high", inputs=[insert_dequantize(graph, index, q_high, f"{node.name}_high"), w_high],
+                                   outputs=[high_out]))
+        out = node.outputs[0]
+        low_out = gs.Variable(ir.unique_name(index, f"{node.name}_low_output"), dtype=out.dtype)
+        node.outputs[0] = low_out
+        graph.nodes.append(gs.Node("Add", f"{node.name}_subspace_Add", inputs=[low_out, high_out], outputs=[out]))
 
     # -- activations ------------------------------------------------------------------------------
     def _activation(self, graph: gs.Graph, index: ir.GraphIndex, tensor: gs.Tensor, site: _Site,

@@ -163,3 +163,64 @@ def test_resq_projection_is_float_equivalent_on_smollm2(smollm2_dir, tmp_path):
     assert records[-1]["summary"]["hidden_rank"] == 72
     (got,) = ir.make_session(out).run(None, feeds)
     _close(got, ref)
+
+
+def test_integer_lowering_equals_subspace_form_and_fuses(tiny_models, tmp_path):
+    """Static resq-w4a8 settings: the split-GEMM form (two static Q/DQ, int8-stored weights) gives
+    the SubspaceQDQ form's outputs, and onnxruntime turns every mixed linear's two GEMMs and every
+    uniform one into MatMulIntegerToFloat."""
+    import collections
+    import tempfile
+    from pathlib import Path
+
+    import onnxruntime as ort
+
+    model = ir.load_model(tiny_models["llama"])
+    feeds = random_feeds(ir.make_session(model).get_inputs(), seed=5)
+    kw = dict(activations="static", weights="rtn", low_bits=8, down_proj_bits=8, kv_low_bits=8, kv_high_bits=8)
+    ref_model, _ = _resq_qdq(model, tmp_path, **kw)
+    out, records = _resq_qdq(model, tmp_path, lowering="integer", **kw)
+    (ref, *_) = ir.make_session(ref_model).run(None, feeds)
+    (got, *_) = ir.make_session(out).run(None, feeds)
+    _close(got, ref)
+    with tempfile.TemporaryDirectory() as tmp:
+        so = ort.SessionOptions()
+        so.optimized_model_filepath = str(Path(tmp) / "opt.onnx")
+        so.log_severity_level = 3
+        ort.InferenceSession(out.SerializeToString(), so, providers=["CPUExecutionProvider"])
+        counts = collections.Counter(n.op_type for n in onnx.load(so.optimized_model_filepath).graph.node)
+    assert counts["MatMulIntegerToFloat"] == 2 * 12 + 2  # low + high GEMM of 12 mixed linears, 2 down_proj
+    with pytest.raises(UserInputError, match="static"):
+        ResqQDQConfig(lowering="integer")
+
+
+def test_uniform_token_quantizer_matches_the_subspace_reference():
+    """down_proj's uniform per-token asymmetric quantizer is SubspaceQDQ's dynamic formula."""
+    import onnx_graphsurgeon as gs
+
+    from edgeq.qdq_nodes import insert_token_fake_quant_asymmetric
+    from edgeq.runtime_ops.subspace_qdq import _dynamic_qdq
+
+    x = gs.Variable("x", dtype=np.float32, shape=["b", "s", 32])
+    graph = gs.Graph(inputs=[x], opset=18)
+    y = insert_token_fake_quant_asymmetric(graph, ir.GraphIndex(graph), x, 4)
+    y.dtype, y.shape = np.float32, ["b", "s", 32]
+    graph.outputs = [y]
+    data = np.random.default_rng(1).standard_normal((2, 5, 32)).astype(np.float32) * 3
+    data[0, 0] = np.abs(data[0, 0])  # an all-positive token: zero still representable
+    (got,) = ir.make_session(ir.to_model(graph)).run(None, {"x": data})
+    np.testing.assert_array_equal(got, _dynamic_qdq(data, 4, symmetric=False))
+
+
+def test_channel_minmax_observer_subset_ranges():
+    from edgeq.calib.observers import ChannelMinMaxObserver, observer_from_state, observer_state
+
+    obs = ChannelMinMaxObserver()
+    a = np.random.default_rng(0).standard_normal((2, 7, 6))
+    obs.update(a[:1])
+    obs.update(a[1:])
+    flat = a.reshape(-1, 6)
+    assert obs.subset_range(np.array([1, 4])) == (flat[:, [1, 4]].min(), flat[:, [1, 4]].max())
+    back = observer_from_state(observer_state(obs))
+    np.testing.assert_array_equal(back.lo, obs.lo)
+    assert back.range() == (flat.min(), flat.max())

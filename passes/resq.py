@@ -116,6 +116,7 @@ class ResqPass(Pass):
             u_c = self._basis(stats.get(f"k{att.layer}"), att.head_dim, r_h, cfg.seed + 1000 + att.layer)
             k_site = self._project_online(graph, att, u_c.u)
             layers.append({"layer": att.layer, "k": k_site, "v": att.v, "o_proj": att.o_proj, "heads": att.heads,
+                           "u_c_nodes": [f"/resq/layers.{att.layer}/{label}_U_C" for label in ("q", "k")],
                            "kv_heads": att.kv_heads, "head_dim": att.head_dim, "rank": r_h})
             if cfg.basis == "pca":
                 energies["U_B"] += [b.high_energy_fraction for b in u_b]

@@ -54,6 +54,7 @@ class ResqQDQConfig(PassConfig):
     kv: bool = True
     kv_low_bits: int = 4
     kv_high_bits: int = 8
+    u_c_bits: int = 8  # the online key projection U_C: its input (q, k after RoPE) and weight (0: float)
     weights: str = "gptq"  # gptq | rtn
     damp: float = 0.01
     order: str = "act_order"  # per-channel scales: any GPTQ order is free at run time
@@ -79,6 +80,8 @@ class ResqQDQConfig(PassConfig):
             raise UserInputError(f"resq-qdq: lowering must be subspace or integer, got '{self.lowering}'")
         if self.lowering == "integer" and self.activations != "static":
             raise UserInputError("resq-qdq: lowering 'integer' needs static activations (activations = \"static\")")
+        if self.u_c_bits and not 2 <= self.u_c_bits <= 8:
+            raise UserInputError(f"resq-qdq: u_c_bits must be 0 (float) or in [2, 8], got {self.u_c_bits}")
         if not self.sink_weight >= 1.0:
             raise UserInputError(f"resq-qdq: sink_weight must be >= 1, got {self.sink_weight}")
 
@@ -137,9 +140,11 @@ class ResqQDQPass(Pass):
         hessians = ranges = {}
         if cfg.weights == "gptq":
             hessians = ctx.require_calibrator(self.name).observe(graph, {t: HessianObserver for t in inputs}, "gptq:hessian+sink")
+        nodes = {n.name: n for n in graph.nodes}
+        u_c = [nodes[name] for layer in layout["layers"] for name in layer.get("u_c_nodes", []) if name in nodes] if cfg.u_c_bits else []
         if cfg.activations == "static":
             ranges = ctx.require_calibrator(self.name).observe(
-                graph, {t: ChannelMinMaxObserver for t in [*inputs, *kv_sites]}, "resq:channel-minmax")
+                graph, {t: ChannelMinMaxObserver for t in [*inputs, *kv_sites, *(n.inputs[0].name for n in u_c)]}, "resq:channel-minmax")
         ensure_opset(graph, QuantSpec("int4", True, axis=1), QuantSpec("uint8", False))
         graph.opset = max(graph.opset, 21)
         index = ir.GraphIndex(graph)
@@ -168,6 +173,8 @@ class ResqQDQPass(Pass):
                 act_bits.append(self._mean_bits(site, lin.k))
             node = nodes[lin.node]
             node.inputs[0] = quantized[lin.input]
+        for node in u_c:  # ResQ: U_C and its activations at 8 bits; the projected queries stay float
+            self._quantize_u_c(graph, index, node, ranges.get(node.inputs[0].name) if ranges else None)
         for name, site in kv_sites.items():
             tensor = index.tensors[name]
             consumers = list(index.consumers(name))
@@ -180,7 +187,7 @@ class ResqQDQPass(Pass):
         uniform = sum(1 for s in sites.values() if s.rank == 0)
         return PassResult(True, {
             "linears_quantized": len(linears), "mixed_sites": len(sites) - uniform, "uniform_sites": uniform,
-            "kv_sites": len(kv_sites), "activations": f"{cfg.activations} asymmetric " + ("per-token" if cfg.activations == "dynamic" else "per-tensor"),
+            "kv_sites": len(kv_sites), "u_c_quantized": len(u_c), "activations": f"{cfg.activations} asymmetric " + ("per-token" if cfg.activations == "dynamic" else "per-tensor"),
             "weights": f"{cfg.weights} per-channel symmetric", "basis": layout["basis"],
             "mean_weight_bits": round(float(np.sum([b * k for b, k in weight_bits]) / np.sum([k for _, k in weight_bits])), 3),
             "mean_activation_bits": round(float(np.mean(act_bits)), 3),
@@ -282,6 +289,19 @@ class ResqQDQPass(Pass):
         low_out = gs.Variable(ir.unique_name(index, f"{node.name}_low_output"), dtype=out.dtype)
         node.outputs[0] = low_out
         graph.nodes.append(gs.Node("Add", f"{node.name}_subspace_Add", inputs=[low_out, high_out], outputs=[out]))
+
+    def _quantize_u_c(self, graph: gs.Graph, index: ir.GraphIndex, node: gs.Node, ranges: ChannelMinMaxObserver | None) -> None:
+        """An online U_C MatMul at ``u_c_bits``: per-channel symmetric weight, its input per token
+        (dynamic) or per tensor (static), asymmetric."""
+        bits = self.config.u_c_bits
+        w = np.asarray(index.constant_value(node.inputs[1]), np.float32)
+        node.inputs[1] = insert_weight_dequantize(graph, index, w, _weight_spec(bits, int8_storage=True), node.name)
+        x = node.inputs[0]
+        if self.config.activations == "dynamic":
+            node.inputs[0] = insert_token_fake_quant_asymmetric(graph, index, x, bits)
+        else:
+            lo, hi = ranges.range()
+            node.inputs[0] = insert_dequantize(graph, index, insert_quantize(graph, index, x, lo, hi, _act_spec(bits)), node.name)
 
     # -- activations ------------------------------------------------------------------------------
     def _activation(self, graph: gs.Graph, index: ir.GraphIndex, tensor: gs.Tensor, site: _Site,

@@ -120,6 +120,7 @@ def test_resq_qdq_mixed_weights_and_sites(activations, weights, tiny_models, tmp
     out, records = _resq_qdq(model, tmp_path, activations=activations, weights=weights)
     s = records[-1]["summary"]
     assert s["mixed_sites"] == 12 and s["uniform_sites"] == 2 and s["kv_sites"] == 4  # q/k/v/o/gate/up x 2; down x 2
+    assert s["u_c_quantized"] == 4  # the online key projection of q and k, per layer, at 8 bits
     g = out.graph
     sub = [n for n in g.node if n.op_type == "SubspaceQDQ"]
     assert len(sub) == 2 * 2 + 2 + 4  # stream inputs (attention, mlp) + o_proj + K/V, per layer
@@ -189,7 +190,8 @@ def test_integer_lowering_equals_subspace_form_and_fuses(tiny_models, tmp_path):
         so.log_severity_level = 3
         ort.InferenceSession(out.SerializeToString(), so, providers=["CPUExecutionProvider"])
         counts = collections.Counter(n.op_type for n in onnx.load(so.optimized_model_filepath).graph.node)
-    assert counts["MatMulIntegerToFloat"] == 2 * 12 + 2  # low + high GEMM of 12 mixed linears, 2 down_proj
+    # low + high GEMM of 12 mixed linears, 2 down_proj, the U_C projection of q and k in 2 layers
+    assert counts["MatMulIntegerToFloat"] == 2 * 12 + 2 + 4
     with pytest.raises(UserInputError, match="static"):
         ResqQDQConfig(lowering="integer")
 

@@ -4,12 +4,15 @@
   random orthogonal rotations (numpy, float64).
 - ``online_hadamard``: ``edgeq::OnlineHadamard`` (function body, numpy reference, graph helpers).
 - ``modality_qdq``: ``edgeq::ModalityQDQ``, MSQ's quantize-dequantize with a visual and a text
-  static scale (function body, numpy reference); the msq pass that inserts it is not written yet.
+  static scale (function body, numpy reference); the msq pass inserts it (``lowering = "custom"``).
 - ``w4a8_linear``: ``edgeq::W4A8Linear``, DPQ's fused linear (int4/uint4 group-quantized weight
   requantized to FP8, FP8 static activation, matmul; function body, numpy reference, node helper).
 - ``subspace_qdq``: ``edgeq::SubspaceQDQ``, ResQ's mixed-precision quantize-dequantize of one GEMM
   input (first d - r channels at 4 bits, last r at 8, each with its own scale; static per-tensor
-  or dynamic per-token; function body, numpy reference, node helper).
+  or dynamic per-token; function body, numpy reference, node helper); ``resq-qdq`` inserts it.
+- ``visual_kv_attention``: ``edgeq::VisualKVAttention``, CalibQuant's decode attention over a KV
+  cache whose visual tokens are packed 1/2-bit channel-wise codes (post-scaling, logit
+  calibration; function body with bitwise unpacking, numpy reference, packing helpers).
 - ``schema``: the one table of edgeq ops, ``ensure_functions``, ``reference_evaluator_ops``.
 
 Importing this package imports numpy and onnx only (no graphsurgeon, no torch, no triton).

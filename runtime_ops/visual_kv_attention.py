@@ -20,11 +20,12 @@ Inputs (Nv >= 1 visual tokens, Nt >= 0 text tokens, D = head_dim, a multiple of 
 - ``mask`` float32, broadcastable to [B, H, S, Nv + Nt]: added to the logits before the softmax
   (padding, causal among the text part; large negative = masked). No mask is a float32 scalar
   0 (``make_visual_kv_attention_node`` writes one). The numpy reference also takes ``mask=None``,
-  but in a graph the input must be present: onnxruntime (1.32) cannot inline a function whose
-  absent input reaches a non-optional slot ("input 1 is marked single but has an empty string",
-  also inside an If branch), onnx's function type inference rejects ``Optional`` of an absent
-  input ("Input type is null"), and the one opset <= 21 op that passes an absent N-d tensor
-  through, LayerNormalization's optional B, crashes onnxruntime at ORT_ENABLE_EXTENDED.
+  but in a graph the input must be present (probed with onnxruntime 1.32 / onnx 1.23):
+  onnxruntime cannot inline a function whose absent input reaches a non-optional slot ("input 1
+  is marked single but has an empty string", also inside an If branch), onnx's function type
+  inference rejects ``Optional`` of an absent input ("Input type is null"), and the only opset
+  <= 21 optional input that passes a tensor of any shape through, LayerNormalization's B, crashes
+  onnxruntime at ORT_ENABLE_EXTENDED when empty (Gemm's C and the RNN states are 2-d / 3-d).
 
 GQA: H % KVH == 0; query head j uses KV head j // (H / KVH).
 
@@ -36,13 +37,13 @@ one byte; entry i of a group (0 <= i < G) is stored shifted left by 8 - b * (i +
 entry holds the most significant bits: ``code[g * G + i] = (byte[g] >> (8 - b * (i + 1))) & (2^b - 1)``
 (b = 2: codes [3, 0, 1, 2] -> 0b11_00_01_10 = 198; b = 1: [1, 0, 1, 1, 0, 0, 0, 1] -> 0b10110001).
 
-Semantics, per batch b, query head h (KV head h // (H / KVH)) and query position s, with
+Semantics, for each batch row, query head h (KV head h // (H / KVH)) and query position s, with
 ``c_k``, ``c_v`` the unpacked codes (integers in [0, 2^b - 1]) and ``.`` the dot product over D:
 
 - visual logits by post-scaling, for each visual token n:
   ``l_vis[n] = ((q * k_scale) . c_k[n] + q . k_alpha) / sqrt(D)``
   (= q . (c_k[n] * k_scale + k_alpha) / sqrt(D), the dequantized key, never formed);
-- logit calibration over the Nv visual logits of this (b, h, s): ``gamma = min(l_vis)``,
+- logit calibration over the Nv visual logits of this (batch, head, query): ``gamma = min(l_vis)``,
   ``delta = max(l_vis)`` (all Nv, the mask does not enter them),
   ``g(x) = (delta - gamma + tau1 - tau2) / (delta - gamma) * (x - gamma) + gamma - tau1``,
   which maps [gamma, delta] linearly onto [gamma - tau1, delta - tau2]; g is the identity when
@@ -62,7 +63,7 @@ is never repeated per query head); the logits are reshaped back to [B, H, S, ·]
 calibration (ReduceMin/ReduceMax, Where for the identity cases), Concat with the text logits, Add
 of the mask and Softmax, then sliced at Nv and reshaped to the grouped layout for the value
 MatMuls. Shapes come from ``Shape`` at run time (B, S, Nv, Nt may be symbolic). The body does
-not validate shapes or attributes (``bits`` outside {1, 2} gives a wrong unpacking or a Reshape
+not validate shapes or attributes (``bits`` outside {1, 2} gives a wrong unpacking or a shape
 error); the node helper and the numpy reference do.
 
 Also here: ``pack_codes`` / ``unpack_codes`` (numpy, the bit order above),

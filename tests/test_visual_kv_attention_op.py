@@ -8,11 +8,15 @@ dequantize-then-attend computation; the calibration's [gamma, delta] -> [gamma -
 read back from the op's output; validation errors.
 
 Tolerance: the body runs in float32 (MatMuls of depth D <= 64 and Nv + Nt <= 29, a softmax), the
-numpy reference in float64 rounded once to float32; outputs are O(1) and compared at
-rtol = atol = 1e-5 (observed max abs difference about 1e-6). A wrong bit order, a wrong GQA head
-mapping or a missing calibration changes outputs by 1e-2 to 1 (checked: calibration on vs off
-differs by more than 1e-2 in every case here). The post-scaling identity is checked at float32
-rounding of the output (both sides float64 inside).
+numpy reference in float64 rounded once to float32. Post-scaling cancels: y = v_scale * (p . c_v)
++ v_alpha * sum(p) subtracts two terms as large as the value cache (|v| up to ~50 here, outlier
+channels included) to give outputs up to ~20, so float32 errors scale with the cache, not with y.
+Outputs are compared at atol = 1e-5 * max|y| (observed: at most 1.3e-6 * max|y|, 2.7e-5
+absolute, in onnxruntime at both levels and in the ReferenceEvaluator running the body; the
+ReferenceEvaluator running the numpy op is bit-exact). A wrong bit order, a wrong GQA head mapping
+or a missing calibration changes outputs by 1e-2 to 1 (checked: calibration on vs off differs by
+more than 1e-2 in every case here). The post-scaling identity is checked at float32 rounding of
+the output (both sides float64 inside).
 """
 
 from __future__ import annotations
@@ -43,7 +47,6 @@ LEVELS = {
     "disable_all": ort.GraphOptimizationLevel.ORT_DISABLE_ALL,
     "default": ort.GraphOptimizationLevel.ORT_ENABLE_ALL,
 }
-TOL = dict(rtol=1e-5, atol=1e-5)
 TAUS = (1.0, 3.0)  # the paper grid-searches {0, 1, 2, 3}; both non-zero so each end moves
 CONFIGS = {
     "mha_s1": dict(B=2, H=4, KVH=4, S=1, D=64, Nv=24, Nt=5, mask=None),
@@ -119,6 +122,11 @@ def _model(feeds: dict, bits: int, opset: int = 18, symbolic: bool = True, **att
 def _reference(feeds: dict, node: onnx.NodeProto) -> np.ndarray:
     attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
     return visual_kv_attention_reference(*(feeds[n] for n in INPUTS[:9]), mask=feeds.get("mask"), **attrs)[0]
+
+
+def _assert_close(actual, ref, err_msg=""):
+    """float32 body vs float64 reference: atol = 1e-5 * max|ref| (see the module docstring)."""
+    np.testing.assert_allclose(actual, ref, rtol=0, atol=1e-5 * float(np.abs(ref).max()), err_msg=err_msg)
 
 
 def _ort(model, feeds, level="disable_all", optimized_path=None) -> np.ndarray:
@@ -219,8 +227,8 @@ def test_all_ways_agree(bits, config, calibrate):
     c = CONFIGS[config]
     assert ref.shape == (c["B"], c["H"], c["S"], c["D"]) and ref.dtype == np.float32 and np.isfinite(ref).all()
     for level in LEVELS:
-        np.testing.assert_allclose(_ort(model, feeds, level), ref, **TOL, err_msg=level)
-    np.testing.assert_allclose(ReferenceEvaluator(model).run(None, feeds)[0], ref, **TOL)
+        _assert_close(_ort(model, feeds, level), ref, err_msg=level)
+    _assert_close(ReferenceEvaluator(model).run(None, feeds)[0], ref)
     np.testing.assert_array_equal(ReferenceEvaluator(model, new_ops=reference_evaluator_ops()).run(None, feeds)[0], ref)
     # the calibration attribute reaches the numbers (tau = (1, 3) moves them by far more than the tolerance)
     other = visual_kv_attention_reference(*(feeds[n] for n in INPUTS[:9]), mask=feeds.get("mask"), bits=bits,
@@ -260,7 +268,7 @@ def test_post_scaling_equals_dequantize_then_attend(bits, config):
     v = dequantize_channelwise(unpack_codes(feeds["v_codes"], bits, d), feeds["v_alpha"], feeds["v_scale"])
     expected = _float_attention(feeds["q"], k, v, feeds["k_text"], feeds["v_text"], feeds.get("mask"), *TAUS, 1)
     np.testing.assert_allclose(_reference(feeds, node), expected, rtol=1e-6, atol=1e-7)
-    np.testing.assert_allclose(_ort(model, feeds, "default"), expected, **TOL)
+    _assert_close(_ort(model, feeds, "default"), expected)
 
 
 @pytest.mark.parametrize("calibrate", [1, 0])
@@ -310,8 +318,9 @@ def test_calibrate_logits():
     np.testing.assert_allclose(g.max(-1)[live], (delta - 0.5)[live])
     np.testing.assert_array_equal(g[1, 1], x[1, 1])
     np.testing.assert_array_equal(np.argsort(g[0, 0]), np.argsort(x[0, 0]))  # increasing while delta - gamma + tau1 - tau2 > 0
-    slope = (g[..., 1:] - g[..., :1]) / np.where(live[..., None], x[..., 1:] - x[..., :1], 1)
-    np.testing.assert_allclose(slope[live], np.broadcast_to(((delta - gamma + 1.5) / (delta - gamma))[..., None], slope.shape)[live])
+    # affine with slope (delta - gamma + tau1 - tau2) / (delta - gamma) on every live row
+    slope = (g[live][:, 1:] - g[live][:, :1]) / (x[live][:, 1:] - x[live][:, :1])
+    np.testing.assert_allclose(slope, np.broadcast_to(((delta - gamma + 1.5)[live] / (delta - gamma)[live])[:, None], slope.shape))
     np.testing.assert_array_equal(calibrate_logits(x, 2.0, 0.5, calibrate=0), x)
     np.testing.assert_allclose(calibrate_logits(x, 0.0, 0.0), x, rtol=1e-12, atol=1e-12)
 
@@ -327,7 +336,7 @@ def test_opsets_and_static_shapes():
             onnx.checker.check_model(model, full_check=True)
             ref = _reference(feeds, node) if ref is None else ref
             for level in LEVELS:
-                np.testing.assert_allclose(_ort(model, feeds, level), ref, **TOL, err_msg=f"{opset} {symbolic} {level}")
+                _assert_close(_ort(model, feeds, level), ref, err_msg=f"{opset} {symbolic} {level}")
     with pytest.raises(ValueError, match="opset >= 18"):
         _model(feeds, 2, opset=17)
 
@@ -343,7 +352,7 @@ def test_attribute_defaults():
         if a.name != "bits":
             node.attribute.remove(a)
     model.graph.node[0].CopyFrom(node)
-    np.testing.assert_allclose(_ort(model, feeds), ref, **TOL)
+    _assert_close(_ort(model, feeds), ref)
     np.testing.assert_array_equal(ReferenceEvaluator(model, new_ops=reference_evaluator_ops()).run(None, feeds)[0], ref)
     uncalibrated = visual_kv_attention_reference(*(feeds[n] for n in INPUTS[:9]), mask=feeds["mask"], bits=1, calibrate=0)[0]
     np.testing.assert_allclose(ref, uncalibrated, rtol=1e-6, atol=1e-7)
@@ -361,6 +370,23 @@ def test_no_repeated_kv_and_no_custom_nodes_left(tmp_path):
     assert not any(n.domain == DOMAIN for n in nodes)
     assert ops.count("BitShift") >= 2 and ops.count("BitwiseAnd") == 2
     assert "Tile" not in ops and "Expand" not in ops
+
+
+def test_no_mask_forms():
+    """No mask: the node helper's scalar 0 equals the numpy reference's mask=None; an empty name
+    works in the numpy op under ReferenceEvaluator but onnxruntime refuses to inline it (the
+    module docstring says why no opset <= 21 body can take it; if this starts passing, the
+    docstring and the helper can switch to empty names)."""
+    feeds = _feeds(**CONFIGS["gqa_s1_padding"] | {"mask": None}, bits=2, seed=6)
+    model, node = _model(feeds, 2, tau1=1.0, tau2=3.0)
+    assert node.input[9] == "y_no_mask"
+    ref = _reference(feeds, node)
+    _assert_close(_ort(model, feeds, "default"), ref)
+    model.graph.node[0].input[9] = ""
+    del model.graph.initializer[:]
+    np.testing.assert_array_equal(ReferenceEvaluator(model, new_ops=reference_evaluator_ops()).run(None, feeds)[0], ref)
+    with pytest.raises(Exception, match="empty string"):
+        _ort(model, feeds)
 
 
 # ---------------------------------------------------------------------------------------------

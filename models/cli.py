@@ -16,6 +16,13 @@ _OUTPUT_HELP = (
 )
 
 
+_WITH_PAST_HELP = (
+    "export the decoder with a KV cache instead: inputs past_key_values.{i}.key/.value "
+    "[batch, kv_heads, past, head_dim], outputs logits and present.{i}.key/.value; one graph for "
+    "prefill (past length 0) and decode"
+)
+
+
 def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     """Add ``export`` with its ``smollm2``, ``composed-vlm``, ``hf`` and ``tiny`` sources."""
     from edgeq.models.tiny import TINY_ARCHS
@@ -27,7 +34,8 @@ def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
         description=(
             "Export a model to a folder holding one fp32 ONNX graph (model.onnx) plus its config "
             "and tokenizer. Decoder LLMs are exported without a KV cache (inputs input_ids, "
-            "attention_mask, position_ids; output logits), the form edgeq's passes rewrite."
+            "attention_mask, position_ids; output logits), the form edgeq's passes rewrite; --with-past "
+            "gives the KV-cache form instead (smollm2, composed-vlm, tiny llama/qwen2/gpt2)."
         ),
     )
     sources = export.add_subparsers(dest="source", metavar="SOURCE", required=True)
@@ -41,6 +49,7 @@ def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
         ),
     )
     smol.add_argument("-o", "--output", required=True, metavar="DIR", help=_OUTPUT_HELP)
+    smol.add_argument("--with-past", action="store_true", help=_WITH_PAST_HELP)
     smol.set_defaults(func=_run_smollm2)
 
     vlm = sources.add_parser(
@@ -69,6 +78,9 @@ def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
                      help="text tokens after the image (default 48)")
     vlm.add_argument("--text-dir", metavar="DIR", default=None,
                      help="folder with WikiText-2 valid.txt and test.txt (default: the repository's data/wikitext-2)")
+    vlm.add_argument("--with-past", action="store_true",
+                     help=_WITH_PAST_HELP + "; the span inputs stay, embed_tokens.npy (the input embedding "
+                     "table) is written for decoding")
     vlm.set_defaults(func=_run_composed_vlm)
 
     hf = sources.add_parser(
@@ -102,11 +114,17 @@ def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     )
     tiny.add_argument("-o", "--output", required=True, metavar="DIR", help=_OUTPUT_HELP)
     tiny.add_argument("--seed", type=int, default=0, help="seed of the random weights (default: 0)")
+    tiny.add_argument("--with-past", action="store_true", help=_WITH_PAST_HELP + " (llama, qwen2, gpt2)")
     tiny.set_defaults(func=_run_tiny)
     return export
 
 
 def _run_smollm2(args: argparse.Namespace) -> int:
+    if args.with_past:
+        from edgeq.models.kv_export import export_smollm2_with_past
+
+        print(export_smollm2_with_past(args.output))
+        return 0
     from edgeq.models.smollm2 import export_smollm2
 
     print(export_smollm2(args.output))
@@ -116,6 +134,8 @@ def _run_smollm2(args: argparse.Namespace) -> int:
 def _run_composed_vlm(args: argparse.Namespace) -> int:
     from edgeq.models.composed_vlm import export_composed_vlm
 
+    if args.with_past:
+        from edgeq.models.kv_export import export_composed_vlm_with_past as export_composed_vlm
     print(export_composed_vlm(
         args.output, calib_samples=args.calib_samples, eval_samples=args.eval_samples, seed=args.seed,
         prefix_tokens=args.prefix_tokens, suffix_tokens=args.suffix_tokens, text_dir=args.text_dir,
@@ -134,6 +154,11 @@ def _run_tiny(args: argparse.Namespace) -> int:
     from edgeq.models.tiny import export_tiny
     from edgeq.models.tiny_qwen2vl import TINY_QWEN2VL, export_tiny_qwen2vl
 
+    if args.with_past:
+        from edgeq.models.kv_export import export_tiny_with_past
+
+        print(export_tiny_with_past(args.arch, args.output, seed=args.seed))
+        return 0
     if args.arch == TINY_QWEN2VL:
         print(export_tiny_qwen2vl(args.output, seed=args.seed))
         return 0

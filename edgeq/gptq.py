@@ -154,6 +154,27 @@ def _blocks(perm: np.ndarray, group_size: int, block_size: int, aligned: bool) -
     return bounds
 
 
+def _sweep(w: np.ndarray, u: np.ndarray, blocks: list[tuple[int, int]], quantize_column) -> tuple[np.ndarray, np.ndarray]:
+    """The GPTQ column sweep over the permuted weight ``w`` [N, K] (updated in place) with the upper
+    Cholesky factor ``u`` of the permuted inverse Hessian, in lazy-update ``blocks``.
+    ``quantize_column(j, w1, i)`` returns (integers, real values) of permuted column j, which is
+    column i of the block's updated columns ``w1``. Returns both as [N, K] in the permuted order."""
+    n, k = w.shape
+    q_int = np.zeros((n, k), np.int64)
+    deq = np.zeros((n, k), np.float64)
+    for i1, i2 in blocks:
+        w1, err1 = w[:, i1:i2].copy(), np.zeros((n, i2 - i1))
+        u1 = u[i1:i2, i1:i2]
+        for i in range(i2 - i1):
+            q, d = quantize_column(i1 + i, w1, i)
+            q_int[:, i1 + i], deq[:, i1 + i] = q, d
+            e = (w1[:, i] - d) / u1[i, i]
+            w1[:, i:] -= np.outer(e, u1[i, i:])
+            err1[:, i] = e
+        w[:, i2:] -= err1 @ u[i1:i2, i2:]
+    return q_int, deq
+
+
 def gptq_quantize(w_kn: np.ndarray, hessian: np.ndarray, spec: QuantSpec, group_size: int = 0,
                   block_size: int = 128, damp: float = 0.01, act_order: bool = False,
                   mse: bool = False, full_range: bool = False, order: str | None = None,
@@ -190,22 +211,14 @@ def gptq_quantize(w_kn: np.ndarray, hessian: np.ndarray, spec: QuantSpec, group_
         for g, cols in enumerate(groups):
             scale[g], zp[g] = cq.fit(np.array(w_kn.T, np.float64)[:, cols])
     size = {g: len(cols) for g, cols in enumerate(groups)}
-    q_int = np.zeros((n, k), np.int64)
-    deq = np.zeros((n, k), np.float64)
-    for i1, i2 in _blocks(perm, group_size, block_size, dynamic):
-        w1, err1 = w[:, i1:i2].copy(), np.zeros((n, i2 - i1))
-        u1 = u[i1:i2, i1:i2]
-        for i in range(i2 - i1):
-            col = int(perm[i1 + i])
-            g = col // group_size if group_size else 0
-            if dynamic and (i1 + i == 0 or int(perm[i1 + i - 1]) // group_size != g):
-                scale[g], zp[g] = cq.fit(w1[:, i:i + size[g]])  # the group's updated columns
-            q, d = cq.quantize(w1[:, i], scale[g], zp[g])
-            q_int[:, i1 + i], deq[:, i1 + i] = q, d
-            e = (w1[:, i] - d) / u1[i, i]
-            w1[:, i:] -= np.outer(e, u1[i, i:])
-            err1[:, i] = e
-        w[:, i2:] -= err1 @ u[i1:i2, i2:]
+
+    def quantize_column(j: int, w1: np.ndarray, i: int):
+        g = int(perm[j]) // group_size if group_size else 0
+        if dynamic and (j == 0 or int(perm[j - 1]) // group_size != g):
+            scale[g], zp[g] = cq.fit(w1[:, i:i + size[g]])  # the group's updated columns
+        return cq.quantize(w1[:, i], scale[g], zp[g])
+
+    q_int, deq = _sweep(w, u, _blocks(perm, group_size, block_size, dynamic), quantize_column)
     q_int, deq = q_int[:, inv_perm], deq[:, inv_perm]
     scale = cq.real_scale(scale)
     if not group_size:
@@ -234,20 +247,12 @@ def _gptq_subsets(w_kn: np.ndarray, hessian: np.ndarray, subsets: list[tuple[np.
         scale[g], zp[g] = cq.fit(w[:, np.asarray(cols)])
     w = w[:, perm]
     w[:, dead] = 0.0
-    q_int = np.zeros((n, k), np.int64)
-    deq = np.zeros((n, k), np.float64)
-    for i1 in range(0, k, block_size):
-        i2 = min(i1 + block_size, k)
-        w1, err1 = w[:, i1:i2].copy(), np.zeros((n, i2 - i1))
-        u1 = u[i1:i2, i1:i2]
-        for i in range(i2 - i1):
-            g = group_of[perm[i1 + i]]
-            q, d = subsets[g][1].quantize(w1[:, i], scale[g], zp[g])
-            q_int[:, i1 + i], deq[:, i1 + i] = q, d
-            e = (w1[:, i] - d) / u1[i, i]
-            w1[:, i:] -= np.outer(e, u1[i, i:])
-            err1[:, i] = e
-        w[:, i2:] -= err1 @ u[i1:i2, i2:]
+
+    def quantize_column(j: int, w1: np.ndarray, i: int):
+        g = group_of[perm[j]]
+        return subsets[g][1].quantize(w1[:, i], scale[g], zp[g])
+
+    q_int, deq = _sweep(w, u, _blocks(perm, 0, block_size, False), quantize_column)
     q_int, deq = q_int[:, inv_perm], deq[:, inv_perm]
     return GptqResult(q_int.T.copy(), scale.astype(np.float32), zp, deq.T.astype(np.float32))
 

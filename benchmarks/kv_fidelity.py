@@ -38,16 +38,21 @@ SCHEMES = {
     "calibquant-no-calibration": ("channel", "channel"),
     "global-v": ("channel", "global"),
     "kivi": ("channel", "token"),
+    # the released CalibQuant code's 1-bit range clipping (K 0.5, V 0.3), not searched here
+    "channel-clip-k0.5-v0.3": ("channel", "channel"),
 }
+CLIP = {"channel-clip-k0.5-v0.3": (0.5, 0.3)}
 
 
-def fake_quant(x: np.ndarray, bits: int, axis: str) -> np.ndarray:
+def fake_quant(x: np.ndarray, bits: int, axis: str, clip: float = 1.0) -> np.ndarray:
     """Min/max asymmetric quantize-dequantize of x [KVH, N, D] (one sequence's visual rows):
     ``channel`` one range per (head, channel) over the tokens, ``token`` per (head, token) over the
-    channels, ``global`` one per head."""
+    channels, ``global`` one per head; ``clip`` < 1 shrinks each range about its midpoint."""
     reduce = {"channel": (1,), "token": (2,), "global": (1, 2)}[axis]
-    lo = x.min(axis=reduce, keepdims=True)
-    scale = (x.max(axis=reduce, keepdims=True) - lo) / (2 ** bits - 1)
+    lo, hi = x.min(axis=reduce, keepdims=True), x.max(axis=reduce, keepdims=True)
+    mid, half = (lo + hi) / 2, (hi - lo) / 2 * clip
+    lo = mid - half
+    scale = 2 * half / (2 ** bits - 1)
     safe = np.where(scale > 0, scale, 1.0)
     codes = np.clip(np.round((x - lo) / safe), 0, 2 ** bits - 1)
     return (codes * scale + lo).astype(x.dtype)
@@ -78,6 +83,8 @@ def main(argv=None) -> int:
     p.add_argument("--out", type=Path, required=True)
     p.add_argument("--samples", type=int, default=32)
     p.add_argument("--steps", type=int, default=32)
+    p.add_argument("--schemes", default=",".join(SCHEMES), help="comma-separated schemes to run")
+    p.add_argument("--bits", default=",".join(map(str, BITS)), help="comma-separated bit widths")
     a = p.parse_args(argv)
 
     from edgeq.evaluate.generate import PAST_PREFIX, PRESENT_PREFIX, greedy_decode
@@ -90,7 +97,9 @@ def main(argv=None) -> int:
     outputs = [o.name for o in session.get_outputs()]
     pasts = [n for n in names if n.startswith(PAST_PREFIX)]
     n = min(a.samples, len(data["inputs_embeds"]))
-    rows = {f"{s}@{b}": {"kl": [], "top1": [], "exact": []} for s in SCHEMES for b in BITS}
+    schemes = [x for x in a.schemes.split(",") if x]
+    bit_list = [int(x) for x in a.bits.split(",") if x]
+    rows = {f"{s}@{b}": {"kl": [], "top1": [], "exact": []} for s in schemes for b in bit_list}
     start = time.perf_counter()
     for i in range(n):
         feeds = {k: data[k][i:i + 1] for k in data.files if k in names}
@@ -100,13 +109,15 @@ def main(argv=None) -> int:
         result = dict(zip(outputs, session.run(outputs, prefill)))
         vs, vl = int(data["visual_start"][i]), int(data["visual_len"][i])
         seq = feeds["inputs_embeds"].shape[1]
-        for scheme, (k_axis, v_axis) in SCHEMES.items():
-            for bits in BITS:
+        for scheme in schemes:
+            k_axis, v_axis = SCHEMES[scheme]
+            for bits in bit_list:
                 cache = {}
                 for past in pasts:
                     present = result[PRESENT_PREFIX + past[len(PAST_PREFIX):]].copy()
-                    axis = k_axis if past.endswith(".key") else v_axis
-                    present[0, :, vs:vs + vl] = fake_quant(present[0, :, vs:vs + vl], bits, axis)
+                    is_key = past.endswith(".key")
+                    clip = CLIP.get(scheme, (1.0, 1.0))[0 if is_key else 1]
+                    present[0, :, vs:vs + vl] = fake_quant(present[0, :, vs:vs + vl], bits, k_axis if is_key else v_axis, clip)
                     cache[past] = present
                 first = int(result["logits"][0, -1].argmax())
                 step_feeds = {"inputs_embeds": embed[first][None, None].astype(np.float32),

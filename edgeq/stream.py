@@ -90,6 +90,20 @@ def analyze_stream(graph: gs.Graph) -> ResidualStream:
                           tuple(sources), tuple(_unique(mlp_outputs)))
 
 
+def require_weightless_rms(graph: gs.Graph, stream: ResidualStream, pass_name: str) -> None:
+    """Stream rewrites (rotate, resq) need every norm to be a weightless RMSNorm, i.e. fuse-norms
+    and ln-to-rms before them; raise ``UserInputError`` naming the missing step otherwise."""
+    from edgeq.errors import UserInputError
+    from edgeq.weights import is_weightless
+
+    index = ir.GraphIndex(graph)
+    for norm in stream.norms:
+        if not is_weightless(index, norm):
+            raise UserInputError(f"{pass_name}: norm {norm.name} still has a scale/bias: put fuse-norms before {pass_name}")
+        if norm.kind != "rms":
+            raise UserInputError(f"{pass_name}: norm {norm.name} is a LayerNorm: put ln-to-rms before {pass_name}")
+
+
 def _unique(linears):
     seen, out = set(), []
     for lin in linears:

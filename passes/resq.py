@@ -37,8 +37,8 @@ from edgeq.passes.rotate import fold_online_rotations, rotate_stream, set_writer
 from edgeq.registry import register_pass
 from edgeq.resq import SubspaceBasis, linf_basis, subspace_basis
 from edgeq.runtime_ops.hadamard import randomized_hadamard
-from edgeq.stream import NotApplicable, analyze_stream
-from edgeq.weights import LinearEditor, is_weightless
+from edgeq.stream import NotApplicable, analyze_stream, require_weightless_rms
+from edgeq.weights import LinearEditor
 
 RESQ_KEY = "edgeq.resq"
 BASES = ("pca", "linf", "hadamard")
@@ -89,10 +89,7 @@ class ResqPass(Pass):
             # recorded, so resq-qdq reports the same instead of asking for resq
             ir.set_graph_metadata(graph, RESQ_KEY, json.dumps({"basis": cfg.basis, "not_applicable": str(exc)}))
             return PassResult(True, {"not_applicable": str(exc)})
-        index = ir.GraphIndex(graph)
-        for norm in stream.norms:
-            if not is_weightless(index, norm) or norm.kind != "rms":
-                raise UserInputError(f"resq: norm {norm.name} must be a weightless RMSNorm: put fuse-norms and ln-to-rms before resq")
+        require_weightless_rms(graph, stream, self.name)
         attention: list[AttentionTensors] = []
         skipped = None
         if cfg.attention:

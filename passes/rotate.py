@@ -30,9 +30,8 @@ from edgeq.passbase import Exactness, Pass, PassConfig, PassContext, PassResult
 from edgeq.registry import register_pass
 from edgeq.runtime_ops.hadamard import is_hadamard_size, randomized_hadamard
 from edgeq.runtime_ops.online_hadamard import hadamard_matrix_for_fold, insert_online_hadamard
-from edgeq.errors import UserInputError
-from edgeq.stream import NotApplicable, analyze_stream, transform_stream_input
-from edgeq.weights import LinearEditor, is_weightless
+from edgeq.stream import NotApplicable, analyze_stream, require_weightless_rms, transform_stream_input
+from edgeq.weights import LinearEditor
 
 ROTATED_KEY = "edgeq.rotate"
 
@@ -59,12 +58,7 @@ class RotatePass(Pass):
             stream = analyze_stream(graph)
         except NotApplicable as exc:
             return PassResult(False, {"not_applicable": str(exc)})
-        index = ir.GraphIndex(graph)
-        for norm in stream.norms:
-            if not is_weightless(index, norm):
-                raise UserInputError(f"rotate: norm {norm.name} still has a scale/bias: put fuse-norms before rotate")
-            if norm.kind != "rms":
-                raise UserInputError(f"rotate: norm {norm.name} is a LayerNorm: put ln-to-rms before rotate")
+        require_weightless_rms(graph, stream, self.name)
         editor = LinearEditor(graph)
         d = stream.hidden
         q, is_hadamard = randomized_hadamard(d, seed=cfg.seed)

@@ -35,6 +35,7 @@ import numpy as np
 from edgeq.errors import UserInputError
 
 TOKEN_INPUTS = ("input_ids", "attention_mask", "position_ids")
+CACHE_PREFIX = "past_key_values."  # KV-cache inputs; calibration runs the prefill with them empty
 
 # onnxruntime NodeArg.type -> numpy dtype
 _ORT_DTYPES = {
@@ -247,6 +248,8 @@ def feeds_for_windows(input_specs: Sequence[Any], ids: np.ndarray) -> dict[str, 
     if ids.ndim != 2:
         raise UserInputError(f"token windows must be [batch, seq_len], got shape {list(ids.shape)}")
     batch, seq_len = ids.shape
+    cache_specs = [spec for spec in input_specs if spec.name.startswith(CACHE_PREFIX)]
+    input_specs = [spec for spec in input_specs if not spec.name.startswith(CACHE_PREFIX)]
     names = [spec.name for spec in input_specs]
     others = [n for n in names if n not in TOKEN_INPUTS]
     if others:
@@ -280,7 +283,25 @@ def feeds_for_windows(input_specs: Sequence[Any], ids: np.ndarray) -> dict[str, 
             feeds[spec.name] = np.ones((batch, seq_len), dtype=dtype)
         else:
             feeds[spec.name] = np.broadcast_to(np.arange(seq_len, dtype=dtype), (batch, seq_len)).copy()
+    feeds.update(empty_cache_feeds(cache_specs, batch))
     return feeds
+
+
+def empty_cache_feeds(cache_specs: Sequence[Any], batch: int) -> dict[str, np.ndarray]:
+    """Empty KV-cache inputs (past length 0: the prefill run) for ``past_key_values.*`` specs
+    [batch, kv_heads, past, head_dim] with static heads and head_dim."""
+    feeds = {}
+    for spec in cache_specs:
+        dims = list(spec.shape or [])
+        if len(dims) != 4 or _static(dims[1]) is None or _static(dims[3]) is None:
+            raise UserInputError(f"cache input {spec.name} has shape {dims}, expected [batch, kv_heads, past, head_dim]")
+        feeds[spec.name] = np.zeros((batch, dims[1], 0, dims[3]), ort_dtype(spec.type, spec.name))
+    return feeds
+
+
+def _batch_of(feed: dict[str, np.ndarray]) -> int:
+    """The batch size of one npz sample (the first axis of its first non-scalar input)."""
+    return next((v.shape[0] for v in feed.values() if np.ndim(v) >= 1), 1)
 
 
 def load_npz_samples(npz_path: str | os.PathLike, input_specs: Sequence[Any]) -> list[dict[str, np.ndarray]]:
@@ -315,6 +336,9 @@ def load_npz_samples(npz_path: str | os.PathLike, input_specs: Sequence[Any]) ->
         raise UserInputError(f"cannot read {path} as .npz: {str(exc).splitlines()[0]}") from None
 
     specs = {spec.name: spec for spec in input_specs}
+    # a KV-cache graph calibrates on prefill: cache inputs absent from the npz start empty
+    empty_cache = [n for n in specs if n not in arrays and n.startswith(CACHE_PREFIX)]
+    specs = {n: spec for n, spec in specs.items() if n not in empty_cache}
     missing = [n for n in specs if n not in arrays]
     extra = [k for k in arrays if k not in specs]
     if missing or extra:
@@ -369,6 +393,9 @@ def load_npz_samples(npz_path: str | os.PathLike, input_specs: Sequence[Any]) ->
         for name, (arr, stacked) in per_input.items():
             feed[name] = arr[i] if stacked else (arr[i : i + 1] if arr.ndim else arr)
         samples.append(feed)
+    cache_specs = [spec for spec in input_specs if spec.name in empty_cache]
+    for feed in samples:
+        feed.update(empty_cache_feeds(cache_specs, _batch_of(feed)))
 
     # symbolic dims must agree across inputs (checked on the first sample: all have equal shapes
     # within one stacked array, so this covers every sample)

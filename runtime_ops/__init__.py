@@ -11,8 +11,11 @@
   input (first d - r channels at 4 bits, last r at 8, each with its own scale; static per-tensor
   or dynamic per-token; function body, numpy reference, node helper); ``resq-qdq`` inserts it.
 - ``visual_kv_attention``: ``edgeq::VisualKVAttention``, CalibQuant's decode attention over a KV
-  cache whose visual tokens are packed 1/2-bit channel-wise codes (post-scaling, logit
-  calibration; function body with bitwise unpacking, numpy reference, packing helpers).
+  cache whose visual tokens are packed 1/2/4/8-bit channel-wise codes (values channel-wise or one
+  global range per head; post-scaling, logit calibration; function body with bitwise unpacking,
+  numpy reference, node helper); ``visual_kv_codes``: its packing and quantization helpers.
+- ``visual_kv_attention_kivi``: ``edgeq::VisualKVAttentionKIVI``, the same attention with KIVI's
+  per-token values (a comparator; same body but the value part, numpy reference).
 - ``schema``: the one table of edgeq ops, ``ensure_functions``, ``reference_evaluator_ops``.
 
 Importing this package imports numpy and onnx only (no graphsurgeon, no torch, no triton).
@@ -45,6 +48,15 @@ from edgeq.runtime_ops.subspace_qdq import (
     make_subspace_qdq_node,
     subspace_qdq_reference,
 )
+from edgeq.runtime_ops.visual_kv_attention import (
+    OP_TYPE as VISUAL_KV_ATTENTION,
+    make_visual_kv_attention_node,
+    visual_kv_attention_reference,
+)
+from edgeq.runtime_ops.visual_kv_attention_kivi import (
+    OP_TYPE as VISUAL_KV_ATTENTION_KIVI,
+    visual_kv_attention_kivi_reference,
+)
 from edgeq.runtime_ops.w4a8_linear import (
     OP_TYPE as W4A8_LINEAR,
     make_w4a8_linear_node,
@@ -58,6 +70,8 @@ __all__ = [
     "SCHEMAS",
     "SPEC_BASE_ORDERS",
     "SUBSPACE_QDQ",
+    "VISUAL_KV_ATTENTION",
+    "VISUAL_KV_ATTENTION_KIVI",
     "W4A8_LINEAR",
     "OpSchema",
     "Rotation",
@@ -71,6 +85,7 @@ __all__ = [
     "is_hadamard_size",
     "make_online_hadamard_node",
     "make_subspace_qdq_node",
+    "make_visual_kv_attention_node",
     "make_w4a8_linear_node",
     "normalized_hadamard_factors",
     "normalized_hadamard_matrix",
@@ -80,5 +95,7 @@ __all__ = [
     "randomized_hadamard",
     "reference_evaluator_ops",
     "subspace_qdq_reference",
+    "visual_kv_attention_kivi_reference",
+    "visual_kv_attention_reference",
     "w4a8_linear_reference",
 ]

@@ -24,6 +24,7 @@ from edgeq.runtime_ops import modality_qdq as _mq
 from edgeq.runtime_ops import online_hadamard as _oh
 from edgeq.runtime_ops import subspace_qdq as _sq
 from edgeq.runtime_ops import visual_kv_attention as _vk
+from edgeq.runtime_ops import visual_kv_attention_kivi as _vkk
 from edgeq.runtime_ops import w4a8_linear as _w4
 from edgeq.runtime_ops.domain import DOMAIN, DOMAIN_VERSION
 
@@ -61,6 +62,35 @@ class OpSchema:
     domain: str = DOMAIN
     version: int = DOMAIN_VERSION
     min_opset: int = 1  # the oldest default-domain opset the function body is valid at (checked by ensure_functions)
+
+
+def _vk_inputs(v_codes: str, v_alpha: str, v_scale: str) -> tuple[IOSpec, ...]:
+    """The inputs of VisualKVAttention and its KIVI sibling: they differ in the values' docs only."""
+    return (
+        IOSpec("q", "float32 [B, H, S, D]: decode queries, not pre-scaled (the op applies 1 / sqrt(D)); "
+                    "B, S may be symbolic"),
+        IOSpec("k_codes", "uint8 [B, KVH, Nv, D * bits / 8]: the visual keys' channel-wise codes, packed MSB "
+                          "first (entry i of each group of 8 / bits at shift 8 - bits * (i + 1)); H % KVH == 0"),
+        IOSpec("k_alpha", "float32 [B, KVH, 1, D]: per-channel minimum of the visual keys"),
+        IOSpec("k_scale", "float32 [B, KVH, 1, D]: per-channel (max - min) / (2^bits - 1) of the visual keys"),
+        IOSpec("v_codes", v_codes),
+        IOSpec("v_alpha", v_alpha),
+        IOSpec("v_scale", v_scale),
+        IOSpec("k_text", "float32 [B, KVH, Nt, D]: the text keys in full precision (Nt >= 0)"),
+        IOSpec("v_text", "float32 [B, KVH, Nt, D]: the text values in full precision"),
+        IOSpec("mask", "float32, broadcastable to [B, H, S, Nv + Nt]: additive, before the softmax; must be "
+                       "present in a graph (a scalar 0 for none, as the node helper writes): onnxruntime "
+                       "cannot run the body with an empty name; the numpy reference takes None"),
+    )
+
+
+_VK_ATTRIBUTES = (
+    AttrSpec("bits", "INT", None, "required: code width of the visual K and V, 1, 2, 4 or 8"),
+    AttrSpec("tau1", "FLOAT", 0.0, "calibration: the visual minimum logit gamma moves to gamma - tau1"),
+    AttrSpec("tau2", "FLOAT", 0.0, "calibration: the visual maximum logit delta moves to delta - tau2"),
+    AttrSpec("calibrate", "INT", 1, "1: apply g(x) = (delta - gamma + tau1 - tau2) / (delta - gamma) * "
+                                    "(x - gamma) + gamma - tau1 to the visual logits of each (b, h, s); 0: off"),
+)
 
 
 SCHEMAS: dict[str, OpSchema] = {
@@ -140,35 +170,35 @@ SCHEMAS: dict[str, OpSchema] = {
     ),
     _vk.OP_TYPE: OpSchema(
         name=_vk.OP_TYPE,
-        inputs=(
-            IOSpec("q", "float32 [B, H, S, D]: decode queries, not pre-scaled (the op applies 1 / sqrt(D)); "
-                        "B, S may be symbolic"),
-            IOSpec("k_codes", "uint8 [B, KVH, Nv, D * bits / 8]: the visual keys' channel-wise codes, packed MSB "
-                              "first (entry i of each group of 8 / bits at shift 8 - bits * (i + 1)); H % KVH == 0"),
-            IOSpec("k_alpha", "float32 [B, KVH, 1, D]: per-channel minimum of the visual keys"),
-            IOSpec("k_scale", "float32 [B, KVH, 1, D]: per-channel (max - min) / (2^bits - 1) of the visual keys"),
-            IOSpec("v_codes", "uint8 [B, KVH, Nv, D * bits / 8]: the visual values' codes, packed as k_codes"),
-            IOSpec("v_alpha", "float32 [B, KVH, 1, D]: per-channel minimum of the visual values"),
-            IOSpec("v_scale", "float32 [B, KVH, 1, D]: per-channel scale of the visual values"),
-            IOSpec("k_text", "float32 [B, KVH, Nt, D]: the text keys in full precision (Nt >= 0)"),
-            IOSpec("v_text", "float32 [B, KVH, Nt, D]: the text values in full precision"),
-            IOSpec("mask", "float32, broadcastable to [B, H, S, Nv + Nt]: additive, before the softmax; must be "
-                           "present in a graph (a scalar 0 for none, as the node helper writes): onnxruntime "
-                           "cannot run the body with an empty name; the numpy reference takes None"),
+        inputs=_vk_inputs(
+            v_codes="uint8 [B, KVH, Nv, D * bits / 8]: the visual values' codes, packed as k_codes",
+            v_alpha="float32 [B, KVH, 1, D]: per-channel minimum of the visual values; or [B, KVH, 1, 1]: one "
+                    "minimum per batch row and KV head (the global-V ablation), v_scale alike",
+            v_scale="float32 [B, KVH, 1, D] (or [B, KVH, 1, 1], as v_alpha): scale of the visual values",
         ),
         outputs=(IOSpec("y", "float32 [B, H, S, D]: softmax([g(l_vis), l_txt] + mask) over the post-scaled visual "
                              "and the float text cache, times [dequantized visual V; text V]"),),
         doc=_vk.__doc__,
         function_builder=_vk.visual_kv_attention_function,
         reference=_vk.visual_kv_attention_reference,
-        attributes=(
-            AttrSpec("bits", "INT", None, "required: code width of the visual K and V, 1 or 2"),
-            AttrSpec("tau1", "FLOAT", 0.0, "calibration: the visual minimum logit gamma moves to gamma - tau1"),
-            AttrSpec("tau2", "FLOAT", 0.0, "calibration: the visual maximum logit delta moves to delta - tau2"),
-            AttrSpec("calibrate", "INT", 1, "1: apply g(x) = (delta - gamma + tau1 - tau2) / (delta - gamma) * "
-                                            "(x - gamma) + gamma - tau1 to the visual logits of each (b, h, s); 0: off"),
-        ),
+        attributes=_VK_ATTRIBUTES,
         min_opset=_vk.MIN_OPSET,
+    ),
+    _vkk.OP_TYPE: OpSchema(
+        name=_vkk.OP_TYPE,
+        inputs=_vk_inputs(
+            v_codes="uint8 [B, KVH, Nv, D * bits / 8]: the visual values' per-token codes (min/max over the D "
+                    "channels of each token), packed as k_codes",
+            v_alpha="float32 [B, KVH, Nv, 1]: per-token minimum of the visual values",
+            v_scale="float32 [B, KVH, Nv, 1]: per-token (max - min) / (2^bits - 1) of the visual values",
+        ),
+        outputs=(IOSpec("y", "float32 [B, H, S, D]: VisualKVAttention's softmax, times [per-token dequantized visual "
+                             "V; text V]: (p_vis * v_scale^T) . c_v + p_vis . v_alpha + p_txt . v_text"),),
+        doc=_vkk.__doc__,
+        function_builder=_vkk.visual_kv_attention_kivi_function,
+        reference=_vkk.visual_kv_attention_kivi_reference,
+        attributes=_VK_ATTRIBUTES,
+        min_opset=_vkk.MIN_OPSET,
     ),
 }
 

@@ -1,8 +1,9 @@
-"""``edgeq::VisualKVAttention``: CalibQuant's decode attention over a 1/2-bit visual KV cache.
+"""``edgeq::VisualKVAttention``: CalibQuant's decode attention over a 1/2/4/8-bit visual KV cache.
 
 CalibQuant (paper 001, sections 4.1-4.2 and appendix A.1) quantizes the visual tokens' keys and
 values of a multimodal decoder after prefill, channel-wise (one (alpha, scale) per batch, KV head
-and head_dim channel, min/max over the visual tokens) at b = 1 or 2 bits, packs the codes into
+and head_dim channel, min/max over the visual tokens) at b = 1 or 2 bits (4 and 8 here too, for
+comparisons; the Triton kernels in ``kernels/`` take 1 and 2 only), packs the codes into
 uint8 along head_dim, keeps the text tokens in float, and attends with post-scaling (the
 dequantized cache is never formed) and a logit calibration of the visual part. Why a custom op:
 the packed cache, the post-scaled dot products and the calibration live inside one attention; a
@@ -15,7 +16,10 @@ Inputs (Nv >= 1 visual tokens, Nt >= 0 text tokens, D = head_dim, a multiple of 
 - ``q`` float32 [B, H, S, D]: S query positions (usually 1), NOT pre-scaled (the op applies
   1 / sqrt(D)).
 - ``k_codes`` uint8 [B, KVH, Nv, D * b / 8]; ``k_alpha``, ``k_scale`` float32 [B, KVH, 1, D].
-- ``v_codes`` uint8 [B, KVH, Nv, D * b / 8]; ``v_alpha``, ``v_scale`` float32 [B, KVH, 1, D].
+- ``v_codes`` uint8 [B, KVH, Nv, D * b / 8]; ``v_alpha``, ``v_scale`` float32 [B, KVH, 1, D]
+  (channel-wise) or [B, KVH, 1, 1] (one range per batch row and KV head over all visual tokens
+  and channels: the "without channel-wise V" ablation; ``quantize_channelwise`` of the values
+  reshaped to [B, KVH, Nv * D, 1] gives them), both the same shape.
 - ``k_text``, ``v_text`` float32 [B, KVH, Nt, D].
 - ``mask`` float32, broadcastable to [B, H, S, Nv + Nt]: added to the logits before the softmax
   (padding, causal among the text part; large negative = masked). No mask is a float32 scalar
@@ -29,13 +33,14 @@ Inputs (Nv >= 1 visual tokens, Nt >= 0 text tokens, D = head_dim, a multiple of 
 
 GQA: H % KVH == 0; query head j uses KV head j // (H / KVH).
 
-Attributes: ``bits`` (int, required, 1 or 2), ``tau1`` (float, 0), ``tau2`` (float, 0),
+Attributes: ``bits`` (int, required, 1, 2, 4 or 8), ``tau1`` (float, 0), ``tau2`` (float, 0),
 ``calibrate`` (int 0/1, 1).
 
 Bit order (CalibQuant A.1, MSB first): each group of G = 8 / b consecutive head_dim entries forms
 one byte; entry i of a group (0 <= i < G) is stored shifted left by 8 - b * (i + 1), so the first
 entry holds the most significant bits: ``code[g * G + i] = (byte[g] >> (8 - b * (i + 1))) & (2^b - 1)``
-(b = 2: codes [3, 0, 1, 2] -> 0b11_00_01_10 = 198; b = 1: [1, 0, 1, 1, 0, 0, 0, 1] -> 0b10110001).
+(b = 2: codes [3, 0, 1, 2] -> 0b11_00_01_10 = 198; b = 1: [1, 0, 1, 1, 0, 0, 0, 1] -> 0b10110001;
+b = 4: [3, 10] -> 0x3A = 58, the first entry in the high nibble; b = 8: one code per byte, shift 0).
 
 Semantics, for each batch row, query head h (KV head h // (H / KVH)) and query position s, with
 ``c_k``, ``c_v`` the unpacked codes (integers in [0, 2^b - 1]) and ``.`` the dot product over D:
@@ -52,7 +57,7 @@ Semantics, for each batch row, query head h (KV head h // (H / KVH)) and query p
 - ``p = softmax([g(l_vis), l_txt] + mask)`` over the Nv + Nt positions; ``p_vis``, ``p_txt``
   its two parts (a row masked entirely with -inf gives NaN, as any softmax);
 - output ``y = v_scale * (p_vis . c_v) + v_alpha * sum(p_vis) + p_txt . v_text`` (the sums
-  over tokens), float32 [B, H, S, D].
+  over tokens; a [B, KVH, 1, 1] v_alpha / v_scale broadcasts over D), float32 [B, H, S, D].
 
 The body (default-domain opset >= 18: BitwiseAnd, and ReduceMin/ReduceMax/ReduceSum with axes
 as an input): unpacking is ``Unsqueeze`` of the packed bytes to [..., D*b/8, 1], ``BitShift``
@@ -63,13 +68,22 @@ is never repeated per query head); the logits are reshaped back to [B, H, S, ·]
 calibration (ReduceMin/ReduceMax, Where for the identity cases), Concat with the text logits, Add
 of the mask and Softmax, then sliced at Nv and reshaped to the grouped layout for the value
 MatMuls. Shapes come from ``Shape`` at run time (B, S, Nv, Nt may be symbolic). The body does
-not validate shapes or attributes (``bits`` outside {1, 2} gives a wrong unpacking or a shape
-error); the node helper and the numpy reference do.
+not validate shapes or attributes (``bits`` outside {1, 2, 4, 8} gives a wrong unpacking or a
+shape error); the node helper and the numpy reference do.
 
-Also here: ``pack_codes`` / ``unpack_codes`` (numpy, the bit order above),
-``quantize_channelwise`` (the paper's Eq. 3/5: alpha = min, scale = (max - min) / (2^b - 1) per
-(batch, head, channel) over the tokens, codes = clip(round((x - alpha) / scale)), half to even),
-``dequantize_channelwise`` (codes * scale + alpha, float64, for checks) and
+KIVI sibling: ``edgeq::VisualKVAttentionKIVI`` (module ``visual_kv_attention_kivi``) has the same
+inputs, attributes and keys, values quantized per token (v_alpha / v_scale [B, KVH, Nv, 1]). Both
+bodies come from ``attention_function(op_type, opset, value_nodes, doc)`` and differ only in the
+value nodes; both numpy references (``visual_kv_attention_reference``,
+``visual_kv_attention_kivi_reference``, defined here) run the shared core ``attend``; the node
+helper writes either (``v_per_token``).
+
+Also here (defined in ``visual_kv_codes``, re-exported): ``pack_codes`` / ``unpack_codes``
+(numpy, the bit order above), ``quantize_channelwise`` (the paper's Eq. 3/5: alpha = min,
+scale = (max - min) / (2^b - 1) per (batch, head, channel) over the tokens,
+codes = clip(round((x - alpha) / scale)), half to even), ``quantize_pertoken`` (the same over the
+channels, axis -1: KIVI's values, [..., N, 1] ranges) and ``dequantize_channelwise``
+(codes * scale + alpha, float64, for checks; any layout that broadcasts); defined here:
 ``calibrate_logits`` (g above, numpy).
 """
 
@@ -82,84 +96,27 @@ import onnx
 from onnx import AttributeProto, TensorProto, helper
 
 from edgeq.runtime_ops.domain import DOMAIN
+from edgeq.runtime_ops.visual_kv_codes import (  # noqa: F401  (re-exported: the packing is part of this op's spec)
+    SUPPORTED_BITS,
+    _check_bits,
+    _group,
+    dequantize_channelwise,
+    pack_codes,
+    quantize_channelwise,
+    quantize_pertoken,
+    unpack_codes,
+)
 
 OP_TYPE = "VisualKVAttention"
+OP_TYPE_KIVI = "VisualKVAttentionKIVI"  # values per token: visual_kv_attention_kivi
 INPUTS = ("q", "k_codes", "k_alpha", "k_scale", "v_codes", "v_alpha", "v_scale", "k_text", "v_text", "mask")
 OUTPUTS = ("y",)
 MIN_OPSET = 18  # BitwiseAnd; ReduceMin / ReduceMax / ReduceSum with axes as an input
-SUPPORTED_BITS = (1, 2)
 ATTRIBUTE_DEFAULTS = {"tau1": 0.0, "tau2": 0.0, "calibrate": 1}
 
 
 # ---------------------------------------------------------------------------------------------
-# numpy helpers: packing, quantization, calibration
-
-
-def _check_bits(bits) -> int:
-    if bits is None:
-        raise ValueError(f"{OP_TYPE}: the bits attribute is required (1 or 2)")
-    if int(bits) not in SUPPORTED_BITS:
-        raise ValueError(f"{OP_TYPE}: bits {bits} not in {SUPPORTED_BITS}")
-    return int(bits)
-
-
-def _group(bits: int) -> int:
-    """Codes per byte."""
-    return 8 // bits
-
-
-def pack_codes(codes, bits: int) -> np.ndarray:
-    """uint8 [..., D * b / 8] from integer codes [..., D] in [0, 2^b - 1], MSB first: entry i of
-    each group of 8 / b is shifted left by 8 - b * (i + 1) (CalibQuant A.1)."""
-    bits = _check_bits(bits)
-    c = np.asarray(codes)
-    g = _group(bits)
-    if c.ndim < 1 or c.shape[-1] % g:
-        raise ValueError(f"{OP_TYPE}: head_dim {c.shape[-1] if c.ndim else None} is not a multiple of {g} (8 / bits)")
-    if c.size and (c.min() < 0 or c.max() > 2 ** bits - 1):
-        raise ValueError(f"{OP_TYPE}: codes outside [0, {2 ** bits - 1}]")
-    grouped = c.astype(np.uint8).reshape(*c.shape[:-1], c.shape[-1] // g, g)
-    shifts = (8 - bits * (np.arange(g) + 1)).astype(np.uint8)
-    return np.bitwise_or.reduce(np.left_shift(grouped, shifts), axis=-1).astype(np.uint8)
-
-
-def unpack_codes(packed, bits: int, d: int) -> np.ndarray:
-    """uint8 codes [..., d] from packed bytes [..., d * b / 8] (the inverse of ``pack_codes``)."""
-    bits = _check_bits(bits)
-    p = np.asarray(packed)
-    if p.dtype != np.uint8:
-        raise ValueError(f"{OP_TYPE}: packed codes must be uint8, got {p.dtype}")
-    g = _group(bits)
-    if d % g or p.ndim < 1 or p.shape[-1] * g != d:
-        raise ValueError(f"{OP_TYPE}: packed width {p.shape[-1] if p.ndim else None} does not hold head_dim {d} "
-                         f"at {bits} bits (needs {d} * {bits} / 8 = {d * bits / 8:g} bytes)")
-    shifts = (8 - bits * (np.arange(g) + 1)).astype(np.uint8)
-    codes = np.right_shift(p[..., None], shifts) & np.uint8(2 ** bits - 1)
-    return codes.reshape(*p.shape[:-1], d).astype(np.uint8)
-
-
-def quantize_channelwise(x, bits: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Channel-wise uniform quantization over the tokens (axis -2) of x [..., N, D]:
-    ``alpha = min``, ``scale = (max - min) / (2^b - 1)`` per (leading index, channel), both
-    float32 [..., 1, D]; codes uint8 [..., N, D] = clip(round((x - alpha) / scale), 0, 2^b - 1),
-    rounding half to even, in float32. A constant channel (max == min) gets scale 0 and codes 0,
-    so it dequantizes to alpha exactly. Returns ``(codes, alpha, scale)``; pack the codes with
-    ``pack_codes``."""
-    bits = _check_bits(bits)
-    x = np.asarray(x, np.float32)
-    if x.ndim < 2 or x.shape[-2] == 0:
-        raise ValueError(f"{OP_TYPE}: quantize_channelwise needs [..., N >= 1, D], got {x.shape}")
-    alpha = x.min(axis=-2, keepdims=True)
-    scale = ((x.max(axis=-2, keepdims=True) - alpha) / np.float32(2 ** bits - 1)).astype(np.float32)
-    safe = np.where(scale > 0, scale, np.float32(1))
-    codes = np.clip(np.round((x - alpha) / safe), 0, 2 ** bits - 1).astype(np.uint8)
-    return codes, alpha.astype(np.float32), scale
-
-
-def dequantize_channelwise(codes, alpha, scale) -> np.ndarray:
-    """float64 ``codes * scale + alpha`` (the cache the op never forms; for checks and error
-    measurements)."""
-    return np.asarray(codes, np.float64) * np.asarray(scale, np.float64) + np.asarray(alpha, np.float64)
+# numpy helper: calibration
 
 
 def calibrate_logits(logits, tau1: float = 0.0, tau2: float = 0.0, calibrate: int = 1) -> np.ndarray:
@@ -181,42 +138,47 @@ def calibrate_logits(logits, tau1: float = 0.0, tau2: float = 0.0, calibrate: in
 # validation and the numpy reference
 
 
-def _check_attributes(bits, calibrate, tau1, tau2) -> int:
-    bits = _check_bits(bits)
+def _check_attributes(bits, calibrate, tau1, tau2, op: str = OP_TYPE) -> int:
+    bits = _check_bits(bits, op)
     if int(calibrate) not in (0, 1):
-        raise ValueError(f"{OP_TYPE}: calibrate must be 0 or 1, got {calibrate}")
+        raise ValueError(f"{op}: calibrate must be 0 or 1, got {calibrate}")
     for label, tau in (("tau1", tau1), ("tau2", tau2)):
         if not math.isfinite(float(tau)):
-            raise ValueError(f"{OP_TYPE}: {label} must be finite, got {tau}")
+            raise ValueError(f"{op}: {label} must be finite, got {tau}")
     return bits
 
 
-def _check_shapes(q, k_codes, k_alpha, k_scale, v_codes, v_alpha, v_scale, k_text, v_text, mask, bits):
-    """Shapes and dtypes of the inputs; returns (B, H, S, D, KVH, Nv, Nt)."""
+def _check_shapes(q, k_codes, k_alpha, k_scale, v_codes, v_alpha, v_scale, k_text, v_text, mask, bits, op):
+    """Shapes and dtypes of the inputs (v_alpha / v_scale per ``op``'s layout); returns
+    (B, H, S, D, KVH, Nv, Nt)."""
     if q.ndim != 4:
-        raise ValueError(f"{OP_TYPE}: q must be [B, H, S, D], got {q.shape}")
+        raise ValueError(f"{op}: q must be [B, H, S, D], got {q.shape}")
     b, h, s, d = q.shape
     if d % _group(bits):
-        raise ValueError(f"{OP_TYPE}: head_dim {d} is not a multiple of {_group(bits)} (8 / bits, bits = {bits})")
+        raise ValueError(f"{op}: head_dim {d} is not a multiple of {_group(bits)} (8 / bits, bits = {bits})")
     for label, codes in (("k_codes", k_codes), ("v_codes", v_codes)):
         if codes.dtype != np.uint8:
-            raise ValueError(f"{OP_TYPE}: {label} must be uint8, got {codes.dtype}")
+            raise ValueError(f"{op}: {label} must be uint8, got {codes.dtype}")
         if codes.ndim != 4:
-            raise ValueError(f"{OP_TYPE}: {label} must be [B, KVH, Nv, D * bits / 8], got {codes.shape}")
+            raise ValueError(f"{op}: {label} must be [B, KVH, Nv, D * bits / 8], got {codes.shape}")
     kvh, nv = k_codes.shape[1], k_codes.shape[2]
     if kvh < 1 or h % kvh:
-        raise ValueError(f"{OP_TYPE}: H = {h} query heads is not a multiple of KVH = {kvh} KV heads")
+        raise ValueError(f"{op}: H = {h} query heads is not a multiple of KVH = {kvh} KV heads")
     if nv < 1:
-        raise ValueError(f"{OP_TYPE}: at least one visual token is needed, got Nv = {nv}")
+        raise ValueError(f"{op}: at least one visual token is needed, got Nv = {nv}")
     packed = (b, kvh, nv, d * bits // 8)
     for label, codes in (("k_codes", k_codes), ("v_codes", v_codes)):
         if codes.shape != packed:
-            raise ValueError(f"{OP_TYPE}: {label} {codes.shape} != {packed} (D = {d} at {bits} bits)")
-    for label, arr in (("k_alpha", k_alpha), ("k_scale", k_scale), ("v_alpha", v_alpha), ("v_scale", v_scale)):
+            raise ValueError(f"{op}: {label} {codes.shape} != {packed} (D = {d} at {bits} bits)")
+    for label, arr in (("k_alpha", k_alpha), ("k_scale", k_scale)):
         if arr.shape != (b, kvh, 1, d):
-            raise ValueError(f"{OP_TYPE}: {label} {arr.shape} != {(b, kvh, 1, d)}")
+            raise ValueError(f"{op}: {label} {arr.shape} != {(b, kvh, 1, d)}")
+    v_shapes = [(b, kvh, nv, 1)] if op == OP_TYPE_KIVI else [(b, kvh, 1, d), (b, kvh, 1, 1)]
+    if v_alpha.shape not in v_shapes or v_scale.shape != v_alpha.shape:
+        raise ValueError(f"{op}: v_alpha {v_alpha.shape} and v_scale {v_scale.shape} must both be "
+                         f"{' or '.join(map(str, v_shapes))}")
     if k_text.ndim != 4 or k_text.shape[:2] != (b, kvh) or k_text.shape[3] != d or v_text.shape != k_text.shape:
-        raise ValueError(f"{OP_TYPE}: k_text {k_text.shape} and v_text {v_text.shape} must both be [{b}, {kvh}, Nt, {d}]")
+        raise ValueError(f"{op}: k_text {k_text.shape} and v_text {v_text.shape} must both be [{b}, {kvh}, Nt, {d}]")
     nt = k_text.shape[2]
     if mask is not None:
         try:
@@ -224,23 +186,22 @@ def _check_shapes(q, k_codes, k_alpha, k_scale, v_codes, v_alpha, v_scale, k_tex
         except ValueError:
             ok = False
         if not ok:
-            raise ValueError(f"{OP_TYPE}: mask {mask.shape} is not broadcastable to [B, H, S, Nv + Nt] = {(b, h, s, nv + nt)}")
+            raise ValueError(f"{op}: mask {mask.shape} is not broadcastable to [B, H, S, Nv + Nt] = {(b, h, s, nv + nt)}")
     return b, h, s, d, kvh, nv, nt
 
 
-def visual_kv_attention_reference(q, k_codes, k_alpha, k_scale, v_codes, v_alpha, v_scale, k_text, v_text,
-                                  mask=None, bits=None, tau1=0.0, tau2=0.0, calibrate=1):
-    """Numpy reference: the module docstring's formulas (post-scaling, the dequantized cache is
-    never formed) computed in float64, the output rounded once to float32. ``mask`` may be None
-    (no mask; ReferenceEvaluator passes None for an empty input name). Returns ``(y,)``."""
-    bits = _check_attributes(bits, calibrate, tau1, tau2)
+def attend(op, q, k_codes, k_alpha, k_scale, v_codes, v_alpha, v_scale, k_text, v_text, mask, bits, tau1, tau2,
+           calibrate):
+    """The numpy reference of ``op`` (OP_TYPE or OP_TYPE_KIVI; they differ in the values only),
+    float64 inside, the output rounded once to float32. Returns ``(y,)``."""
+    bits = _check_attributes(bits, calibrate, tau1, tau2, op)
     q = np.asarray(q, np.float32)
     k_codes, v_codes = np.asarray(k_codes), np.asarray(v_codes)
     k_alpha, k_scale, v_alpha, v_scale, k_text, v_text = (
         np.asarray(a, np.float32) for a in (k_alpha, k_scale, v_alpha, v_scale, k_text, v_text))
     mask = None if mask is None else np.asarray(mask, np.float32)
     b, h, s, d, kvh, nv, nt = _check_shapes(q, k_codes, k_alpha, k_scale, v_codes, v_alpha, v_scale,
-                                            k_text, v_text, mask, bits)
+                                            k_text, v_text, mask, bits, op)
     rep = h // kvh
 
     def per_head(a):  # [B, KVH, ...] -> [B, H, ...]: query head j reads KV head j // rep
@@ -261,10 +222,33 @@ def visual_kv_attention_reference(q, k_codes, k_alpha, k_scale, v_codes, v_alpha
     p = np.exp(logits)
     p /= p.sum(axis=-1, keepdims=True)
     p_vis, p_txt = p[..., :nv], p[..., nv:]
-    y = (per_head(v_scale) * np.einsum("bhsn,bhnd->bhsd", p_vis, cv)
-         + per_head(v_alpha) * p_vis.sum(axis=-1, keepdims=True)
-         + np.einsum("bhst,bhtd->bhsd", p_txt, per_head(v_text)))
+    if op == OP_TYPE_KIVI:  # (p_vis * v_scale^T) . c_v + p_vis . v_alpha
+        y_vis = (np.einsum("bhsn,bhnd->bhsd", p_vis * np.swapaxes(per_head(v_scale), -1, -2), cv)
+                 + p_vis @ per_head(v_alpha))
+    else:  # v_scale * (p_vis . c_v) + v_alpha * sum(p_vis)
+        y_vis = (per_head(v_scale) * np.einsum("bhsn,bhnd->bhsd", p_vis, cv)
+                 + per_head(v_alpha) * p_vis.sum(axis=-1, keepdims=True))
+    y = y_vis + np.einsum("bhst,bhtd->bhsd", p_txt, per_head(v_text))
     return (y.astype(np.float32),)
+
+
+def visual_kv_attention_reference(q, k_codes, k_alpha, k_scale, v_codes, v_alpha, v_scale, k_text, v_text,
+                                  mask=None, bits=None, tau1=0.0, tau2=0.0, calibrate=1):
+    """Numpy reference: the module docstring's formulas (post-scaling, the dequantized cache is
+    never formed) computed in float64, the output rounded once to float32. ``mask`` may be None
+    (no mask; ReferenceEvaluator passes None for an empty input name). Returns ``(y,)``."""
+    return attend(OP_TYPE, q, k_codes, k_alpha, k_scale, v_codes, v_alpha, v_scale, k_text, v_text, mask, bits,
+                  tau1, tau2, calibrate)
+
+
+def visual_kv_attention_kivi_reference(q, k_codes, k_alpha, k_scale, v_codes, v_alpha, v_scale, k_text, v_text,
+                                       mask=None, bits=None, tau1=0.0, tau2=0.0, calibrate=1):
+    """Numpy reference of ``edgeq::VisualKVAttentionKIVI`` (module ``visual_kv_attention_kivi``,
+    which re-exports it; float64 inside, the output rounded once to float32): VisualKVAttention's
+    keys, calibration and softmax, then ``(p_vis * v_scale^T) . c_v + p_vis . v_alpha + p_txt .
+    v_text`` with v_alpha / v_scale [B, KVH, Nv, 1]. ``mask`` may be None. Returns ``(y,)``."""
+    return attend(OP_TYPE_KIVI, q, k_codes, k_alpha, k_scale, v_codes, v_alpha, v_scale, k_text, v_text, mask,
+                  bits, tau1, tau2, calibrate)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -298,9 +282,23 @@ def _unpack(prefix: str, codes: str) -> list[onnx.NodeProto]:
     ]
 
 
-def visual_kv_attention_function(opset: int) -> onnx.FunctionProto:
-    """The function body, importing the default domain at ``opset`` (valid from 18 on; the
-    schema table's ``ensure_functions`` refuses older models)."""
+def channelwise_value_nodes() -> list[onnx.NodeProto]:
+    """VisualKVAttention's visual values, reading ``p_vis_g`` [B, KVH, rep * S, Nv], ``v_codes_f``
+    [B, KVH, Nv, D], ``v_scale`` / ``v_alpha`` [B, KVH, 1, D or 1]: ``o_scaled = v_scale * (p_vis .
+    c_v)``, ``o_alpha = v_alpha * sum(p_vis)``."""
+    n = helper.make_node
+    return [
+        n("MatMul", ["p_vis_g", "v_codes_f"], ["o_codes"]),
+        n("Mul", ["o_codes", "v_scale"], ["o_scaled"]),
+        n("ReduceSum", ["p_vis_g", "last_axis"], ["p_vis_sum"], keepdims=1),
+        n("Mul", ["p_vis_sum", "v_alpha"], ["o_alpha"]),
+    ]
+
+
+def attention_function(op_type: str, opset: int, value_nodes: list[onnx.NodeProto], doc: str) -> onnx.FunctionProto:
+    """The shared function body of ``op_type`` at default-domain ``opset``; ``value_nodes``
+    compute ``o_scaled`` and ``o_alpha`` (broadcasting to [B, KVH, rep * S, D]) from the names
+    ``channelwise_value_nodes`` reads; y = o_scaled + o_alpha + p_txt . v_text."""
     i64, f32, u8 = TensorProto.INT64, TensorProto.FLOAT, TensorProto.UINT8
     n = helper.make_node
     nodes = [
@@ -388,21 +386,25 @@ def visual_kv_attention_function(opset: int) -> onnx.FunctionProto:
         n("Slice", ["p", "nv_1d", "int_max_1d", "last_axis"], ["p_txt"]),
         n("Reshape", ["p_vis", "grouped_nv"], ["p_vis_g"]),
         n("Reshape", ["p_txt", "grouped_nt"], ["p_txt_g"]),
-        # y = v_scale * (p_vis . c_v) + v_alpha * sum(p_vis) + p_txt . v_text
-        n("MatMul", ["p_vis_g", "v_codes_f"], ["o_codes"]),
-        n("Mul", ["o_codes", "v_scale"], ["o_scaled"]),
-        n("ReduceSum", ["p_vis_g", "last_axis"], ["p_vis_sum"], keepdims=1),
-        n("Mul", ["p_vis_sum", "v_alpha"], ["o_alpha"]),
+    ]
+    nodes += value_nodes  # the visual values: o_scaled, o_alpha
+    nodes += [
         n("MatMul", ["p_txt_g", "v_text"], ["o_text"]),
         n("Sum", ["o_scaled", "o_alpha", "o_text"], ["y_g"]),
         n("Reshape", ["y_g", "q_shape"], ["y"]),
     ]
     return helper.make_function(
-        DOMAIN, OP_TYPE, list(INPUTS), list(OUTPUTS), nodes, [helper.make_opsetid("", opset)],
+        DOMAIN, op_type, list(INPUTS), list(OUTPUTS), nodes, [helper.make_opsetid("", opset)],
         attributes=["bits"],
         attribute_protos=[helper.make_attribute(k, v) for k, v in ATTRIBUTE_DEFAULTS.items()],
-        doc_string=__doc__.split("\n\n")[0],
+        doc_string=doc,
     )
+
+
+def visual_kv_attention_function(opset: int) -> onnx.FunctionProto:
+    """The function body, importing the default domain at ``opset`` (valid from 18 on; the
+    schema table's ``ensure_functions`` refuses older models)."""
+    return attention_function(OP_TYPE, opset, channelwise_value_nodes(), __doc__.split("\n\n")[0])
 
 
 # ---------------------------------------------------------------------------------------------
@@ -412,19 +414,21 @@ def visual_kv_attention_function(opset: int) -> onnx.FunctionProto:
 def make_visual_kv_attention_node(
     q: str, k_codes: str, k_alpha: str, k_scale: str, v_codes: str, v_alpha: str, v_scale: str,
     k_text: str, v_text: str, y: str, bits: int, mask: str | None = None, tau1: float = 0.0,
-    tau2: float = 0.0, calibrate: bool = True, name: str | None = None,
+    tau2: float = 0.0, calibrate: bool = True, name: str | None = None, v_per_token: bool = False,
 ) -> tuple[onnx.NodeProto, list[onnx.TensorProto]]:
-    """A VisualKVAttention NodeProto (domain edgeq, every attribute written: onnx's
-    ReferenceEvaluator does not apply function attribute defaults) plus its initializers: none
-    when ``mask`` names a tensor, else one float32 scalar 0 named ``{y}_no_mask`` (an empty name
-    cannot reach the body in onnxruntime; see the module docstring)."""
-    bits = _check_attributes(bits, int(bool(calibrate)), tau1, tau2)
+    """A VisualKVAttention NodeProto (VisualKVAttentionKIVI when ``v_per_token``: v_alpha /
+    v_scale [B, KVH, Nv, 1]; domain edgeq, every attribute written: onnx's ReferenceEvaluator
+    does not apply function attribute defaults) plus its initializers: none when ``mask`` names a
+    tensor, else one float32 scalar 0 named ``{y}_no_mask`` (an empty name cannot reach the body
+    in onnxruntime; see the module docstring)."""
+    op_type = OP_TYPE_KIVI if v_per_token else OP_TYPE
+    bits = _check_attributes(bits, int(bool(calibrate)), tau1, tau2, op_type)
     inits: list[onnx.TensorProto] = []
     if not mask:
         mask = f"{y}_no_mask"
         inits.append(onnx.numpy_helper.from_array(np.zeros((), np.float32), mask))
     node = helper.make_node(
-        OP_TYPE, [q, k_codes, k_alpha, k_scale, v_codes, v_alpha, v_scale, k_text, v_text, mask], [y],
+        op_type, [q, k_codes, k_alpha, k_scale, v_codes, v_alpha, v_scale, k_text, v_text, mask], [y],
         name=name or f"{y}_node", domain=DOMAIN,
         bits=bits, tau1=float(tau1), tau2=float(tau2), calibrate=int(bool(calibrate)))
     return node, inits

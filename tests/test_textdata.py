@@ -161,9 +161,20 @@ def test_feeds_match_inputs_by_name_and_dtype():
     assert feeds["position_ids"].dtype == np.int32
 
 
+def test_kv_cache_inputs_start_empty_for_calibration():
+    """A decoder with a KV cache calibrates on the prefill: its past inputs get past length 0."""
+    ids = np.zeros((2, 4), dtype=np.int64)
+    past = spec("past_key_values.0.key", "tensor(float)", ("batch_size", 3, "past_sequence_length", 64))
+    feeds = feeds_for_windows([spec("input_ids"), past], ids)
+    assert feeds["past_key_values.0.key"].shape == (2, 3, 0, 64)
+    assert feeds["past_key_values.0.key"].dtype == np.float32
+
+
 def test_feeds_reject_other_inputs_and_bad_shapes():
     ids = np.zeros((1, 4), dtype=np.int64)
-    with pytest.raises(UserInputError, match=r"past_key_values.0.key.*\.npz"):
+    with pytest.raises(UserInputError, match=r"pixel_values.*\.npz"):
+        feeds_for_windows([spec("input_ids"), spec("pixel_values", "tensor(float)")], ids)
+    with pytest.raises(UserInputError, match="expected \\[batch, kv_heads, past, head_dim\\]"):
         feeds_for_windows([spec("input_ids"), spec("past_key_values.0.key", "tensor(float)")], ids)
     with pytest.raises(UserInputError, match="no 'input_ids'"):
         feeds_for_windows([spec("attention_mask")], ids)

@@ -1,11 +1,12 @@
-"""``edgeq::VisualKVAttention`` (CalibQuant's attention over a 1/2-bit visual KV cache): the packing
-bit order by hand, ``quantize_channelwise``, and agreement of onnxruntime running the function
-body (graph optimizations off and at the default level), onnx's ReferenceEvaluator running the
-body and running the numpy reference (``reference_evaluator_ops``) with
-``visual_kv_attention_reference``, for bits 1 and 2, GQA and plain multi-head, S = 1 and S = 3
-with padding / causal / full masks, calibration on and off; post-scaling against a float64
+"""``edgeq::VisualKVAttention`` (CalibQuant's attention over a 1/2/4/8-bit visual KV cache): the
+packing bit order by hand, ``quantize_channelwise``, and agreement of onnxruntime running the
+function body (graph optimizations off and at the default level), onnx's ReferenceEvaluator
+running the body and running the numpy reference (``reference_evaluator_ops``) with
+``visual_kv_attention_reference``, for bits 1, 2, 4 and 8, GQA and plain multi-head, S = 1 and
+S = 3 with padding / causal / full masks, calibration on and off; post-scaling against a float64
 dequantize-then-attend computation; the calibration's [gamma, delta] -> [gamma - tau1, delta - tau2]
-read back from the op's output; validation errors.
+read back from the op's output; validation errors. The global-V layout and the KIVI sibling
+(``test_visual_kv_attention_kivi_op.py``) reuse the helpers here (``v_layout``).
 
 Tolerance: the body runs in float32 (MatMuls of depth D <= 64 and Nv + Nt <= 29, a softmax), the
 numpy reference in float64 rounded once to float32. Post-scaling cancels: y = v_scale * (p . c_v)
@@ -31,6 +32,7 @@ from onnx.reference import ReferenceEvaluator
 from edgeq.runtime_ops import DOMAIN, SCHEMAS, ensure_functions, reference_evaluator_ops
 from edgeq.runtime_ops.visual_kv_attention import (
     INPUTS,
+    SUPPORTED_BITS,
     MIN_OPSET,
     OP_TYPE,
     calibrate_logits,
@@ -38,6 +40,7 @@ from edgeq.runtime_ops.visual_kv_attention import (
     make_visual_kv_attention_node,
     pack_codes,
     quantize_channelwise,
+    quantize_pertoken,
     unpack_codes,
     visual_kv_attention_function,
     visual_kv_attention_reference,
@@ -85,10 +88,23 @@ def _mask(kind, B, H, S, Nv, Nt, rng):
     return (rng.standard_normal((B, H, S, n)) + np.maximum(causal, -1e9)).astype(np.float32)
 
 
-def _feeds(B, H, KVH, S, D, Nv, Nt, mask, bits, seed=0) -> dict:
+def _quantize_values(v, bits, v_layout):
+    """Visual values as (codes [B, KVH, Nv, D], alpha, scale): "channel" (VisualKVAttention's
+    [B, KVH, 1, D]), "global" (one range per batch row and KV head, [B, KVH, 1, 1]) or "token"
+    (KIVI's per-token [B, KVH, Nv, 1])."""
+    if v_layout == "channel":
+        return quantize_channelwise(v, bits)
+    if v_layout == "global":
+        codes, alpha, scale = quantize_channelwise(v.reshape(*v.shape[:2], -1, 1), bits)
+        return codes.reshape(v.shape), alpha, scale
+    assert v_layout == "token", v_layout
+    return quantize_pertoken(v, bits)
+
+
+def _feeds(B, H, KVH, S, D, Nv, Nt, mask, bits, seed=0, v_layout="channel") -> dict:
     rng = np.random.default_rng(seed)
     k_codes, k_alpha, k_scale = quantize_channelwise(_cache(rng, (B, KVH, Nv, D)), bits)
-    v_codes, v_alpha, v_scale = quantize_channelwise(_cache(rng, (B, KVH, Nv, D)), bits)
+    v_codes, v_alpha, v_scale = _quantize_values(_cache(rng, (B, KVH, Nv, D)), bits, v_layout)
     feeds = dict(
         q=(rng.standard_normal((B, H, S, D)) * 1.5).astype(np.float32),
         k_codes=pack_codes(k_codes, bits), k_alpha=k_alpha, k_scale=k_scale,
@@ -102,9 +118,12 @@ def _feeds(B, H, KVH, S, D, Nv, Nt, mask, bits, seed=0) -> dict:
 
 
 def _model(feeds: dict, bits: int, opset: int = 18, symbolic: bool = True, **attrs):
-    """A one-node model over ``feeds`` (B, S, Nv, Nt symbolic when ``symbolic``)."""
+    """A one-node model over ``feeds`` (B, S, Nv, Nt symbolic when ``symbolic``); ``v_per_token=True``
+    in ``attrs`` makes it VisualKVAttentionKIVI."""
     node, inits = make_visual_kv_attention_node(*INPUTS[:9], "y", bits, mask="mask" if "mask" in feeds else None, **attrs)
     sym = {0: "batch", 2: {"q": "seq", "k_codes": "nv", "v_codes": "nv", "k_text": "nt", "v_text": "nt"}}
+    if attrs.get("v_per_token"):
+        sym[2] |= {"v_alpha": "nv", "v_scale": "nv"}
     inputs = []
     for name, a in feeds.items():
         dims = list(a.shape)
@@ -120,8 +139,9 @@ def _model(feeds: dict, bits: int, opset: int = 18, symbolic: bool = True, **att
 
 
 def _reference(feeds: dict, node: onnx.NodeProto) -> np.ndarray:
+    """The numpy reference of the node's op (VisualKVAttention or its KIVI sibling)."""
     attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
-    return visual_kv_attention_reference(*(feeds[n] for n in INPUTS[:9]), mask=feeds.get("mask"), **attrs)[0]
+    return SCHEMAS[node.op_type].reference(*(feeds[n] for n in INPUTS[:9]), mask=feeds.get("mask"), **attrs)[0]
 
 
 def _assert_close(actual, ref, err_msg=""):
@@ -142,7 +162,7 @@ def _ort(model, feeds, level="disable_all", optimized_path=None) -> np.ndarray:
 # packing and quantization
 
 
-@pytest.mark.parametrize("bits", [1, 2])
+@pytest.mark.parametrize("bits", SUPPORTED_BITS)
 def test_pack_unpack_round_trip(bits):
     rng = np.random.default_rng(bits)
     for shape in [(2, 3, 5, 64), (16,), (1, 1, 0, 8)]:
@@ -165,11 +185,19 @@ def test_bit_order_by_hand():
     assert unpack_codes(np.array([0b01_00_00_00], np.uint8), 2, 4).tolist() == [1, 0, 0, 0]
     assert unpack_codes(np.array([0b00_00_00_11], np.uint8), 2, 4).tolist() == [0, 0, 0, 3]
     assert unpack_codes(np.array([0b01000000, 0b00000001], np.uint8), 1, 16).tolist() == [0, 1] + [0] * 13 + [1]
+    # b = 4: the first entry in the high nibble; b = 8: one code per byte
+    assert pack_codes([3, 10], 4).tolist() == [0x3A] == [58]
+    assert pack_codes([15, 0, 0, 15], 4).tolist() == [0xF0, 0x0F]
+    assert unpack_codes(np.array([0x3A, 0x5C], np.uint8), 4, 4).tolist() == [3, 10, 5, 12]
+    assert pack_codes([200, 7, 255, 0], 8).tolist() == [200, 7, 255, 0]
+    assert unpack_codes(np.array([129, 66], np.uint8), 8, 2).tolist() == [129, 66]
 
 
 @pytest.mark.parametrize("bits,packed,codes", [
     (2, [0b11_00_01_10, 0b00_01_10_11], [3, 0, 1, 2, 0, 1, 2, 3]),
     (1, [0b10110001], [1, 0, 1, 1, 0, 0, 0, 1]),
+    (4, [0x3A, 0xF0, 0x5C, 0x0F], [3, 10, 15, 0, 5, 12, 0, 15]),
+    (8, [200, 7, 255, 0, 128, 1, 66, 129], [200, 7, 255, 0, 128, 1, 66, 129]),
 ])
 def test_function_body_bit_order(bits, packed, codes):
     """The body's BitShift/BitwiseAnd unpacking, read straight off the output: one visual token,
@@ -191,7 +219,7 @@ def test_function_body_bit_order(bits, packed, codes):
     np.testing.assert_array_equal(_reference(feeds, node), expected)
 
 
-@pytest.mark.parametrize("bits", [1, 2])
+@pytest.mark.parametrize("bits", SUPPORTED_BITS)
 def test_quantize_channelwise(bits):
     """alpha = min and scale = (max - min) / (2^b - 1) per (batch, head, channel) over the
     tokens; error within half a step; the extremes are exact; a constant channel gets scale 0,
@@ -218,7 +246,7 @@ def test_quantize_channelwise(bits):
 
 @pytest.mark.parametrize("calibrate", [1, 0], ids=["calibrated", "uncalibrated"])
 @pytest.mark.parametrize("config", list(CONFIGS))
-@pytest.mark.parametrize("bits", [1, 2])
+@pytest.mark.parametrize("bits", SUPPORTED_BITS)
 def test_all_ways_agree(bits, config, calibrate):
     feeds = _feeds(**CONFIGS[config], bits=bits, seed=bits)
     model, node = _model(feeds, bits, tau1=TAUS[0], tau2=TAUS[1], calibrate=bool(calibrate))
@@ -256,19 +284,27 @@ def _float_attention(q, k, v, k_text, v_text, mask, tau1, tau2, calibrate) -> np
     return y
 
 
-@pytest.mark.parametrize("config", ["gqa_s1_padding", "gqa_s3_causal"])
-@pytest.mark.parametrize("bits", [1, 2])
-def test_post_scaling_equals_dequantize_then_attend(bits, config):
-    """((q * scale) . codes + q . alpha) and scale * (p . codes) + alpha * sum(p) equal attention
-    over the dequantized cache codes * scale + alpha (float64, formed explicitly here)."""
-    feeds = _feeds(**CONFIGS[config], bits=bits, seed=11)
-    model, node = _model(feeds, bits, tau1=TAUS[0], tau2=TAUS[1])
+def _check_dequantize_then_attend(bits, config, calibrate, v_layout="channel"):
+    """The op (numpy reference and onnxruntime) against ``_float_attention`` over the dequantized
+    cache codes * scale + alpha (float64, formed explicitly; any of the ``v_layout`` layouts)."""
+    feeds = _feeds(**CONFIGS[config], bits=bits, seed=11, v_layout=v_layout)
+    model, node = _model(feeds, bits, tau1=TAUS[0], tau2=TAUS[1], calibrate=bool(calibrate),
+                         v_per_token=v_layout == "token")
     d = feeds["q"].shape[-1]
     k = dequantize_channelwise(unpack_codes(feeds["k_codes"], bits, d), feeds["k_alpha"], feeds["k_scale"])
     v = dequantize_channelwise(unpack_codes(feeds["v_codes"], bits, d), feeds["v_alpha"], feeds["v_scale"])
-    expected = _float_attention(feeds["q"], k, v, feeds["k_text"], feeds["v_text"], feeds.get("mask"), *TAUS, 1)
+    expected = _float_attention(feeds["q"], k, v, feeds["k_text"], feeds["v_text"], feeds.get("mask"), *TAUS, calibrate)
     np.testing.assert_allclose(_reference(feeds, node), expected, rtol=1e-6, atol=1e-7)
     _assert_close(_ort(model, feeds, "default"), expected)
+
+
+@pytest.mark.parametrize("calibrate", [1, 0], ids=["calibrated", "uncalibrated"])
+@pytest.mark.parametrize("config", ["gqa_s1_padding", "gqa_s3_causal", "mha_s3_full"])
+@pytest.mark.parametrize("bits", SUPPORTED_BITS)
+def test_post_scaling_equals_dequantize_then_attend(bits, config, calibrate):
+    """((q * scale) . codes + q . alpha) and scale * (p . codes) + alpha * sum(p) equal attention
+    over the dequantized cache codes * scale + alpha."""
+    _check_dequantize_then_attend(bits, config, calibrate)
 
 
 @pytest.mark.parametrize("calibrate", [1, 0])
@@ -419,6 +455,8 @@ def _args(**over):
 
 @pytest.mark.parametrize("bad,match", [
     (dict(bits=3), "bits 3"),
+    (dict(bits=16), "bits 16"),
+    (dict(bits=0), "bits 0"),
     (dict(bits=None), "bits attribute is required"),
     (dict(calibrate=2), "calibrate"),
     (dict(tau1=float("nan")), "tau1"),

@@ -83,7 +83,7 @@ class Calibrator:
         else:
             observers = {name: factories[name]() for name in names}
         fetch = names + ([split_by] if split_by else [])
-        _add_outputs(model, graph, fetch)
+        add_outputs(model, graph, fetch)
         session = ir.make_session(model, optimize=True)
         del model  # onnxruntime holds its own copy of the weights; free ours before running
         for feeds in progress(self.data.batches, desc=f"calibrating {len(names)} tensors"):
@@ -147,7 +147,7 @@ class Calibrator:
             pass  # the cache is an optimization; an unwritable cache dir must not fail a compile
 
 
-def _add_outputs(model: onnx.ModelProto, graph: gs.Graph, names: list[str]) -> None:
+def add_outputs(model: onnx.ModelProto, graph: gs.Graph, names: list[str]) -> None:
     """Expose intermediate tensors as graph outputs (element type from graphsurgeon or float)."""
     existing = {o.name for o in model.graph.output}
     tensors = graph.tensors()

@@ -22,7 +22,9 @@ Graphs it runs (told apart by their input names):
 Token-id graphs (``input_ids``) get the token itself; embedding graphs (``inputs_embeds``, the
 composed VLM) get ``embed_table[token]`` (``embed_tokens.npy`` of a ``composed-vlm --with-past``
 folder). ``visual_start`` / ``visual_len`` are passed unchanged at every step (they index the
-whole sequence). ``force_tokens`` feeds given tokens instead of the argmax (teacher forcing: run a
+whole sequence), and so is the packed visual cache of a ``kvquant`` decode graph
+(``visual_key_values.*``; start such a graph at the first decode step, with the feeds of
+``edgeq.kv_cache.visual_cache_feeds``). ``force_tokens`` feeds given tokens instead of the argmax (teacher forcing: run a
 quantized graph along the float graph's tokens so that its per-step logits are compared on the same
 prefixes).
 """
@@ -39,6 +41,7 @@ from edgeq.errors import UserInputError
 PAST_PREFIX = "past_key_values."
 PRESENT_PREFIX = "present."
 SPAN_INPUTS = ("visual_start", "visual_len")
+VISUAL_PREFIX = "visual_key_values."  # a kvquant decode graph's packed visual cache: fed unchanged
 _TYPES = {"tensor(float)": np.float32, "tensor(float16)": np.float16, "tensor(double)": np.float64,
           "tensor(bfloat16)": np.float32}
 
@@ -98,7 +101,7 @@ def greedy_decode(session, prefill_feeds: Mapping[str, np.ndarray], steps: int,
     if token_input == "inputs_embeds" and embed_table is None:
         raise UserInputError("an inputs_embeds graph needs embed_table (embed_tokens.npy) to feed generated tokens")
     known = {token_input, "attention_mask", "position_ids", *SPAN_INPUTS}
-    unknown = [n for n in names if n not in known and not n.startswith(PAST_PREFIX)]
+    unknown = [n for n in names if n not in known and not n.startswith((PAST_PREFIX, VISUAL_PREFIX))]
     if unknown:
         raise UserInputError(f"greedy_decode does not know how to advance the inputs {', '.join(unknown)}")
     extra = sorted(set(prefill_feeds) - set(names))

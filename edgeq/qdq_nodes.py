@@ -87,7 +87,7 @@ def insert_weight_dequantize(graph: gs.Graph, index: ir.GraphIndex, w: np.ndarra
     q, zp = np.asarray(q).astype(spec.np_dtype), np.asarray(zp).astype(spec.np_dtype)
     prefix = f"{base}_{spec.dtype}"
     q_const = integer_constant(ir.unique_name(index, prefix), q, spec)
-    s_const = gs.Constant(ir.unique_name(index, prefix + "_scale"), scale.astype(np.float32))
+    s_const = gs.Constant(ir.unique_name(index, prefix + "_scale"), np.asarray(scale, np.float32))
     z_const = integer_constant(ir.unique_name(index, prefix + "_zero_point"), zp, spec)
     out = gs.Variable(ir.unique_name(index, f"{base}_dequantized"), dtype=np.float32, shape=list(np.shape(w)))
     attrs = {}

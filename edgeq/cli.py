@@ -1,8 +1,10 @@
-"""The ``edgeq`` command line: compile, inspect, eval, export, recipes, passes.
+"""The ``edgeq`` command line: compile, inspect, eval, export, recipes, passes, targets, check.
 
 Exit codes: 0 success; 2 bad input (one line on stderr, nothing written); 1 internal error (the
-failing pass named). Subcommand groups owned by other modules register themselves through
-``register(subparsers)`` (``edgeq.evaluate.cli``, ``edgeq.models.cli``).
+failing pass named); 3 a model outside a target profile (``check``, ``compile --target``: the
+violations on stdout, nothing written). Subcommand groups owned by other modules register
+themselves through ``register(subparsers)`` (``edgeq.evaluate.cli``, ``edgeq.models.cli``,
+``edgeq.targets.cli``).
 """
 
 from __future__ import annotations
@@ -19,6 +21,8 @@ _EPILOG = """examples:
   edgeq compile artifacts/smollm2/model.onnx --calib data/wikitext-2/valid.txt -o artifacts/w8a8
   edgeq eval ppl artifacts/w8a8/model.onnx --text data/wikitext-2/test.txt --tokenizer artifacts/smollm2
   edgeq recipes
+  edgeq compile artifacts/smollm2/model.onnx --recipe w8a8 --calib data/wikitext-2/valid.txt --target qnn-htp -o artifacts/htp
+  edgeq check artifacts/w8a8/model.onnx --target pow2-int
 """
 
 
@@ -45,25 +49,36 @@ def _add_compile(sub) -> None:
     p.add_argument("--check-numerics", action="store_true", help="log output drift against the input model after every pass")
     p.add_argument("--no-cache", action="store_true", help="do not read or write the calibration cache")
     p.add_argument("--seed", type=int, default=0, help="seed for passes that draw random numbers")
+    p.add_argument("--target", help="target profile (see `edgeq targets`) or a profile .toml: run its lowering passes "
+                                    "after the recipe's, then fail (exit 3, nothing written) if the model is still outside it")
     p.set_defaults(func=_run_compile)
 
 
 def _run_compile(args) -> int:
     from edgeq.compiler import CompileRequest, compile_model
     from edgeq.recipes import DEFAULT_RECIPE
+    from edgeq.targets import TargetUnreachable
 
     req = CompileRequest(
         model=args.model, out_dir=args.out, recipe=args.recipe or DEFAULT_RECIPE, calib=args.calib,
         tokenizer=args.tokenizer, calib_windows=args.calib_windows, seq_len=args.seq_len,
         dump_each=args.dump_each, verify=args.verify, check_numerics=args.check_numerics,
-        use_cache=not args.no_cache, seed=args.seed,
+        use_cache=not args.no_cache, seed=args.seed, target=args.target,
     )
-    report = compile_model(req)
-    for rec in report["passes"]:
+    try:
+        report = compile_model(req)
+    except TargetUnreachable as exc:
+        for v in exc.result.violations:
+            print(v.message)
+        raise
+    target = report.get("target")
+    for rec in report["passes"] + (target["lowering"] if target else []):
         state = "modified" if rec["modified"] else "unchanged"
-        print(f"  {rec['name']:<12} {rec['seconds']:8.2f} s  {state}  {json.dumps(rec['summary'])[:160]}")
+        print(f"  {rec['name']:<17} {rec['seconds']:8.2f} s  {state}  {json.dumps(rec['summary'])[:160]}")
         for out, d in rec.get("numerics", {}).items():
             print(f"    drift {out}: max_abs {d.get('max_abs', 0):.4g}  sqnr {d.get('sqnr_db', 0):.1f} dB")
+    if target:
+        print(f"  target {target['name']}: {len(target['lowering'])} lowering pass(es), clean")
     print(f"wrote {args.out}/model.onnx in {report['seconds_total']:.1f} s (peak RSS {report['peak_rss_mb']:.0f} MB, "
           f"model {report['input_size_mb']:.0f} MB -> {report['output_size_mb']:.0f} MB)")
     return 0
@@ -134,10 +149,12 @@ def build_parser() -> argparse.ArgumentParser:
     _add_inspect(sub)
     from edgeq.evaluate.cli import register as register_eval
     from edgeq.models.cli import register as register_export
+    from edgeq.targets.cli import register as register_targets
 
     register_eval(sub)
     register_export(sub)
     _add_recipes(sub)
+    register_targets(sub)
     return parser
 
 

@@ -3,6 +3,12 @@
 Outputs (all written into a temporary folder that replaces OUTDIR only on success):
 ``model.onnx`` + ``model.onnx.data``, ``report.json`` (each pass: time, what it changed;
 calibration summary; numerics if asked) and ``encodings.json`` (every quantized tensor).
+
+With a target (``--target``, a profile in ``edgeq.targets``), the profile's lowering passes run
+after the recipe's, in the same pipeline (so ``--verify`` and friends cover them), and the result
+is checked against the profile: still outside it, the compile raises ``TargetUnreachable``
+(exit 3) before anything is written; inside it, ``report.json`` gets a ``target`` entry (the
+lowering passes' records and the check result).
 """
 
 from __future__ import annotations
@@ -24,6 +30,8 @@ from edgeq.errors import UserInputError
 from edgeq.passbase import PassContext
 from edgeq.pipeline import Pipeline, PipelineOptions
 from edgeq.recipes import DEFAULT_RECIPE, load_recipe
+from edgeq.registry import get_pass
+from edgeq.targets import TargetUnreachable, check_model, load_target
 
 
 @dataclass(frozen=True)
@@ -40,6 +48,7 @@ class CompileRequest:
     check_numerics: bool = False
     use_cache: bool = True
     seed: int = 0
+    target: str | None = None
 
 
 def default_tokenizer_dir(model_path: Path) -> Path | None:
@@ -62,6 +71,8 @@ def compile_model(req: CompileRequest) -> dict:
     _check_out_dir(req)
     recipe = load_recipe(req.recipe)
     passes = [spec.build() for spec in recipe.passes]
+    profile = load_target(req.target) if req.target else None
+    lowering = [get_pass(name)() for name in profile.lowering] if profile else []
     model = ir.load_model(req.model)
     ir.check_opset(model)
     windows = req.calib_windows or recipe.calibration.windows
@@ -84,10 +95,19 @@ def compile_model(req: CompileRequest) -> dict:
     options = PipelineOptions(req.dump_each, req.verify, req.check_numerics)
     ctx = PassContext(calibrator=calibrator, seed=req.seed)
     fingerprint = ir.model_fingerprint(model)
-    out_model, records = Pipeline(passes, options).run(model, ctx, sample, consume=True)
+    out_model, records = Pipeline(passes + lowering, options).run(model, ctx, sample, consume=True)
+    records, lowering_records = records[:len(passes)], records[len(passes):]
+    del model
+    target_summary = None
+    if profile is not None:
+        result = check_model(out_model, profile)
+        if not result.clean:
+            raise TargetUnreachable(result)
+        ir.set_metadata(out_model, "edgeq.target", profile.name)
+        target_summary = {"name": profile.name, "description": profile.description,
+                          "lowering": lowering_records, "check": result.to_dict()}
     ir.set_metadata(out_model, "edgeq.version", edgeq.__version__)
     ir.set_metadata(out_model, "edgeq.recipe", recipe.name)
-    del model
     if calibrator is not None:
         log = calibrator.log
         calib_summary.update({"onnxruntime_runs": log.runs, "cache_hits": log.cache_hits,
@@ -102,6 +122,8 @@ def compile_model(req: CompileRequest) -> dict:
         "passes": records,
         "calibration": calib_summary,
     }
+    if target_summary is not None:
+        report["target"] = target_summary
     with ir.atomic_output_dir(req.out_dir) as tmp:
         model_path = ir.save_model(out_model, tmp / "model.onnx")
         ir.make_session(onnx.load_model(str(model_path)))  # the output must load in onnxruntime

@@ -1,0 +1,219 @@
+"""Target profiles: what a deployment target runs, as validated data (TOML), not code branches.
+
+A profile says which ops, element types and quantization parameters a runtime or NPU accepts,
+and which lowering passes ``--target`` runs to get there. Adding a target is adding a file;
+``edgeq check`` and ``edgeq compile --target`` read nothing else. Layout::
+
+    description = "one line"
+    lowering = ["expand-functions"]   # registered passes, run in this order by --target
+    ops = ["*"]                       # standard-domain (ai.onnx) ops; "*" = every one
+    edgeq_ops = []                    # edgeq custom ops run natively; "*" = every one
+    domains = []                      # other op domains accepted wholesale (e.g. com.microsoft)
+    dtypes = ["float32", "int64"]     # element types of every tensor but the Q/DQ integer side
+    power_of_two_scales = false       # every Q/DQ scale an exact power of two
+    [activations]                     # QuantizeLinear, and DequantizeLinear not reading a weight
+    dtypes = ["int8", "uint8"]
+    symmetric = false                 # true: zero point 0 (signed) or the midpoint (unsigned)
+    granularity = ["tensor"]          # of "tensor", "channel", "block"
+    [weights]                         # integer initializers feeding a DequantizeLinear
+    dtypes = ["int8", "int4"]
+    symmetric = true
+    granularity = ["tensor", "channel"]
+
+Every key is required (a profile that forgets a rule must not silently allow everything) and
+unknown keys, op names onnx does not know, unknown dtypes and unregistered passes are errors.
+Built-in profiles live in ``edgeq/targets/profiles/*.toml``; ``--target`` also takes a path.
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+from importlib import resources
+from pathlib import Path
+
+import onnx
+
+from edgeq.errors import UserInputError
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
+
+ANY = "*"
+GRANULARITIES = ("tensor", "channel", "block")
+
+
+def dtype_name(elem_type: int) -> str:
+    """onnx element type -> the names profiles and ``QuantSpec`` use (float32, int4, float8e4m3fn)."""
+    name = onnx.TensorProto.DataType.Name(elem_type).lower()
+    return {"float": "float32", "double": "float64"}.get(name, name)
+
+
+DTYPES = frozenset(dtype_name(v) for v in onnx.TensorProto.DataType.values() if v != onnx.TensorProto.UNDEFINED)
+
+
+@dataclass(frozen=True)
+class QuantRules:
+    """What one side of quantization (activations or weights) may use. ``dtypes`` None: any."""
+
+    dtypes: frozenset[str] | None
+    symmetric: bool
+    granularity: frozenset[str]
+
+    def allows_dtype(self, dtype: str) -> bool:
+        return self.dtypes is None or dtype in self.dtypes
+
+    @property
+    def max_bits(self) -> int | None:
+        """The widest integer type allowed (None: any width)."""
+        if self.dtypes is None:
+            return None
+        return max((dtype_bits(d) for d in self.dtypes), default=0)
+
+
+def dtype_bits(dtype: str) -> int:
+    """Width of an integer dtype name (int4 -> 4, uint16 -> 16); 0 for anything else."""
+    digits = "".join(c for c in dtype if c.isdigit())
+    return int(digits) if dtype.startswith(("int", "uint")) and digits else 0
+
+
+@dataclass(frozen=True)
+class TargetProfile:
+    """A validated profile. ``None`` in ``ops``/``edgeq_ops``/``dtypes``: "*" (anything)."""
+
+    name: str
+    description: str
+    lowering: tuple[str, ...]
+    ops: frozenset[str] | None
+    edgeq_ops: frozenset[str] | None
+    domains: frozenset[str]
+    dtypes: frozenset[str] | None
+    power_of_two_scales: bool
+    activations: QuantRules
+    weights: QuantRules
+
+    def allows_op(self, domain: str, op_type: str) -> bool:
+        if domain in ("", "ai.onnx"):
+            return self.ops is None or op_type in self.ops
+        if domain == "edgeq":
+            return self.edgeq_ops is None or op_type in self.edgeq_ops
+        return domain in self.domains
+
+    def allows_dtype(self, dtype: str) -> bool:
+        return self.dtypes is None or dtype in self.dtypes
+
+
+_TOP_KEYS = {"description", "lowering", "ops", "edgeq_ops", "domains", "dtypes", "power_of_two_scales",
+             "activations", "weights"}
+_QUANT_KEYS = {"dtypes", "symmetric", "granularity"}
+
+
+def builtin_target_names() -> list[str]:
+    folder = resources.files("edgeq.targets") / "profiles"
+    return sorted(p.name[:-5] for p in folder.iterdir() if p.name.endswith(".toml"))
+
+
+def load_target(name_or_path: str) -> TargetProfile:
+    """A built-in profile by name, or a profile file by path (``.toml`` or containing a slash)."""
+    if name_or_path.endswith(".toml") or "/" in name_or_path:
+        path = Path(name_or_path)
+        if not path.is_file():
+            raise UserInputError(f"target profile file not found: {path}")
+        return parse_target(path.read_text(), path.stem, source=str(path))
+    names = builtin_target_names()
+    if name_or_path not in names:
+        raise UserInputError(f"unknown target '{name_or_path}' (known: {', '.join(names)})")
+    text = (resources.files("edgeq.targets") / "profiles" / f"{name_or_path}.toml").read_text()
+    return parse_target(text, name_or_path, source=f"target '{name_or_path}'")
+
+
+def parse_target(text: str, name: str, source: str = "target") -> TargetProfile:
+    try:
+        data = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as exc:
+        raise UserInputError(f"{source}: invalid TOML: {exc}") from None
+    _require_keys(data, _TOP_KEYS, source)
+    description = _typed(data, "description", str, source)
+    lowering = tuple(_strings(data, "lowering", source, wildcard=False))
+    from edgeq.registry import get_pass
+
+    for pass_name in lowering:
+        get_pass(pass_name)  # unknown pass: UserInputError naming the known ones
+    ops = _strings(data, "ops", source)
+    if ops is not None:
+        unknown = sorted(op for op in ops if not onnx.defs.has(op))
+        if unknown:
+            raise UserInputError(f"{source}: 'ops' names ops onnx does not know: {', '.join(unknown)}")
+    edgeq_ops = _strings(data, "edgeq_ops", source)
+    if edgeq_ops is not None:
+        from edgeq.runtime_ops.schema import SCHEMAS
+
+        unknown = sorted(set(edgeq_ops) - set(SCHEMAS))
+        if unknown:
+            raise UserInputError(f"{source}: unknown edgeq ops {', '.join(unknown)} (known: {', '.join(sorted(SCHEMAS))})")
+    domains = _strings(data, "domains", source, wildcard=False)
+    if {"", "ai.onnx", "edgeq"} & set(domains):
+        raise UserInputError(f"{source}: 'domains' lists other domains only (standard ops go in 'ops', edgeq ops in 'edgeq_ops')")
+    return TargetProfile(
+        name=name, description=description, lowering=lowering,
+        ops=None if ops is None else frozenset(ops),
+        edgeq_ops=None if edgeq_ops is None else frozenset(edgeq_ops),
+        domains=frozenset(domains),
+        dtypes=_dtypes(data, "dtypes", source),
+        power_of_two_scales=_typed(data, "power_of_two_scales", bool, source),
+        activations=_quant_rules(data, "activations", source),
+        weights=_quant_rules(data, "weights", source),
+    )
+
+
+def _quant_rules(data: dict, key: str, source: str) -> QuantRules:
+    table = data[key]
+    where = f"{source} [{key}]"
+    if not isinstance(table, dict):
+        raise UserInputError(f"{source}: '{key}' must be a table")
+    _require_keys(table, _QUANT_KEYS, where)
+    granularity = _strings(table, "granularity", where, wildcard=False)
+    bad = sorted(set(granularity) - set(GRANULARITIES))
+    if bad or not granularity:
+        raise UserInputError(f"{where}: granularity must list some of {', '.join(GRANULARITIES)}, got {granularity}")
+    return QuantRules(_dtypes(table, "dtypes", where), _typed(table, "symmetric", bool, where), frozenset(granularity))
+
+
+def _dtypes(data: dict, key: str, where: str) -> frozenset[str] | None:
+    values = _strings(data, key, where)
+    if values is None:
+        return None
+    unknown = sorted(set(values) - DTYPES)
+    if unknown:
+        raise UserInputError(f"{where}: unknown dtype(s) {', '.join(unknown)} (known: {', '.join(sorted(DTYPES))})")
+    return frozenset(values)
+
+
+def _require_keys(data: dict, expected: set[str], where: str) -> None:
+    unknown = sorted(set(data) - expected)
+    if unknown:
+        raise UserInputError(f"{where}: unknown key(s) {', '.join(unknown)} (allowed: {', '.join(sorted(expected))})")
+    missing = sorted(expected - set(data))
+    if missing:
+        raise UserInputError(f"{where}: missing key(s) {', '.join(missing)}")
+
+
+def _typed(data: dict, key: str, kind: type, where: str):
+    value = data[key]
+    if not isinstance(value, kind) or (kind is not bool and isinstance(value, bool)):
+        raise UserInputError(f"{where}: '{key}' must be {kind.__name__}, got {value!r}")
+    return value
+
+
+def _strings(data: dict, key: str, where: str, wildcard: bool = True) -> list[str] | None:
+    """A list of strings; ``["*"]`` (where allowed) means anything and returns None."""
+    value = data[key]
+    if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+        raise UserInputError(f"{where}: '{key}' must be a list of strings, got {value!r}")
+    if ANY in value:
+        if not wildcard or len(value) != 1:
+            raise UserInputError(f"{where}: '{key}' " + ("cannot be \"*\"" if not wildcard else "takes \"*\" alone"))
+        return None
+    return value

@@ -1,0 +1,304 @@
+"""Target profiles and ``edgeq check`` / ``compile --target``: profiles load and reject typos; the
+checker flags each kind of violation on a hand-built model and on tiny models (w8a8 is clean for
+generic-qdq; rotate's OnlineHadamard is not until expand-functions; a non-power-of-two scale is
+flagged by pow2-int until pow2-scales); the CLI exits 0 / 3 / 2 and writes nothing on refusal."""
+
+import json
+
+import numpy as np
+import onnx
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+from toy import random_feeds, toy_model_dir, write_text
+
+from edgeq import ir
+from edgeq.calib.session import CalibrationSet, Calibrator
+from edgeq.cli import main
+from edgeq.errors import UserInputError
+from edgeq.passbase import PassContext
+from edgeq.passes.qdq import QDQConfig, QDQPass
+from edgeq.pipeline import Pipeline
+from edgeq.recipes import load_recipe
+from edgeq.registry import get_pass
+from edgeq.targets import builtin_target_names, check_model, load_target, parse_target
+
+BUILTINS = ["generic-qdq", "ort-cpu", "pow2-int", "qnn-htp"]
+
+
+# ---------------------------------------------------------------- profiles
+
+def test_builtin_profiles_load():
+    assert builtin_target_names() == BUILTINS
+    ort, generic, htp, pow2 = (load_target(n) for n in ("ort-cpu", "generic-qdq", "qnn-htp", "pow2-int"))
+    assert ort.lowering == () and ort.allows_op("edgeq", "OnlineHadamard") and ort.allows_op("com.microsoft", "MatMulNBits")
+    assert generic.lowering == ("expand-functions",) and not generic.allows_op("edgeq", "OnlineHadamard")
+    assert generic.allows_op("", "NonMaxSuppression") and not generic.weights.symmetric
+    assert htp.activations.allows_dtype("uint16") and htp.activations.max_bits == 16 and htp.weights.symmetric
+    assert not htp.allows_op("", "Shape") and htp.allows_op("", "MatMul")
+    assert pow2.power_of_two_scales and pow2.lowering == ("expand-functions", "symmetric-weights", "pow2-scales")
+    assert pow2.activations.dtypes == {"int8"} and pow2.weights.dtypes == {"int8"}
+
+
+def _profile_text(**overrides):
+    """A valid profile as TOML, with top-level keys or [weights] keys (prefixed w_) replaced
+    (None: removed)."""
+    top = {"description": '"t"', "lowering": "[]", "ops": '["*"]', "edgeq_ops": "[]", "domains": "[]",
+           "dtypes": '["float32"]', "power_of_two_scales": "false"}
+    weights = {"dtypes": '["int8"]', "symmetric": "true", "granularity": '["channel"]'}
+    for key, value in overrides.items():
+        table, key = (weights, key[2:]) if key.startswith("w_") else (top, key)
+        if value is None:
+            table.pop(key, None)
+        else:
+            table[key] = value
+    lines = [f"{k} = {v}" for k, v in top.items()]
+    lines += ["[activations]", 'dtypes = ["int8"]', "symmetric = false", 'granularity = ["tensor"]', "[weights]"]
+    lines += [f"{k} = {v}" for k, v in weights.items()]
+    return "\n".join(lines) + "\n"
+
+
+def test_minimal_profile_parses():
+    p = parse_target(_profile_text(), "mini")
+    assert p.name == "mini" and p.ops is None and p.weights.granularity == {"channel"}
+
+
+@pytest.mark.parametrize("overrides,needle", [
+    ({"colour": '"red"'}, "unknown key(s) colour"),
+    ({"w_bits": "8"}, "[weights]: unknown key(s) bits"),
+    ({"dtypes": None}, "missing key(s) dtypes"),
+    ({"ops": '["Matmul"]'}, "ops onnx does not know: Matmul"),
+    ({"ops": '["*", "MatMul"]'}, "takes \"*\" alone"),
+    ({"edgeq_ops": '["FastHadamard"]'}, "unknown edgeq ops FastHadamard"),
+    ({"domains": '["edgeq"]'}, "other domains only"),
+    ({"dtypes": '["int7"]'}, "unknown dtype(s) int7"),
+    ({"lowering": '["warp-drive"]'}, "unknown pass 'warp-drive'"),
+    ({"power_of_two_scales": '"yes"'}, "'power_of_two_scales' must be bool"),
+    ({"w_granularity": '["row"]'}, "granularity must list some of"),
+    ({"w_symmetric": "1"}, "'symmetric' must be bool"),
+    ({"description": "= ="}, "invalid TOML"),
+])
+def test_bad_profiles(overrides, needle):
+    with pytest.raises(UserInputError) as exc:
+        parse_target(_profile_text(**overrides), "bad", source="bad.toml")
+    assert needle in str(exc.value) and "\n" not in str(exc.value)
+
+
+def test_profile_by_path_and_unknown_name(tmp_path):
+    path = tmp_path / "mine.toml"
+    path.write_text(_profile_text())
+    assert load_target(str(path)).name == "mine"
+    with pytest.raises(UserInputError, match="unknown target 'npu9'.*generic-qdq"):
+        load_target("npu9")
+    with pytest.raises(UserInputError, match="not found"):
+        load_target(str(tmp_path / "nope.toml"))
+
+
+# ---------------------------------------------------------------- the checker on a hand-built model
+
+def _hand_model() -> onnx.ModelProto:
+    """x -> Q/DQ uint16 asymmetric (scale 0.0123) -> MatMul with an int8 per-channel weight (zero
+    point 3 on channel 0, scales 0.01 / 0.02 / 0.25 / 0.5) -> Q/DQ per-channel int8 (power-of-two)
+    -> MatMul with an int4 blocked weight -> Cast to float64 (an output), plus a Shape output."""
+    rng = np.random.default_rng(0)
+    inits = [
+        numpy_helper.from_array(np.array(0.0123, np.float32), "s_a"),
+        numpy_helper.from_array(np.array(5, np.uint16), "zp_a"),
+        numpy_helper.from_array(rng.integers(-100, 100, (8, 4)).astype(np.int8), "W1"),
+        numpy_helper.from_array(np.array([0.01, 0.02, 0.25, 0.5], np.float32), "W1_scale"),
+        numpy_helper.from_array(np.array([3, 0, 0, 0], np.int8), "W1_zp"),
+        numpy_helper.from_array(np.full(4, 0.5, np.float32), "s_h"),
+        numpy_helper.from_array(np.zeros(4, np.int8), "zp_h"),
+        helper.make_tensor("W2", TensorProto.INT4, [4, 4], rng.integers(-8, 8, 16).tolist()),
+        numpy_helper.from_array(np.full((2, 4), 0.125, np.float32), "W2_scale"),
+        helper.make_tensor("W2_zp", TensorProto.INT4, [2, 4], [0] * 8),
+    ]
+    nodes = [
+        helper.make_node("QuantizeLinear", ["x", "s_a", "zp_a"], ["xq"], name="x_Q"),
+        helper.make_node("DequantizeLinear", ["xq", "s_a", "zp_a"], ["xd"], name="x_DQ"),
+        helper.make_node("DequantizeLinear", ["W1", "W1_scale", "W1_zp"], ["w1"], name="W1_DQ", axis=1),
+        helper.make_node("MatMul", ["xd", "w1"], ["h"], name="mm1"),
+        helper.make_node("QuantizeLinear", ["h", "s_h", "zp_h"], ["hq"], name="h_Q", axis=1),
+        helper.make_node("DequantizeLinear", ["hq", "s_h", "zp_h"], ["hd"], name="h_DQ", axis=1),
+        helper.make_node("DequantizeLinear", ["W2", "W2_scale", "W2_zp"], ["w2"], name="W2_DQ", axis=0, block_size=2),
+        helper.make_node("MatMul", ["hd", "w2"], ["y"], name="mm2"),
+        helper.make_node("Cast", ["y"], ["y64"], name="to_double", to=TensorProto.DOUBLE),
+        helper.make_node("Shape", ["y"], ["y_shape"], name="shape"),
+    ]
+    graph = helper.make_graph(nodes, "hand", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 8])],
+                              [helper.make_tensor_value_info("y64", TensorProto.DOUBLE, [2, 4]),
+                               helper.make_tensor_value_info("y_shape", TensorProto.INT64, [2])], inits)
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21)], ir_version=10)
+
+
+def _rules(result) -> dict[str, list[str]]:
+    out = {}
+    for v in result.violations:
+        out.setdefault(v.rule, []).append(v.message)
+    return out
+
+
+def test_hand_model_runs_and_is_clean_for_ort_cpu():
+    model = _hand_model()
+    onnx.checker.check_model(model)
+    ir.make_session(model).run(None, {"x": np.ones((2, 8), np.float32)})
+    assert check_model(model, load_target("ort-cpu")).clean
+
+
+def test_check_flags_every_kind_on_pow2_int():
+    rules = _rules(check_model(_hand_model(), load_target("pow2-int")))
+    assert rules["activation-bits"] == ["activation x (x_Q): activation bits 16 > 8 (uint16)"]
+    assert rules["activation-granularity"] == ["activation h (h_Q): per-channel scales not allowed by pow2-int (allowed: tensor)"]
+    assert "activation-dtype" not in rules  # h is int8: allowed
+    assert rules["weight-symmetric"] == ["weight W1 zero point 3: asymmetric weights not allowed by pow2-int"]
+    assert any("weight W2: dtype int4 not allowed" in m for m in rules["weight-dtype"])
+    assert rules["weight-granularity"] == ["weight W2: per-block scales not allowed by pow2-int (allowed: channel, tensor)"]
+    assert sorted(rules["pow2-scale"]) == [
+        "DequantizeLinear W1_DQ scale 0.01 is not a power of two (2 of 4 scales)",
+        "DequantizeLinear x_DQ scale 0.0123 is not a power of two",
+        "QuantizeLinear x_Q scale 0.0123 is not a power of two",
+    ]
+    assert rules["dtype"] == ["tensor y64: dtype float64 not allowed by pow2-int (allowed: bool, float32, int32, int64, int8)"]
+    assert "op" not in rules
+
+
+def test_check_flags_ops_and_domains():
+    model = _hand_model()
+    htp = _rules(check_model(model, load_target("qnn-htp")))
+    assert htp["op"] == ["node shape: op Shape is not in qnn-htp's op set"]
+    assert "activation-bits" not in htp  # 16-bit activations are fine on HTP
+    assert htp["activation-dtype"] == ["activation h (h_Q): dtype int8 not allowed by qnn-htp (allowed: int16, uint16, uint8)"]
+    assert htp["weight-symmetric"] and htp["weight-granularity"] and "pow2-scale" not in htp
+    model.graph.node.append(helper.make_node("Gelu", ["y"], ["g"], name="contrib", domain="com.microsoft"))
+    model.graph.node.append(helper.make_node("OnlineHadamard", ["y", "k", "p"], ["z"], name="had", domain="edgeq"))
+    generic = _rules(check_model(model, load_target("generic-qdq")))
+    assert generic["op"] == ["node contrib: op com.microsoft::Gelu: domain com.microsoft not supported by generic-qdq",
+                             "node had: op edgeq::OnlineHadamard not run natively by generic-qdq"]
+    assert generic["activation-bits"] == ["activation x (x_Q): activation bits 16 > 8 (uint16)"]
+    assert "weight-symmetric" not in generic
+    assert not _rules(check_model(model, load_target("ort-cpu"))).get("op")
+
+
+# ---------------------------------------------------------------- tiny models
+
+def _ctx(model, tmp_path):
+    specs = ir.make_session(model).get_inputs()
+    data = CalibrationSet([random_feeds(specs, seed=s) for s in range(3)], "random:targets", "random", samples=3)
+    return PassContext(Calibrator(data, cache_dir=tmp_path / "cache"))
+
+
+def _recipe(name):
+    return [spec.build() for spec in load_recipe(name).passes]
+
+
+def test_w8a8_is_clean_for_generic_qdq(tiny_models, tmp_path):
+    model = ir.load_model(tiny_models["llama"])
+    out, _ = Pipeline(_recipe("w8a8")).run(model, _ctx(model, tmp_path))
+    assert check_model(out, load_target("generic-qdq")).clean
+    assert check_model(out, load_target("ort-cpu")).clean
+
+
+def test_rotate_needs_expand_functions_for_generic_qdq(tiny_models, tmp_path):
+    model = ir.load_model(tiny_models["llama"])
+    out, _ = Pipeline(_recipe("quarot-w8a8")).run(model, _ctx(model, tmp_path))
+    generic = load_target("generic-qdq")
+    result = check_model(out, generic)
+    assert result.counts() == {"op": 2}
+    assert all("op edgeq::OnlineHadamard not run natively by generic-qdq" in v.message for v in result.violations)
+    assert check_model(out, load_target("ort-cpu")).clean
+    lowered, _ = Pipeline([get_pass(n)() for n in generic.lowering]).run(out, PassContext())
+    assert check_model(lowered, generic).clean
+
+
+def test_pow2_scales_makes_int8_model_clean_for_pow2_int(tiny_models, tmp_path):
+    model = ir.load_model(tiny_models["llama"])
+    out, _ = Pipeline([QDQPass(QDQConfig(activation_dtype="int8"))]).run(model, _ctx(model, tmp_path))
+    pow2 = load_target("pow2-int")
+    assert set(check_model(out, pow2).counts()) == {"pow2-scale"}
+    lowered, records = Pipeline([get_pass(n)() for n in pow2.lowering]).run(out, PassContext())
+    assert [r["modified"] for r in records] == [False, False, True]
+    assert check_model(lowered, pow2).clean
+
+
+# ---------------------------------------------------------------- CLI
+
+@pytest.fixture
+def toy(tmp_path):
+    return toy_model_dir(tmp_path / "toy"), write_text(tmp_path / "calib.txt", 400)
+
+
+def _run(capsys, *argv):
+    code = main([str(a) for a in argv])
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err.strip()
+
+
+def _compile(capsys, toy, out, *extra, recipe="w8a8"):
+    model, calib = toy
+    return _run(capsys, "compile", model, "--recipe", recipe, "--calib", calib, "--seq-len", 16, "--calib-windows", 3,
+                "--no-cache", "-o", out, *extra)
+
+
+def test_targets_lists_builtins(capsys):
+    code, out, _ = _run(capsys, "targets")
+    assert code == 0
+    lines = out.strip().splitlines()
+    assert [line.split()[0] for line in lines] == BUILTINS
+    assert "[lowering: expand-functions,symmetric-weights,pow2-scales]" in lines[2]
+
+
+def test_check_exit_codes(toy, tmp_path, capsys):
+    out = tmp_path / "w8a8"
+    assert _compile(capsys, toy, out)[0] == 0
+    code, text, _ = _run(capsys, "check", out / "model.onnx", "--target", "generic-qdq")
+    assert code == 0 and "clean for target 'generic-qdq'" in text
+    code, text, _ = _run(capsys, "check", out / "model.onnx", "--target", "pow2-int")
+    lines = text.strip().splitlines()
+    assert code == 3
+    assert "activation h0 (h0_QuantizeLinear): dtype uint8 not allowed by pow2-int (allowed: int8)" in lines
+    assert any(line.startswith("QuantizeLinear h0_QuantizeLinear scale ") and "is not a power of two" in line for line in lines)
+    assert lines[-1].endswith("8 violation(s) of target 'pow2-int' (activation-dtype: 2, pow2-scale: 6)")
+    code, text, _ = _run(capsys, "check", out / "model.onnx", "--target", "pow2-int", "--json")
+    report = json.loads(text)
+    assert code == 3 and not report["clean"] and report["counts"] == {"activation-dtype": 2, "pow2-scale": 6}
+    assert {"subject", "rule", "message"} == set(report["violations"][0])
+    for argv, needle in [((tmp_path / "nope.onnx", "--target", "generic-qdq"), "model file not found"),
+                         ((out / "model.onnx", "--target", "npu9"), "unknown target 'npu9'")]:
+        code, _, err = _run(capsys, "check", *argv)
+        assert code == 2 and len(err.splitlines()) == 1 and needle in err
+
+
+def test_compile_with_target_records_it(toy, tmp_path, capsys):
+    out = tmp_path / "htp"
+    code, text, err = _compile(capsys, toy, out, "--target", "qnn-htp")
+    assert code == 0, err
+    report = json.loads((out / "report.json").read_text())
+    target = report["target"]
+    assert target["name"] == "qnn-htp" and target["check"] == {"target": "qnn-htp", "clean": True, "counts": {}, "violations": []}
+    assert [r["name"] for r in target["lowering"]] == ["expand-functions", "symmetric-weights"]
+    assert [r["name"] for r in report["passes"]] == ["qdq"]
+    meta = {p.key: p.value for p in onnx.load(str(out / "model.onnx"), load_external_data=False).metadata_props}
+    assert meta["edgeq.target"] == "qnn-htp"
+    assert "target qnn-htp" in text
+
+
+def test_compile_with_target_lowers_to_pow2(toy, tmp_path, capsys):
+    recipe = tmp_path / "int8.toml"
+    recipe.write_text('[[pass]]\nname = "qdq"\nactivation_dtype = "int8"\n')
+    out = tmp_path / "pow2"
+    code, _, err = _compile(capsys, toy, out, "--target", "pow2-int", recipe=recipe)
+    assert code == 0, err
+    pow2 = json.loads((out / "report.json").read_text())["target"]["lowering"][-1]
+    assert pow2["name"] == "pow2-scales" and pow2["modified"] and pow2["summary"]["scales_changed"] == 6
+    code, _, _ = _run(capsys, "check", out / "model.onnx", "--target", "pow2-int")
+    assert code == 0
+
+
+def test_compile_refuses_unreachable_target(toy, tmp_path, capsys):
+    out = tmp_path / "out"
+    code, text, err = _compile(capsys, toy, out, "--target", "pow2-int")  # uint8 activations: no lowering fixes that
+    assert code == 3
+    assert len(err.splitlines()) == 1 and "lowering did not reach target 'pow2-int'" in err
+    assert "activation h0 (h0_QuantizeLinear): dtype uint8 not allowed by pow2-int (allowed: int8)" in text
+    assert not out.exists() and not [p for p in tmp_path.iterdir() if p.name.startswith(".out.")]
+    code, _, err = _compile(capsys, toy, out, "--target", "npu9")
+    assert code == 2 and "unknown target" in err and not out.exists()

@@ -2,7 +2,11 @@
 
 Outputs (all written into a temporary folder that replaces OUTDIR only on success):
 ``model.onnx`` + ``model.onnx.data``, ``report.json`` (each pass: time, what it changed;
-calibration summary; numerics if asked) and ``encodings.json`` (every quantized tensor).
+calibration summary; numerics if asked), ``encodings.json`` (every quantized tensor, vendor-neutral),
+``aimet_encodings.json`` (the same in the AIMET/QNN 1.0.0 layout, for a QNN-style converter's
+quantization overrides; what that layout cannot express is listed in report.json) and
+``manifest.json`` (input model hash, recipe, versions, target, every output file's sha256; written
+last so it covers the final file set).
 
 With a target (``--target``, a profile in ``edgeq.targets``), the profile's lowering passes run
 after the recipe's, in the same pipeline (so ``--verify`` and friends cover them), and the result
@@ -26,7 +30,9 @@ from edgeq import ir
 from edgeq.calib.dataset import build_calibration_set
 from edgeq.calib.session import Calibrator
 from edgeq.encodings import collect_encodings
+from edgeq.encodings_aimet import aimet_unsupported, write_aimet
 from edgeq.errors import UserInputError
+from edgeq.manifest import write_manifest
 from edgeq.passbase import PassContext
 from edgeq.pipeline import Pipeline, PipelineOptions
 from edgeq.recipes import DEFAULT_RECIPE, load_recipe
@@ -130,11 +136,14 @@ def compile_model(req: CompileRequest) -> dict:
         encodings = collect_encodings(out_model)
         (tmp / "encodings.json").write_text(json.dumps(encodings, indent=1))
         report["quantized_tensors"] = {"activations": len(encodings["activations"]), "weights": len(encodings["weights"])}
+        write_aimet(tmp / "aimet_encodings.json", encodings, version="1.0.0", strict=False)
+        report["aimet_unsupported"] = aimet_unsupported(encodings, "1.0.0")
         report["seconds_total"] = round(time.perf_counter() - start, 2)
         report["peak_rss_mb"] = round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1)
         report["input_size_mb"] = round(_model_bytes(req.model) / 2**20, 1)
         report["output_size_mb"] = round(_model_bytes(model_path) / 2**20, 1)
         (tmp / "report.json").write_text(json.dumps(report, indent=1, default=_json_default))
+        write_manifest(req.model, req.recipe, profile.name if profile else None, tmp)
     return report
 
 

@@ -43,8 +43,17 @@ def test_compile_writes_model_report_and_encodings(toy, tmp_path, capsys):
     code, err = _run(capsys, "compile", model, "--recipe", "w8a8", "--calib", calib, "--seq-len", 16,
                      "--calib-windows", 4, "-o", out, "--verify", "--check-numerics")
     assert code == 0, err
-    assert sorted(p.name for p in out.iterdir()) == ["encodings.json", "model.onnx", "model.onnx.data", "report.json"]
+    assert sorted(p.name for p in out.iterdir()) == ["aimet_encodings.json", "encodings.json", "manifest.json",
+                                                     "model.onnx", "model.onnx.data", "report.json"]
+    from edgeq.manifest import verify_manifest
+
+    assert verify_manifest(out) == []  # every output file hashed, nothing missing or extra
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["recipe"]["name"] == "w8a8" and manifest["target"] is None
+    aimet = json.loads((out / "aimet_encodings.json").read_text())
+    assert aimet["version"] == "1.0.0" and {e["name"] for e in aimet["activation_encodings"]} == {"h0", "h2"}
     report = json.loads((out / "report.json").read_text())
+    assert report["aimet_unsupported"] == {}
     assert report["passes"][0]["name"] == "qdq" and report["passes"][0]["modified"]
     assert report["calibration"]["samples"] == 4
     assert "logits" in report["passes"][0]["numerics"]

@@ -105,6 +105,7 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--repeat", type=int, default=20)
     p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--out", default=None, help="also write the table as JSON here")
     a = p.parse_args(argv)
     for var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
         os.environ[var] = str(a.threads)
@@ -117,6 +118,7 @@ def main(argv=None) -> int:
         raise SystemExit("onnxruntime-extensions is not installed: pip install 'edgeq[ort-kernels]'")
     print(f"onnxruntime {ort.__version__}, {a.threads} thread(s), median of {a.repeat} runs")
     print(f"{'op':34s} {'body ms':>9s} {'kernel ms':>10s} {'body/kernel':>12s} {'max |diff|':>11s}")
+    table = {}
     for name, (model, feeds) in _cases(np.random.default_rng(0)).items():
         kernel_model = use_ort_kernels(model)
         assert all(n.domain != "edgeq" for n in kernel_model.graph.node), f"{name}: a node kept its body"
@@ -128,6 +130,15 @@ def main(argv=None) -> int:
         body, kernel = (_time(s, feeds, a.repeat) for s in sessions)
         diff = np.abs(sessions[0].run(None, feeds)[0] - sessions[1].run(None, feeds)[0]).max()
         print(f"{name:34s} {body * 1e3:9.3f} {kernel * 1e3:10.3f} {body / kernel:11.2f}x {diff:11.2e}")
+        table[name] = {"body_ms": round(body * 1e3, 3), "kernel_ms": round(kernel * 1e3, 3),
+                       "body_over_kernel": round(body / kernel, 3), "max_abs_diff": float(diff)}
+    if a.out:
+        import json
+        from pathlib import Path
+
+        Path(a.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(a.out).write_text(json.dumps({"onnxruntime": ort.__version__, "threads": a.threads, "repeat": a.repeat,
+                                           "table": table}, indent=1))
     return 0
 
 

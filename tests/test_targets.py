@@ -31,11 +31,14 @@ def test_builtin_profiles_load():
     assert builtin_target_names() == BUILTINS
     ort, generic, htp, pow2 = (load_target(n) for n in ("ort-cpu", "generic-qdq", "qnn-htp", "pow2-int"))
     assert ort.lowering == () and ort.allows_op("edgeq", "OnlineHadamard") and ort.allows_op("com.microsoft", "MatMulNBits")
-    assert generic.lowering == ("expand-functions",) and not generic.allows_op("edgeq", "OnlineHadamard")
+    assert generic.lowering == ("expand-functions", "matmulnbits-to-qdq") and not generic.allows_op("edgeq", "OnlineHadamard")
+    assert not generic.allows_op("com.microsoft", "MatMulNBits") and generic.activations.allows_dtype("int16")
     assert generic.allows_op("", "NonMaxSuppression") and not generic.weights.symmetric
     assert htp.activations.allows_dtype("uint16") and htp.activations.max_bits == 16 and htp.weights.symmetric
     assert not htp.allows_op("", "Shape") and htp.allows_op("", "MatMul")
-    assert pow2.power_of_two_scales and pow2.lowering == ("expand-functions", "symmetric-weights", "pow2-scales")
+    assert pow2.power_of_two_scales
+    assert pow2.lowering == ("expand-functions", "matmulnbits-to-qdq", "int8-activations", "symmetric-weights", "pow2-scales")
+    assert htp.lowering == ("expand-functions", "matmulnbits-to-qdq", "symmetric-weights")
     assert pow2.activations.dtypes == {"int8"} and pow2.weights.dtypes == {"int8"}
 
 
@@ -173,7 +176,9 @@ def test_check_flags_ops_and_domains():
     generic = _rules(check_model(model, load_target("generic-qdq")))
     assert generic["op"] == ["node contrib: op com.microsoft::Gelu: domain com.microsoft not supported by generic-qdq",
                              "node had: op edgeq::OnlineHadamard not run natively by generic-qdq"]
-    assert generic["activation-bits"] == ["activation x (x_Q): activation bits 16 > 8 (uint16)"]
+    assert "activation-bits" not in generic  # 16-bit QDQ is standard ONNX (opset 21)
+    assert _rules(check_model(model, load_target("pow2-int")))["activation-bits"] == [
+        "activation x (x_Q): activation bits 16 > 8 (uint16)"]
     assert "weight-symmetric" not in generic
     assert not _rules(check_model(model, load_target("ort-cpu"))).get("op")
 
@@ -215,7 +220,7 @@ def test_pow2_scales_makes_int8_model_clean_for_pow2_int(tiny_models, tmp_path):
     pow2 = load_target("pow2-int")
     assert set(check_model(out, pow2).counts()) == {"pow2-scale"}
     lowered, records = Pipeline([get_pass(n)() for n in pow2.lowering]).run(out, PassContext())
-    assert [r["modified"] for r in records] == [False, False, True]
+    assert [r["modified"] for r in records] == [False, False, False, False, True]
     assert check_model(lowered, pow2).clean
 
 
@@ -243,7 +248,7 @@ def test_targets_lists_builtins(capsys):
     assert code == 0
     lines = out.strip().splitlines()
     assert [line.split()[0] for line in lines] == BUILTINS
-    assert "[lowering: expand-functions,symmetric-weights,pow2-scales]" in lines[2]
+    assert "[lowering: expand-functions,matmulnbits-to-qdq,int8-activations,symmetric-weights,pow2-scales]" in lines[2]
 
 
 def test_check_exit_codes(toy, tmp_path, capsys):
@@ -274,7 +279,7 @@ def test_compile_with_target_records_it(toy, tmp_path, capsys):
     report = json.loads((out / "report.json").read_text())
     target = report["target"]
     assert target["name"] == "qnn-htp" and target["check"] == {"target": "qnn-htp", "clean": True, "counts": {}, "violations": []}
-    assert [r["name"] for r in target["lowering"]] == ["expand-functions", "symmetric-weights"]
+    assert [r["name"] for r in target["lowering"]] == ["expand-functions", "matmulnbits-to-qdq", "symmetric-weights"]
     assert [r["name"] for r in report["passes"]] == ["qdq"]
     meta = {p.key: p.value for p in onnx.load(str(out / "model.onnx"), load_external_data=False).metadata_props}
     assert meta["edgeq.target"] == "qnn-htp"
@@ -294,11 +299,18 @@ def test_compile_with_target_lowers_to_pow2(toy, tmp_path, capsys):
 
 
 def test_compile_refuses_unreachable_target(toy, tmp_path, capsys):
+    """A profile that runs every standard op but QuantizeLinear: no lowering removes the
+    quantizers of a static-activation recipe (int8-activations does make the rest compliant)."""
+    ops = sorted({s.name for s in onnx.defs.get_all_schemas() if s.domain == ""} - {"QuantizeLinear"})
+    profile = tmp_path / "no-quantize.toml"
+    profile.write_text(_profile_text(lowering='["int8-activations"]', ops=json.dumps(ops), dtypes='["*"]'))
     out = tmp_path / "out"
-    code, text, err = _compile(capsys, toy, out, "--target", "pow2-int")  # uint8 activations: no lowering fixes that
+    code, text, err = _compile(capsys, toy, out, "--target", profile)
     assert code == 3
-    assert len(err.splitlines()) == 1 and "lowering did not reach target 'pow2-int'" in err
-    assert "activation h0 (h0_QuantizeLinear): dtype uint8 not allowed by pow2-int (allowed: int8)" in text
+    assert len(err.splitlines()) == 1 and "lowering did not reach target 'no-quantize'" in err
+    assert "node h0_QuantizeLinear: op QuantizeLinear is not in no-quantize's op set" in text
+    lines = text.strip().splitlines()  # one per activation quantizer, nothing else
+    assert len(lines) == 2 and all(line.endswith("op QuantizeLinear is not in no-quantize's op set") for line in lines)
     assert not out.exists() and not [p for p in tmp_path.iterdir() if p.name.startswith(".out.")]
     code, _, err = _compile(capsys, toy, out, "--target", "npu9")
     assert code == 2 and "unknown target" in err and not out.exists()

@@ -12,7 +12,9 @@ With a target (``--target``, a profile in ``edgeq.targets``), the profile's lowe
 after the recipe's, in the same pipeline (so ``--verify`` and friends cover them), and the result
 is checked against the profile: still outside it, the compile raises ``TargetUnreachable``
 (exit 3) before anything is written; inside it, ``report.json`` gets a ``target`` entry (the
-lowering passes' records and the check result).
+lowering passes' records and the check result). A profile with ``ort_kernels = true``
+(``ort-cpu-kernels``) then hands the edgeq ops to ``edgeq.runtime_ops.ort_kernels`` (their
+function bodies stay in the file as the fallback).
 """
 
 from __future__ import annotations
@@ -112,6 +114,12 @@ def compile_model(req: CompileRequest) -> dict:
         ir.set_metadata(out_model, "edgeq.target", profile.name)
         target_summary = {"name": profile.name, "description": profile.description,
                           "lowering": lowering_records, "check": result.to_dict()}
+        if profile.ort_kernels:  # after the check: the profile is stated in edgeq ops
+            from edgeq.runtime_ops.ort_kernels import use_ort_kernels
+
+            out_model = use_ort_kernels(out_model)
+            moved = sorted({n.op_type for n in out_model.graph.node if n.domain == "edgeq.ort"})
+            target_summary["ort_kernels"] = moved
     ir.set_metadata(out_model, "edgeq.version", edgeq.__version__)
     ir.set_metadata(out_model, "edgeq.recipe", recipe.name)
     if calibrator is not None:

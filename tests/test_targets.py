@@ -22,7 +22,7 @@ from edgeq.recipes import load_recipe
 from edgeq.registry import get_pass
 from edgeq.targets import builtin_target_names, check_model, load_target, parse_target
 
-BUILTINS = ["generic-qdq", "ort-cpu", "pow2-int", "qnn-htp"]
+BUILTINS = ["generic-qdq", "ort-cpu", "ort-cpu-kernels", "pow2-int", "qnn-htp"]
 
 
 # ---------------------------------------------------------------- profiles
@@ -248,7 +248,7 @@ def test_targets_lists_builtins(capsys):
     assert code == 0
     lines = out.strip().splitlines()
     assert [line.split()[0] for line in lines] == BUILTINS
-    assert "[lowering: expand-functions,matmulnbits-to-qdq,int8-activations,symmetric-weights,pow2-scales]" in lines[2]
+    assert "[lowering: expand-functions,matmulnbits-to-qdq,int8-activations,symmetric-weights,pow2-scales]" in lines[3]
 
 
 def test_check_exit_codes(toy, tmp_path, capsys):
@@ -314,3 +314,32 @@ def test_compile_refuses_unreachable_target(toy, tmp_path, capsys):
     assert not out.exists() and not [p for p in tmp_path.iterdir() if p.name.startswith(".out.")]
     code, _, err = _compile(capsys, toy, out, "--target", "npu9")
     assert code == 2 and "unknown target" in err and not out.exists()
+
+
+def test_compile_with_ort_cpu_kernels_selects_the_kernels(tiny_models, tmp_path, capsys):
+    """``ort-cpu-kernels``: the compiled graph's edgeq ops move to the kernels' domain, run without
+    the extension on their function bodies and, with it, on the kernels, with the same outputs."""
+    from edgeq.runtime_ops.ort_kernels import has_ort_kernels, ort_kernel_session_options
+
+    recipe = tmp_path / "rot.toml"
+    recipe.write_text('[[pass]]\nname = "fuse-norms"\n\n[[pass]]\nname = "rotate"\n')
+    out, plain = tmp_path / "kernels", tmp_path / "plain"
+    model = tiny_models["llama"]
+    assert _run(capsys, "compile", model, "--recipe", recipe, "-o", plain, "--target", "ort-cpu")[0] == 0
+    code, _, err = _run(capsys, "compile", model, "--recipe", recipe, "-o", out, "--target", "ort-cpu-kernels")
+    assert code == 0, err
+    report = json.loads((out / "report.json").read_text())
+    assert report["target"]["ort_kernels"] == ["OnlineHadamard"]
+    kernel_model = ir.load_model(out / "model.onnx")
+    assert {n.domain for n in kernel_model.graph.node if n.op_type == "OnlineHadamard"} == {"edgeq.ort"}
+    feeds = random_feeds(ir.make_session(kernel_model).get_inputs(), seed=5)
+    want = ir.make_session(ir.load_model(plain / "model.onnx")).run(None, feeds)
+    for a, b in zip(want, ir.make_session(kernel_model).run(None, feeds)):  # function-body fallback
+        np.testing.assert_array_equal(a, b)
+    if not has_ort_kernels():
+        pytest.skip("onnxruntime-extensions not installed: the kernel half of this test needs it")
+    import onnxruntime as ort
+
+    session = ort.InferenceSession(str(out / "model.onnx"), ort_kernel_session_options(), providers=["CPUExecutionProvider"])
+    for a, b in zip(want, session.run(None, feeds)):
+        np.testing.assert_allclose(b, a, rtol=0, atol=1e-4 * max(1.0, float(np.abs(a).max())))

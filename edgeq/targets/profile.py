@@ -11,6 +11,7 @@ and which lowering passes ``--target`` runs to get there. Adding a target is add
     domains = []                      # other op domains accepted wholesale (e.g. com.microsoft)
     dtypes = ["float32", "int64"]     # element types of every tensor but the Q/DQ integer side
     power_of_two_scales = false       # every Q/DQ scale an exact power of two
+    ort_kernels = false               # optional: compile selects the onnxruntime-extensions kernels
     [activations]                     # QuantizeLinear, and DequantizeLinear not reading a weight
     dtypes = ["int8", "uint8"]
     symmetric = false                 # true: zero point 0 (signed) or the midpoint (unsigned)
@@ -93,6 +94,7 @@ class TargetProfile:
     power_of_two_scales: bool
     activations: QuantRules
     weights: QuantRules
+    ort_kernels: bool = False  # compile hands edgeq ops to edgeq.runtime_ops.ort_kernels (opt-in)
 
     def allows_op(self, domain: str, op_type: str) -> bool:
         if domain in ("", "ai.onnx"):
@@ -108,6 +110,8 @@ class TargetProfile:
 _TOP_KEYS = {"description", "lowering", "ops", "edgeq_ops", "domains", "dtypes", "power_of_two_scales",
              "activations", "weights"}
 _QUANT_KEYS = {"dtypes", "symmetric", "granularity"}
+# optional keys: they never allow anything, so leaving them out cannot silently widen a profile
+_OPTIONAL_KEYS = {"ort_kernels"}
 
 
 def builtin_target_names() -> list[str]:
@@ -134,6 +138,7 @@ def parse_target(text: str, name: str, source: str = "target") -> TargetProfile:
         data = tomllib.loads(text)
     except tomllib.TOMLDecodeError as exc:
         raise UserInputError(f"{source}: invalid TOML: {exc}") from None
+    optional = {k: data.pop(k) for k in _OPTIONAL_KEYS & set(data)}
     _require_keys(data, _TOP_KEYS, source)
     description = _typed(data, "description", str, source)
     lowering = tuple(_strings(data, "lowering", source, wildcard=False))
@@ -165,6 +170,7 @@ def parse_target(text: str, name: str, source: str = "target") -> TargetProfile:
         power_of_two_scales=_typed(data, "power_of_two_scales", bool, source),
         activations=_quant_rules(data, "activations", source),
         weights=_quant_rules(data, "weights", source),
+        ort_kernels=_typed(optional, "ort_kernels", bool, source) if "ort_kernels" in optional else False,
     )
 
 

@@ -69,6 +69,8 @@ def main(argv=None) -> int:
     p.add_argument("--recipes", default=",".join(RECIPES))
     p.add_argument("--eval-windows", type=int, default=40)
     p.add_argument("--resume", action="store_true", help="keep the rows of an earlier --out")
+    p.add_argument("--redo-target", default=None, help="with --resume: redo this target's column (lowering, check, "
+                   "perplexity) for --recipes from the compiled graphs of the earlier run")
     a = p.parse_args(argv)
 
     from edgeq.evaluate.ppl import perplexity
@@ -83,6 +85,15 @@ def main(argv=None) -> int:
     if "fp32" not in results:
         results["fp32"] = ppl(fp32)
     for recipe in [r for r in a.recipes.split(",") if r]:
+        if recipe in results and a.redo_target and a.redo_target in results[recipe]:
+            row, target = results[recipe], a.redo_target
+            lowered = a.work / f"{recipe}@{target}" / "model.onnx"
+            row[target] = _lower(a.work / recipe / "model.onnx", target, lowered)
+            row[target]["ppl"] = ppl(lowered)
+            row[target]["ppl_change"] = round(row[target]["ppl"] / row["ort-cpu"]["ppl"] - 1, 5)
+            print(recipe, target, json.dumps(row[target]), flush=True)
+            save_results(a.out, results)
+            continue
         if recipe in results:
             continue
         base = a.work / recipe / "model.onnx"

@@ -11,7 +11,10 @@ price of a coarser grid (up to 2x).
   range stays the lower end, qmin being the narrowing Clip's bound where there is one).
 - Weights (integer constants behind a DQ): dequantized, given the power-of-two scale per tensor,
   channel or block (the same ceil, and the same zero-point rule), requantized (round to nearest
-  even, saturating).
+  even, saturating). A symmetric weight that uses only part of its storage range (u = max |q - zp|
+  below the type's symmetric limit L, e.g. a 4-bit weight widened to int8 by ``int8-weights``:
+  u = 8, L = 127) gets 2^ceil(log2(s u / L)) instead: the smallest power of two that still holds
+  every value, a finer grid than its own (full-range weights: u = L, the same ceil of s).
 
 LOSSY. The summary says what it cost: scales changed, the relative scale change (s' - s) / s over
 every distinct scale element rewritten (max, mean), and the weights' requantization error (RMS of
@@ -96,7 +99,7 @@ class Pow2ScalesPass(Pass):
                 set_inputs(w.node, 0, done[key])
                 weight_changes += 1
                 continue
-            new_scale = pow2_ceil(w.scale)
+            new_scale = pow2_ceil(w.scale * _unused_range(w))
             if np.array_equal(new_scale, w.scale):
                 continue
             spec = w.spec
@@ -120,6 +123,16 @@ class Pow2ScalesPass(Pass):
                    "weights_requantized": meter.count, **meter.summary(),
                    "skipped": {k: v for k, v in skipped.items() if v}}
         return PassResult(modified, summary)
+
+
+def _unused_range(w) -> float:
+    """u / L for a symmetric weight using the integers [-u, u] of a type whose symmetric limit is L
+    (1.0 for asymmetric or full-range weights): scaling s by it keeps every value representable."""
+    if not w.symmetric or w.q.size == 0:
+        return 1.0
+    limit = min(w.spec.qmax - w.mid, w.mid - w.spec.qmin)
+    used = int(np.abs(np.asarray(w.q, np.int64) - w.mid).max())
+    return used / limit if 0 < used < limit else 1.0
 
 
 def _positive(scale) -> bool:

@@ -205,3 +205,22 @@ def test_int4_graph_input_is_left_alone():
     assert records[0]["summary"] == {"weights_widened": {}, "dequantizers_rewritten": 0,
                                      "skipped": {"weight is a graph input": 1}}
     assert out.graph.input[0].type.tensor_type.elem_type == TensorProto.INT4 and list(out.graph.node[0].input) == ["x4", "s"]
+
+
+def test_widened_int4_weights_get_a_finer_power_of_two_grid(tiny_models, tmp_path):
+    """pow2-scales after int8-weights: a symmetric weight using only [-8, 8] of int8 gets the
+    smallest power of two holding its values, so the power-of-two grid is finer than its 4-bit one
+    and the requantization error far below what ceil(s) on the 4-bit grid costs."""
+    model = ir.load_model(tiny_models["llama"])
+    quant, _ = Pipeline(_gptq(weight_granularity="channel")).run(model, _ctx(model, tmp_path))
+    pow2 = get_pass("pow2-scales")
+    _, direct = Pipeline([pow2()]).run(quant, PassContext())  # 4-bit grid, scale rounded up
+    widened, records = Pipeline([get_pass("int8-weights")(), pow2()]).run(quant, PassContext())
+    before = {k: np.asarray(e["scale"]) for k, e in collect_encodings(quant)["weights"].items()}
+    after = list(collect_encodings(widened)["weights"].values())
+    assert all(e["dtype"] == "int8" for e in after)
+    for e in after:
+        scale = np.asarray(e["scale"], np.float64)
+        assert np.all(np.frexp(scale)[0] == 0.5)  # powers of two
+    assert max(np.asarray(e["scale"]).max() for e in after) < min(s.min() for s in before.values())
+    assert records[1]["summary"]["weight_rel_rms_error"] < 0.1 * direct[0]["summary"]["weight_rel_rms_error"]

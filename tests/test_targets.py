@@ -37,7 +37,7 @@ def test_builtin_profiles_load():
     assert htp.activations.allows_dtype("uint16") and htp.activations.max_bits == 16 and htp.weights.symmetric
     assert not htp.allows_op("", "Shape") and htp.allows_op("", "MatMul")
     assert pow2.power_of_two_scales
-    assert pow2.lowering == ("expand-functions", "matmulnbits-to-qdq", "int8-activations", "symmetric-weights", "pow2-scales")
+    assert pow2.lowering == ("expand-functions", "matmulnbits-to-qdq", "int8-activations", "int8-weights", "symmetric-weights", "pow2-scales")
     assert htp.lowering == ("expand-functions", "matmulnbits-to-qdq", "symmetric-weights")
     assert pow2.activations.dtypes == {"int8"} and pow2.weights.dtypes == {"int8"}
 
@@ -220,7 +220,7 @@ def test_pow2_scales_makes_int8_model_clean_for_pow2_int(tiny_models, tmp_path):
     pow2 = load_target("pow2-int")
     assert set(check_model(out, pow2).counts()) == {"pow2-scale"}
     lowered, records = Pipeline([get_pass(n)() for n in pow2.lowering]).run(out, PassContext())
-    assert [r["modified"] for r in records] == [False, False, False, False, True]
+    assert [r["modified"] for r in records] == [False, False, False, False, False, True]
     assert check_model(lowered, pow2).clean
 
 
@@ -248,7 +248,7 @@ def test_targets_lists_builtins(capsys):
     assert code == 0
     lines = out.strip().splitlines()
     assert [line.split()[0] for line in lines] == BUILTINS
-    assert "[lowering: expand-functions,matmulnbits-to-qdq,int8-activations,symmetric-weights,pow2-scales]" in lines[3]
+    assert "[lowering: expand-functions,matmulnbits-to-qdq,int8-activations,int8-weights,symmetric-weights,pow2-scales]" in lines[3]
 
 
 def test_check_exit_codes(toy, tmp_path, capsys):

@@ -192,6 +192,32 @@ def add_weights_quantized_first(graph: gs.Graph, names) -> None:
     set_graph_metadata(graph, WEIGHT_ONLY_KEY, json.dumps(sorted(weights_quantized_first(graph) | set(names))))
 
 
+def nodes_with_graphs(graph: gs.Graph) -> Iterator[tuple[gs.Graph, gs.Node]]:
+    """(graph holding it, node) for every node, depth first into If / Loop / Scan bodies: the one
+    walker lowering passes use to reach nodes inside subgraphs."""
+    for node in graph.nodes:
+        yield graph, node
+        for value in node.attrs.values():
+            for sub in value if isinstance(value, list) else [value]:
+                if isinstance(sub, gs.Graph):
+                    yield from nodes_with_graphs(sub)
+
+
+def subgraph_reads(graph: gs.Graph) -> set[str]:
+    """Names read inside If / Loop / Scan bodies (outer-scope tensors among them)."""
+    return {t.name for g, node in nodes_with_graphs(graph) if g is not graph for t in node.inputs}
+
+
+def drop_domain_import(graph: gs.Graph, domain: str) -> None:
+    """Forget the opset import of ``domain`` (a lowering left no node of it)."""
+    attrs = getattr(graph, "_edgeq_model_attrs", None)
+    if attrs is not None:
+        attrs["opsets"].pop(domain, None)
+    domains = getattr(graph, "import_domains", None)
+    if domains:
+        graph.import_domains = [d for d in domains if d.domain != domain]
+
+
 def set_metadata(model: onnx.ModelProto, key: str, value: str) -> None:
     for prop in model.metadata_props:
         if prop.key == key:

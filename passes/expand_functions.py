@@ -42,7 +42,7 @@ class ExpandFunctionsPass(Pass):
     summary_line = "inline every edgeq custom op as its ONNX function body (standard ops only; target lowering)"
 
     def run(self, graph: gs.Graph, ctx: PassContext) -> PassResult:
-        sites = list(_edgeq_nodes(graph))
+        sites = [(g, n) for g, n in ir.nodes_with_graphs(graph) if n.domain == DOMAIN]
         nodes = [node for _, node in sites]
         carried = [f for f in graph.functions if f.domain == DOMAIN]
         if not nodes and not carried:
@@ -55,20 +55,9 @@ class ExpandFunctionsPass(Pass):
         for owner, node in sites:
             added += _inline(owner, index, node, list(functions.values()))
         graph.functions = [f for f in graph.functions if f.domain != DOMAIN]
-        _drop_domain_import(graph)
+        ir.drop_domain_import(graph, DOMAIN)
         return PassResult(True, {"nodes_expanded": dict(sorted(Counter(n.op for n in nodes).items())),
                                  "nodes_added": added})
-
-
-def _edgeq_nodes(graph: gs.Graph):
-    """(graph holding it, node) for every edgeq node, subgraphs (If / Loop / Scan bodies) included."""
-    for node in graph.nodes:
-        if node.domain == DOMAIN:
-            yield graph, node
-        for value in node.attrs.values():
-            for sub in value if isinstance(value, list) else [value]:
-                if isinstance(sub, gs.Graph):
-                    yield from _edgeq_nodes(sub)
 
 
 def _inline(graph: gs.Graph, index: ir.GraphIndex, node: gs.Node, functions: list[onnx.FunctionProto]) -> int:
@@ -86,7 +75,7 @@ def _inline(graph: gs.Graph, index: ir.GraphIndex, node: gs.Node, functions: lis
     node.inputs.clear()
     node.outputs.clear()
     renamed: set[int] = set()
-    for inner in _walk(body.nodes):
+    for _, inner in ir.nodes_with_graphs(body):
         for i, t in enumerate(inner.inputs):
             if t.name in outer:
                 inner.inputs[i] = outer[t.name]
@@ -94,7 +83,7 @@ def _inline(graph: gs.Graph, index: ir.GraphIndex, node: gs.Node, functions: lis
         for i, t in enumerate(inner.outputs):
             if t.name in outer:
                 inner.outputs[i] = outer[t.name]
-    for inner in _walk(body.nodes):
+    for _, inner in ir.nodes_with_graphs(body):
         if inner.name:
             inner.name = f"{node.name}/{inner.name}"
         for t in (*inner.inputs, *inner.outputs):
@@ -103,23 +92,3 @@ def _inline(graph: gs.Graph, index: ir.GraphIndex, node: gs.Node, functions: lis
                 t.name = ir.unique_name(index, f"{node.name}/{t.name}")
     graph.nodes.extend(body.nodes)
     return len(body.nodes)
-
-
-def _walk(nodes):
-    """Nodes and, recursively, the nodes of their subgraphs (If / Loop / Scan bodies)."""
-    for node in nodes:
-        yield node
-        for value in node.attrs.values():
-            for sub in value if isinstance(value, list) else [value]:
-                if isinstance(sub, gs.Graph):
-                    yield from _walk(sub.nodes)
-
-
-def _drop_domain_import(graph: gs.Graph) -> None:
-    """No edgeq node is left: the model no longer imports the edgeq domain."""
-    attrs = getattr(graph, "_edgeq_model_attrs", None)
-    if attrs is not None:
-        attrs["opsets"].pop(DOMAIN, None)
-    domains = getattr(graph, "import_domains", None)
-    if domains:
-        graph.import_domains = [d for d in domains if d.domain != DOMAIN]

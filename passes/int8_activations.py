@@ -80,7 +80,7 @@ class Int8ActivationsPass(Pass):
     def run(self, graph: gs.Graph, ctx: PassContext) -> PassResult:
         index = ir.GraphIndex(graph)
         outputs = {t.name for t in graph.outputs}
-        in_subgraphs = _subgraph_reads(graph)
+        in_subgraphs = ir.subgraph_reads(graph)
         skipped: dict[str, int] = {}
         seen: set[str] = set()
         shifted: dict[str, int] = {}
@@ -124,24 +124,6 @@ def _quantized_dtype(index: ir.GraphIndex, node: gs.Node) -> str | None:
         return _ONNX_UNSIGNED.get(int(node.attrs.get("output_dtype", 0)) or onnx.TensorProto.UINT8)
     dtype = node.inputs[0].dtype
     return np.dtype(dtype).name if dtype is not None else None
-
-
-def _subgraph_reads(graph: gs.Graph) -> set[str]:
-    """Names read inside If / Loop / Scan bodies (outer-scope tensors among them)."""
-    names: set[str] = set()
-
-    def walk(g: gs.Graph):
-        for node in g.nodes:
-            names.update(t.name for t in node.inputs)
-            for value in node.attrs.values():
-                if isinstance(value, gs.Graph):
-                    walk(value)
-
-    for node in graph.nodes:
-        for value in node.attrs.values():
-            if isinstance(value, gs.Graph):
-                walk(value)
-    return names
 
 
 def _collect(index: ir.GraphIndex, q: gs.Node, outputs: set[str],

@@ -31,7 +31,6 @@ import onnx_graphsurgeon as gs
 
 from edgeq import ir
 from edgeq.passbase import Exactness, Pass, PassConfig, PassContext, PassResult
-from edgeq.passes.int8_activations import _subgraph_reads
 from edgeq.registry import register_pass
 from edgeq.targets.requant import read_constant, set_inputs
 
@@ -55,7 +54,7 @@ class Int8WeightsPass(Pass):
         index = ir.GraphIndex(graph)
         inputs = {t.name for t in graph.inputs}
         outputs = {t.name for t in graph.outputs}
-        in_subgraphs = _subgraph_reads(graph)
+        in_subgraphs = ir.subgraph_reads(graph)
         widened: dict[str, int] = {}
         skipped: dict[str, int] = {}
         rewritten = 0

@@ -179,48 +179,6 @@ def _plan(owner: gs.Graph, index: ir.GraphIndex, node: gs.Node) -> _Plan:
                  zps is not None and zps.dtype != np.uint8, int(attrs.get("accuracy_level", 0)))
 
 
-def _matmulnbits_nodes(graph: gs.Graph):
-    """(graph holding it, node) for every MatMulNBits node, subgraphs (If / Loop / Scan bodies) included."""
-    for node in graph.nodes:
-        if node.op == "MatMulNBits" and node.domain == DOMAIN:
-            yield graph, node
-        for value in node.attrs.values():
-            for sub in value if isinstance(value, list) else [value]:
-                if isinstance(sub, gs.Graph):
-                    yield from _matmulnbits_nodes(sub)
-
-
-def _uses_domain(graph: gs.Graph, domain: str) -> bool:
-    for node in graph.nodes:
-        if node.domain == domain:
-            return True
-        for value in node.attrs.values():
-            for sub in value if isinstance(value, list) else [value]:
-                if isinstance(sub, gs.Graph) and _uses_domain(sub, domain):
-                    return True
-    return False
-
-
-def _drop_domain_import(graph: gs.Graph, domain: str) -> None:
-    attrs = getattr(graph, "_edgeq_model_attrs", None)
-    if attrs is not None:
-        attrs["opsets"].pop(domain, None)
-    domains = getattr(graph, "import_domains", None)
-    if domains:
-        graph.import_domains = [d for d in domains if d.domain != domain]
-
-
-def _node_names(graph: gs.Graph) -> set[str]:
-    names = set()
-    for node in graph.nodes:
-        names.add(node.name)
-        for value in node.attrs.values():
-            for sub in value if isinstance(value, list) else [value]:
-                if isinstance(sub, gs.Graph):
-                    names |= _node_names(sub)
-    return names
-
-
 def _fresh(names: set[str], base: str) -> str:
     name, i = base, 0
     while name in names:
@@ -244,8 +202,8 @@ class MatMulNBitsToQDQPass(Pass):
 
     def run(self, graph: gs.Graph, ctx: PassContext) -> PassResult:
         index = ir.GraphIndex(graph)
-        sites = list(_matmulnbits_nodes(graph))
-        names = _node_names(graph)
+        sites = [(g, n) for g, n in ir.nodes_with_graphs(graph) if n.op == "MatMulNBits" and n.domain == DOMAIN]
+        names = {n.name for _, n in ir.nodes_with_graphs(graph)}
         shared: dict[tuple, gs.Node] = {}
         refused: dict[str, str] = {}
         weights, bias_adds, float_zps, levels = Counter(), 0, 0, Counter()
@@ -267,8 +225,8 @@ class MatMulNBitsToQDQPass(Pass):
         if not weights:
             return PassResult(False, summary)
         graph.cleanup()
-        if not _uses_domain(graph, DOMAIN):
-            _drop_domain_import(graph, DOMAIN)
+        if not any(n.domain == DOMAIN for _, n in ir.nodes_with_graphs(graph)):
+            ir.drop_domain_import(graph, DOMAIN)
         summary.update(weights=dict(sorted(weights.items())), bias_adds=bias_adds)
         if float_zps:
             summary["float_zero_points_converted"] = float_zps

@@ -13,6 +13,7 @@ import numpy as np
 import onnx
 import pytest
 from onnx import TensorProto, helper, numpy_helper
+from lowering_checks import lower_checked, outputs
 from toy import random_feeds, toy_model_dir, write_text
 
 from edgeq import ir
@@ -38,24 +39,13 @@ def _ctx(model, tmp_path):
 
 
 def _outputs(model, feeds):
-    return ir.make_session(model).run(None, feeds)  # graph optimizations off
+    return outputs(model, feeds)
 
 
 def _lower(model, feeds, tmp_path):
-    """Run the pass verified; outputs bitwise equal; idempotent; save/load. Returns (model, summary)."""
-    reference = _outputs(model, feeds)
-    out, records = Pipeline([get_pass("int8-activations")()], PipelineOptions(verify=True)).run(model, PassContext())
-    got = _outputs(out, feeds)
-    for ref, new in zip(reference, got):
-        np.testing.assert_array_equal(new, ref)
-    again, records2 = Pipeline([get_pass("int8-activations")()]).run(out, PassContext())
-    assert records2[0]["modified"] is False
-    for a, b in zip(got, _outputs(again, feeds)):
-        np.testing.assert_array_equal(a, b)
-    path = ir.save_model(out, tmp_path / "saved" / "model.onnx")
-    for a, b in zip(got, _outputs(ir.load_model(path), feeds)):
-        np.testing.assert_array_equal(a, b)
-    return out, records[0]
+    """Run the pass verified; outputs bitwise equal; idempotent; save/load. Returns (model, record)."""
+    out, record, _, rerun = lower_checked(model, "int8-activations", feeds, tmp_path, exact=True, external_data=False)
+    return out, record
 
 
 def _quantizer_dtypes(model):

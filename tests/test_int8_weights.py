@@ -12,6 +12,7 @@ import numpy as np
 import onnx
 import pytest
 from onnx import TensorProto, helper, numpy_helper
+from lowering_checks import lower_checked, outputs
 from toy import random_feeds
 
 from edgeq import ir
@@ -33,25 +34,14 @@ def _ctx(model, tmp_path):
 
 
 def _outputs(model, feeds):
-    return ir.make_session(model).run(None, feeds)  # graph optimizations off
+    return outputs(model, feeds)
 
 
 def _lower(model, feeds, tmp_path):
     """Run the pass verified; outputs bitwise equal; idempotent; save/load. Returns (model, record)."""
-    reference = _outputs(model, feeds)
-    out, records = Pipeline([get_pass("int8-weights")()], PipelineOptions(verify=True)).run(model, PassContext())
-    got = _outputs(out, feeds)
-    for ref, new in zip(reference, got):
-        np.testing.assert_array_equal(new, ref)
-    again, records2 = Pipeline([get_pass("int8-weights")()]).run(out, PassContext())
-    assert records2[0]["modified"] is False
-    assert records2[0]["summary"]["skipped"] == records[0]["summary"]["skipped"]
-    for a, b in zip(got, _outputs(again, feeds)):
-        np.testing.assert_array_equal(a, b)
-    path = ir.save_model(out, tmp_path / "saved" / "model.onnx")
-    for a, b in zip(got, _outputs(ir.load_model(path), feeds)):
-        np.testing.assert_array_equal(a, b)
-    return out, records[0]
+    out, record, _, rerun = lower_checked(model, "int8-weights", feeds, tmp_path, exact=True, external_data=False)
+    assert rerun["summary"]["skipped"] == record["summary"]["skipped"]
+    return out, record
 
 
 def _narrow_tensors(model):

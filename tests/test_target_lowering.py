@@ -9,6 +9,7 @@ import numpy as np
 import onnx
 import pytest
 from onnx import helper, numpy_helper
+from lowering_checks import lower_checked, outputs
 from toy import random_feeds
 
 from edgeq import ir
@@ -36,22 +37,13 @@ def _passes(*names):
 
 
 def _outputs(model, feeds):
-    return ir.make_session(model).run(None, feeds)
+    return outputs(model, feeds)
 
 
 def _lower(model, name, feeds, tmp_path):
     """Run one lowering pass verified; check idempotence and save/load; return (model, summary, outputs)."""
-    out, records = Pipeline(_passes(name), PipelineOptions(verify=True)).run(model, PassContext())
-    got = _outputs(out, feeds)
-    again, records2 = Pipeline(_passes(name)).run(out, PassContext())
-    assert records2[0]["modified"] is False, f"{name} is not idempotent"
-    for a, b in zip(got, _outputs(again, feeds)):
-        np.testing.assert_array_equal(a, b)
-    path = ir.save_model(out, tmp_path / f"saved-{name}" / "model.onnx")
-    assert path.with_name("model.onnx.data").exists()
-    for a, b in zip(got, _outputs(ir.load_model(path), feeds)):
-        np.testing.assert_array_equal(a, b)
-    return out, records[0], got
+    out, record, got, _ = lower_checked(model, name, feeds, tmp_path)
+    return out, record, got
 
 
 # ---------------------------------------------------------------- expand-functions

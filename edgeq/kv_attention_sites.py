@@ -29,8 +29,7 @@ import onnx_graphsurgeon as gs
 from edgeq import ir
 from edgeq.errors import UserInputError
 
-PAST_PREFIX = "past_key_values."
-PRESENT_PREFIX = "present."
+from edgeq.kv_cache import PAST_PREFIX, PRESENT_PREFIX
 _REPEAT_OPS = ("Unsqueeze", "Expand", "Reshape", "Transpose", "Identity")
 _PASS_THROUGH_PROBS = ("Cast", "Identity")
 

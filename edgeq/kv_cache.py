@@ -34,10 +34,11 @@ from typing import Mapping
 import numpy as np
 
 from edgeq.errors import UserInputError
-from edgeq.runtime_ops.visual_kv_attention import pack_codes
+from edgeq.runtime_ops.visual_kv_codes import dequantize_channelwise as dequantize  # noqa: F401  (re-exported: what post-scaled attention equals)
+from edgeq.runtime_ops.visual_kv_codes import pack_codes, quantize_rows
 
-VISUAL_PREFIX = "visual_key_values."
-PAST_PREFIX = "past_key_values."
+VISUAL_PREFIX = "visual_key_values."  # a kvquant decode graph's packed visual cache
+PAST_PREFIX = "past_key_values."  # optimum's cache names (text-generation-with-past)
 PRESENT_PREFIX = "present."
 FIELDS = ("key_codes", "key_alpha", "key_scale", "value_codes", "value_alpha", "value_scale")
 SCHEMES = {"calibquant": ("channel", "channel"), "global-v": ("channel", "global"), "kivi": ("channel", "token")}
@@ -78,34 +79,6 @@ class VisualCacheSpec:
                 meta = json.loads(prop.value)
                 return cls(**{k: meta[k] for k in ("bits", "scheme", "k_clip", "v_clip")})
         raise UserInputError("the model is not a kvquant decode graph (no edgeq.kvquant metadata)")
-
-
-_REDUCE = {"channel": (-2,), "token": (-1,), "global": (-2, -1)}
-
-
-def quantize_rows(x, bits: int, axis: str, clip: float = 1.0) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Asymmetric min/max quantization of x [..., N, D]; ``axis`` picks what one range covers:
-    ``channel`` (per channel over the N tokens; alpha/scale [..., 1, D]), ``token`` (per token over
-    its D channels; [..., N, 1]) or ``global`` ([..., 1, 1]). ``clip`` shrinks each range about its
-    midpoint. Returns (codes uint8 [..., N, D], alpha float32, scale float32); a constant range gets
-    scale 0 and codes 0 (dequantizes to alpha). Rounding half to even, in float32."""
-    x = np.asarray(x, np.float32)
-    if x.ndim < 2 or x.shape[-2] == 0:
-        raise ValueError(f"quantize_rows needs [..., N >= 1, D], got {x.shape}")
-    reduce = _REDUCE[axis]
-    lo, hi = x.min(axis=reduce, keepdims=True), x.max(axis=reduce, keepdims=True)
-    if clip != 1.0:
-        mid, half = (lo + hi) / np.float32(2), (hi - lo) / np.float32(2) * np.float32(clip)
-        lo, hi = mid - half, mid + half
-    scale = ((hi - lo) / np.float32(2 ** bits - 1)).astype(np.float32)
-    safe = np.where(scale > 0, scale, np.float32(1))
-    codes = np.clip(np.round((x - lo) / safe), 0, 2 ** bits - 1).astype(np.uint8)
-    return codes, lo.astype(np.float32), scale
-
-
-def dequantize(codes, alpha, scale) -> np.ndarray:
-    """float64 ``codes * scale + alpha`` (what the post-scaled attention is equivalent to)."""
-    return np.asarray(codes, np.float64) * np.asarray(scale, np.float64) + np.asarray(alpha, np.float64)
 
 
 def quantize_visual_kv(k: np.ndarray, v: np.ndarray, spec: VisualCacheSpec) -> dict[str, np.ndarray]:

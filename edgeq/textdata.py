@@ -33,9 +33,10 @@ from typing import Any, Sequence
 import numpy as np
 
 from edgeq.errors import UserInputError
+from edgeq.kv_cache import PAST_PREFIX
 
 TOKEN_INPUTS = ("input_ids", "attention_mask", "position_ids")
-CACHE_PREFIX = "past_key_values."  # KV-cache inputs; calibration runs the prefill with them empty
+CACHE_PREFIX = PAST_PREFIX  # KV-cache inputs; calibration runs the prefill with them empty
 
 # onnxruntime NodeArg.type -> numpy dtype
 _ORT_DTYPES = {

@@ -61,35 +61,44 @@ def unpack_codes(packed, bits: int, d: int) -> np.ndarray:
     return codes.reshape(*p.shape[:-1], d).astype(np.uint8)
 
 
-def quantize_channelwise(x, bits: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Channel-wise uniform quantization over the tokens (axis -2) of x [..., N, D]:
-    ``alpha = min``, ``scale = (max - min) / (2^b - 1)`` per (leading index, channel), both
-    float32 [..., 1, D]; codes uint8 [..., N, D] = clip(round((x - alpha) / scale), 0, 2^b - 1),
-    rounding half to even, in float32. A constant channel (max == min) gets scale 0 and codes 0,
-    so it dequantizes to alpha exactly. Returns ``(codes, alpha, scale)``; pack the codes with
-    ``pack_codes``."""
+_REDUCE = {"channel": (-2,), "token": (-1,), "global": (-2, -1)}
+
+
+def quantize_rows(x, bits: int, axis: str = "channel", clip: float = 1.0,
+                  name: str = "quantize_rows") -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Asymmetric min/max quantization of x [..., N, D]; ``axis`` picks what one range covers:
+    ``channel`` (per channel over the N tokens; alpha/scale float32 [..., 1, D]), ``token`` (per
+    token over its D channels; [..., N, 1]) or ``global`` ([..., 1, 1]). ``clip`` < 1 shrinks each
+    range about its midpoint (values outside saturate). ``alpha`` = the range's low end,
+    ``scale = (high - low) / (2^b - 1)``; codes uint8 [..., N, D] = clip(round((x - alpha) /
+    scale), 0, 2^b - 1), rounding half to even, in float32. A constant range gets scale 0 and codes
+    0, so it dequantizes to alpha exactly. Returns ``(codes, alpha, scale)``; pack the codes with
+    ``pack_codes``. ``name``: the caller, for error messages."""
     bits = _check_bits(bits)
     x = np.asarray(x, np.float32)
-    if x.ndim < 2 or x.shape[-2] == 0:
-        raise ValueError(f"quantize_channelwise needs [..., N >= 1, D], got {x.shape}")
-    alpha = x.min(axis=-2, keepdims=True)
-    scale = ((x.max(axis=-2, keepdims=True) - alpha) / np.float32(2 ** bits - 1)).astype(np.float32)
+    if x.ndim < 2 or x.shape[-2] == 0 or x.shape[-1] == 0:
+        raise ValueError(f"{name} needs [..., N >= 1, D >= 1], got {x.shape}")
+    reduce = _REDUCE[axis]
+    lo, hi = x.min(axis=reduce, keepdims=True), x.max(axis=reduce, keepdims=True)
+    if clip != 1.0:
+        mid, half = (lo + hi) / np.float32(2), (hi - lo) / np.float32(2) * np.float32(clip)
+        lo, hi = mid - half, mid + half
+    scale = ((hi - lo) / np.float32(2 ** bits - 1)).astype(np.float32)
     safe = np.where(scale > 0, scale, np.float32(1))
-    codes = np.clip(np.round((x - alpha) / safe), 0, 2 ** bits - 1).astype(np.uint8)
-    return codes, alpha.astype(np.float32), scale
+    codes = np.clip(np.round((x - lo) / safe), 0, 2 ** bits - 1).astype(np.uint8)
+    return codes, lo.astype(np.float32), scale
+
+
+def quantize_channelwise(x, bits: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """CalibQuant's channel-wise quantization (Eq. 3/5): ``quantize_rows`` over the tokens, one
+    (alpha, scale) per (leading index, channel), float32 [..., 1, D]."""
+    return quantize_rows(x, bits, "channel", name="quantize_channelwise")
 
 
 def quantize_pertoken(x, bits: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Per-token uniform quantization over the channels (axis -1) of x [..., N, D] (KIVI's
-    values): ``alpha = min``, ``scale = (max - min) / (2^b - 1)`` per token, both float32
-    [..., N, 1]; codes uint8 [..., N, D] as in ``quantize_channelwise`` (a constant token gets
-    scale 0 and codes 0). Returns ``(codes, alpha, scale)``."""
-    x = np.asarray(x, np.float32)
-    if x.ndim < 2 or x.shape[-1] == 0:
-        raise ValueError(f"quantize_pertoken needs [..., N, D >= 1], got {x.shape}")
-    codes, alpha, scale = quantize_channelwise(np.swapaxes(x, -1, -2), bits)
-    back = lambda a: np.ascontiguousarray(np.swapaxes(a, -1, -2))  # noqa: E731
-    return back(codes), back(alpha), back(scale)
+    """KIVI's per-token quantization of values: ``quantize_rows`` over the channels, one
+    (alpha, scale) per token, float32 [..., N, 1]."""
+    return quantize_rows(x, bits, "token", name="quantize_pertoken")
 
 
 def dequantize_channelwise(codes, alpha, scale) -> np.ndarray:

@@ -38,10 +38,9 @@ import numpy as np
 
 from edgeq.errors import UserInputError
 
-PAST_PREFIX = "past_key_values."
-PRESENT_PREFIX = "present."
+from edgeq.kv_cache import PAST_PREFIX, PRESENT_PREFIX, VISUAL_PREFIX  # noqa: F401 (re-exported)
+
 SPAN_INPUTS = ("visual_start", "visual_len")
-VISUAL_PREFIX = "visual_key_values."  # a kvquant decode graph's packed visual cache: fed unchanged
 _TYPES = {"tensor(float)": np.float32, "tensor(float16)": np.float16, "tensor(double)": np.float64,
           "tensor(bfloat16)": np.float32}
 

@@ -8,7 +8,10 @@ Per recipe: ``edgeq compile`` (the recipe's own calibration settings) gives the 
 then run on that graph, exactly the passes ``edgeq compile --target NAME`` appends to the recipe's,
 and the result is checked against the profile (``edgeq check``). Perplexity: WikiText-2 test, the
 first ``--eval-windows`` windows of 512 tokens (the README protocol). Latency: 512 tokens, batch 1,
-median of 10 runs interleaved between the two graphs, for recipes whose graph has edgeq ops.
+median of 10 runs interleaved between the two graphs, for recipes whose graph has edgeq ops. A graph
+whose lowering turned MatMulNBits back into DQ + MatMul is also evaluated with
+``session.qdq_matmulnbits_accuracy_level = 0``: onnxruntime re-fuses it into MatMulNBits, by default
+at accuracy level 4 (int8 activations), where the recipe's own graph pins level 0.
 
 Usage: python benchmarks/npu_handoff.py --model-dir artifacts/smollm2 --out F [--recipes a,b] [--resume]
 """
@@ -32,6 +35,8 @@ from foundation import interleaved_latency_ms, save_results  # noqa: E402
 RECIPES = ("w8a8", "w8a8-mse", "w8a16", "muxq-w8a8", "quarot-w8a8", "mquant-w8a8", "mquant-w8a8-a16down",
            "mquant-w4a8", "gptq-w4a16", "dpq-w4a8", "resq-w4a8", "resq-w4a4")
 TARGETS = ("generic-qdq", "pow2-int")
+# a graph lowered from MatMulNBits is also evaluated with onnxruntime's re-fusion pinned to fp32
+ACCURACY_LEVEL_0 = {"session.qdq_matmulnbits_accuracy_level": "0"}
 
 
 def _lower(base: Path, target: str, out: Path) -> dict:
@@ -79,17 +84,23 @@ def main(argv=None) -> int:
     env = {**os.environ, "EDGEQ_PROGRESS": "0"}
     results = json.loads(a.out.read_text()) if a.resume and a.out.is_file() else {"eval_windows": a.eval_windows}
 
-    def ppl(path: Path) -> float:
-        return round(perplexity(path, DATA / "test.txt", a.model_dir, windows=a.eval_windows)["ppl"], 3)
+    def ppl(path: Path, config: dict | None = None) -> float:
+        return round(perplexity(path, DATA / "test.txt", a.model_dir, windows=a.eval_windows, session_config=config)["ppl"], 3)
+
+    def lowered_column(recipe: str, target: str) -> dict:
+        lowered = a.work / f"{recipe}@{target}" / "model.onnx"
+        col = _lower(a.work / recipe / "model.onnx", target, lowered)
+        col["ppl"] = ppl(lowered)
+        if "matmulnbits-to-qdq" in col["lowering"]:  # onnxruntime re-fuses DQ + MatMul at accuracy level 4
+            col["ppl_accuracy_level_0"] = ppl(lowered, ACCURACY_LEVEL_0)
+        return col
 
     if "fp32" not in results:
         results["fp32"] = ppl(fp32)
     for recipe in [r for r in a.recipes.split(",") if r]:
         if recipe in results and a.redo_target and a.redo_target in results[recipe]:
             row, target = results[recipe], a.redo_target
-            lowered = a.work / f"{recipe}@{target}" / "model.onnx"
-            row[target] = _lower(a.work / recipe / "model.onnx", target, lowered)
-            row[target]["ppl"] = ppl(lowered)
+            row[target] = lowered_column(recipe, target)
             row[target]["ppl_change"] = round(row[target]["ppl"] / row["ort-cpu"]["ppl"] - 1, 5)
             print(recipe, target, json.dumps(row[target]), flush=True)
             save_results(a.out, results)
@@ -105,11 +116,9 @@ def main(argv=None) -> int:
         row = {"ort-cpu": {"ppl": ppl(base), "edgeq_ops": _has_edgeq_ops(base)}}
         paths = {"ort-cpu": base}
         for target in TARGETS:
-            lowered = a.work / f"{recipe}@{target}" / "model.onnx"
-            row[target] = _lower(base, target, lowered)
-            row[target]["ppl"] = ppl(lowered)
+            row[target] = lowered_column(recipe, target)
             row[target]["ppl_change"] = round(row[target]["ppl"] / row["ort-cpu"]["ppl"] - 1, 5)
-            paths[target] = lowered
+            paths[target] = a.work / f"{recipe}@{target}" / "model.onnx"
         if row["ort-cpu"]["edgeq_ops"]:
             ms = interleaved_latency_ms({"ort-cpu": paths["ort-cpu"], "generic-qdq": paths["generic-qdq"]})
             row["latency_ms_512"] = {k: round(v, 1) for k, v in ms.items()}

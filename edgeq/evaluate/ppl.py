@@ -103,8 +103,11 @@ def perplexity(
     batch_size: int = 1,
     threads: int | None = None,
     special_tokens: bool = True,
+    session_config: dict[str, str] | None = None,
 ) -> dict:
     """Perplexity of ``model_path`` on the text; see the module docstring for the protocol.
+    ``session_config``: onnxruntime session config entries (e.g.
+    ``{"session.qdq_matmulnbits_accuracy_level": "0"}``).
 
     Returns ``ppl``, ``nll`` (total, nats), ``tokens`` (predicted tokens), ``windows``, ``offset``,
     ``seq_len``, ``batch_size``, ``special_tokens`` and ``seconds`` (model runs and NLL, not
@@ -115,7 +118,10 @@ def perplexity(
     ids = token_windows(
         text_path, tokenizer_dir, seq_len=seq_len, windows=windows, offset=offset, special_tokens=special_tokens
     )
-    session = open_session(model_path, threads=threads)
+    options = session_options(threads)
+    for key, value in (session_config or {}).items():
+        options.add_session_config_entry(key, value)
+    session = open_session(model_path, options=options)
     specs = session.get_inputs()
     out_name = _logits_output(session)
     # build the feeds once up front so input problems surface before any compute

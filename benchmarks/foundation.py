@@ -49,7 +49,11 @@ def latency_ms(model: Path, seq_len: int = 512, repeats: int = 10, threads: int 
 
 
 def save_results(path: Path, results: dict) -> None:
-    """Write the JSON results file (creating its folder) and print it."""
+    """Write the JSON results file (creating its folder) and print it, stamped with the machine
+    (CPU model, ISA flags, the u8s8 kernel they select, onnxruntime version)."""
+    from edgeq.evaluate.machine import machine_info
+
+    results.setdefault("machine", machine_info())
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(results, indent=1))
     print(json.dumps(results, indent=1))
@@ -160,7 +164,10 @@ def main(argv=None) -> int:
     for name, path in [("fp32", fp32), *compiled.items()]:
         res = perplexity(path, DATA / "test.txt", a.model_dir, windows=a.eval_windows)
         results.setdefault(name, {})["ppl"] = round(res["ppl"], 3)
-        print(f"{name}: ppl {res['ppl']:.3f}", flush=True)
+        if name != "fp32":  # the exact-QDQ reference beside onnxruntime's integer kernels
+            exact = perplexity(path, DATA / "test.txt", a.model_dir, windows=a.eval_windows, exact_qdq=True)
+            results[name]["ppl_exact_qdq"] = round(exact["ppl"], 3)
+        print(f"{name}: ppl {res['ppl']:.3f} (exact QDQ {results[name].get('ppl_exact_qdq', res['ppl']):.3f})", flush=True)
     for name, path in [("fp32", fp32), *compiled.items()]:
         results[name]["latency_ms_512"] = round(latency_ms(path), 1)
         results[name]["fused_ops"] = fused_ops(path)

@@ -87,7 +87,9 @@ def main(argv=None) -> int:
                        "per_layer": [(x["layer"], round(x["visual"], 3), round(x["text"], 3), round(x["text_after_first"], 3)) for x in sorted(rows, key=lambda x: (x["layer"] is None, x["layer"] or 0))]}
                 for role, rows in sorted(by_role.items())}
     a.out.parent.mkdir(parents=True, exist_ok=True)
-    a.out.write_text(json.dumps(results, indent=1))
+    from edgeq.evaluate.machine import machine_info
+
+    a.out.write_text(json.dumps({**results, "machine": machine_info()}, indent=1))
     for label, roles in results["graphs"].items():
         for role, r in roles.items():
             print(f"{label:8s} {role:10s} visual {r['visual_absmax_median']:9.3f} text {r['text_absmax_median']:9.3f} "

@@ -20,6 +20,8 @@ import os
 import statistics
 import time
 
+from edgeq.evaluate.machine import machine_info
+
 SMOL_TOKENS, SMOL_HIDDEN, SMOL_INTER = 512, 576, 1536
 VK = dict(B=1, H=9, KVH=3, D=64, Nv=196, Nt=64, S=1, layers=30, bits=2)
 
@@ -137,7 +139,7 @@ def main(argv=None) -> int:
         from pathlib import Path
 
         Path(a.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(a.out).write_text(json.dumps({"onnxruntime": ort.__version__, "threads": a.threads, "repeat": a.repeat,
+        Path(a.out).write_text(json.dumps({"machine": machine_info(), "onnxruntime": ort.__version__, "threads": a.threads, "repeat": a.repeat,
                                            "table": table}, indent=1))
     return 0
 

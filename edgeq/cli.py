@@ -14,6 +14,7 @@ import json
 import sys
 from pathlib import Path
 
+from edgeq.argtypes import positive_float, positive_int, seq_len_int
 from edgeq.errors import EdgeqError, UserInputError
 
 _EPILOG = """examples:
@@ -42,8 +43,8 @@ def _add_compile(sub) -> None:
     p.add_argument("--recipe", default=None, help="built-in recipe name (see `edgeq recipes`) or a .toml file; default: mquant-w8a8")
     p.add_argument("--calib", type=Path, help="calibration data: a text file (cut into token windows) or an .npz of input dicts")
     p.add_argument("--tokenizer", type=Path, help="folder with tokenizer.json (default: the model's folder if it has one)")
-    p.add_argument("--calib-windows", type=int, help="number of calibration windows/samples (default: the recipe's)")
-    p.add_argument("--seq-len", type=int, help="tokens per calibration window (default: the recipe's, 512)")
+    p.add_argument("--calib-windows", type=positive_int, metavar="N", help="number of calibration windows/samples (default: the recipe's)")
+    p.add_argument("--seq-len", type=seq_len_int, metavar="L", help="tokens per calibration window (default: the recipe's, 512)")
     p.add_argument("--dump-each", type=Path, metavar="DIR", help="save the graph after every pass into DIR")
     p.add_argument("--verify", action="store_true", help="onnx checker + onnxruntime session after every pass")
     p.add_argument("--check-numerics", action="store_true", help="log output drift against the input model after every pass")
@@ -123,9 +124,9 @@ def _add_inspect(sub) -> None:
     p.add_argument("model", type=Path)
     p.add_argument("--calib", type=Path, help="calibration text or .npz: adds per-linear activation ranges")
     p.add_argument("--tokenizer", type=Path, help="folder with tokenizer.json (default: the model's folder)")
-    p.add_argument("--calib-windows", type=int, default=4, help="windows to observe (default 4)")
-    p.add_argument("--seq-len", type=int, default=512)
-    p.add_argument("--outlier-threshold", type=float, default=6.0, help="|x| above this marks an outlier channel (default 6)")
+    p.add_argument("--calib-windows", type=positive_int, default=4, metavar="N", help="windows to observe (default 4)")
+    p.add_argument("--seq-len", type=seq_len_int, default=512, metavar="L", help="tokens per window (default 512)")
+    p.add_argument("--outlier-threshold", type=positive_float, default=6.0, help="|x| above this marks an outlier channel (default 6)")
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.set_defaults(func=_run_inspect)
 

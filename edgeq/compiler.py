@@ -66,9 +66,11 @@ def default_tokenizer_dir(model_path: Path) -> Path | None:
 
 
 def _check_out_dir(req: CompileRequest) -> None:
+    """Refuse an output folder that cannot be written before any work is done."""
     out = req.out_dir.resolve()
     if out.exists() and not out.is_dir():
         raise UserInputError(f"output path exists and is not a folder: {req.out_dir}")
+    ir.check_writable_parent(out)
     model_dir = req.model.resolve().parent
     if out == model_dir or out in model_dir.parents:
         raise UserInputError(f"output folder {req.out_dir} contains the input model; choose another -o")
@@ -81,10 +83,14 @@ def compile_model(req: CompileRequest) -> dict:
     passes = [spec.build() for spec in recipe.passes]
     profile = load_target(req.target) if req.target else None
     lowering = [get_pass(name)() for name in profile.lowering] if profile else []
+    # every compile that may run on onnxruntime CPU ends with the saturation guard, unless the
+    # target allows full-range int8 weights (ort-cpu-vnni): README "Integer kernels and your CPU"
+    int8_weights = profile.int8_weight_range if profile else "u8s8-safe"
+    guard = [get_pass("u8s8-safe-weights")()] if int8_weights == "u8s8-safe" else []
     model = ir.load_model(req.model)
     ir.check_opset(model)
-    windows = req.calib_windows or recipe.calibration.windows
-    seq_len = req.seq_len or recipe.calibration.seq_len
+    windows = recipe.calibration.windows if req.calib_windows is None else req.calib_windows
+    seq_len = recipe.calibration.seq_len if req.seq_len is None else req.seq_len
     if windows < 1 or seq_len < 2:
         raise UserInputError("--calib-windows must be >= 1 and --seq-len >= 2")
     needs_calib = any(p.needs_calibration for p in passes) or req.check_numerics
@@ -101,10 +107,11 @@ def compile_model(req: CompileRequest) -> dict:
         sample = data.batches[0]
         calib_summary = {"data": data.description, "samples": data.samples, "tokens": data.tokens}
     options = PipelineOptions(req.dump_each, req.verify, req.check_numerics)
-    ctx = PassContext(calibrator=calibrator, seed=req.seed)
+    ctx = PassContext(calibrator=calibrator, seed=req.seed, int8_weights=int8_weights)
     fingerprint = ir.model_fingerprint(model)
-    out_model, records = Pipeline(passes + lowering, options).run(model, ctx, sample, consume=True)
-    records, lowering_records = records[:len(passes)], records[len(passes):]
+    out_model, records = Pipeline(passes + lowering + guard, options).run(model, ctx, sample, consume=True)
+    records, lowering_records, guard_records = (records[:len(passes)], records[len(passes):len(passes) + len(lowering)],
+                                                records[len(passes) + len(lowering):])
     del model
     target_summary = None
     if profile is not None:
@@ -140,7 +147,8 @@ def compile_model(req: CompileRequest) -> dict:
         report["target"] = target_summary
     with ir.atomic_output_dir(req.out_dir) as tmp:
         model_path = ir.save_model(out_model, tmp / "model.onnx")
-        ir.make_session(onnx.load_model(str(model_path)))  # the output must load in onnxruntime
+        # the output must load in onnxruntime; the same session measures the u8s8 kernel's risk
+        report["u8s8"] = _u8s8_report(onnx.load_model(str(model_path)), sample, int8_weights, guard_records)
         encodings = collect_encodings(out_model)
         (tmp / "encodings.json").write_text(json.dumps(encodings, indent=1))
         report["quantized_tensors"] = {"activations": len(encodings["activations"]), "weights": len(encodings["weights"])}
@@ -153,6 +161,26 @@ def compile_model(req: CompileRequest) -> dict:
         (tmp / "report.json").write_text(json.dumps(report, indent=1, default=_json_default))
         write_manifest(req.model, req.recipe, profile.name if profile else None, tmp)
     return report
+
+
+def _u8s8_report(model: onnx.ModelProto, feeds: dict | None, int8_weights: str, guard_records: list) -> dict:
+    """What report.json says about onnxruntime's uint8 x int8 kernels: the weight range chosen,
+    the guard's record, and per linear the worst-case pair bound and the VPMADDUBSW model's
+    saturation rates on one calibration batch (without calibration data: the bound only)."""
+    from edgeq.targets.u8s8_sites import find_u8s8_sites, probe_saturation, static_risk
+
+    out: dict = {"int8_weight_range": int8_weights, "guard": guard_records[0] if guard_records else None}
+    if feeds is not None:
+        out.update(probe_saturation(model, feeds))
+        return out
+    ir.make_session(model)
+    import onnx_graphsurgeon as gs
+
+    sites = find_u8s8_sites(gs.import_onnx(model))
+    risk = static_risk(sites)
+    out.update({"linears": len(sites), "linears_at_risk": len(risk), "saturation_free": not risk,
+                "at_risk": risk, "note": "no calibration data: worst-case bound only, no saturation rates"})
+    return out
 
 
 def _model_bytes(path: Path) -> int:

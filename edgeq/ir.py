@@ -13,6 +13,7 @@
 from __future__ import annotations
 
 import contextlib
+import errno
 import hashlib
 import json
 import os
@@ -252,6 +253,18 @@ def save_model(model: onnx.ModelProto, path: str | os.PathLike, size_threshold: 
     return path
 
 
+def check_writable_parent(out_dir: Path) -> None:
+    """The nearest existing ancestor of ``out_dir`` must be a folder this process can write into,
+    else a one-line ``UserInputError`` (checked before any work, so nothing is half-done)."""
+    parent = Path(out_dir).parent
+    while not parent.exists():
+        parent = parent.parent
+    if not parent.is_dir():
+        raise UserInputError(f"cannot create the output folder {out_dir}: {parent} is not a folder")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise UserInputError(f"cannot create the output folder {out_dir}: {parent} is not writable")
+
+
 @contextlib.contextmanager
 def atomic_output_dir(out_dir: str | os.PathLike) -> Iterator[Path]:
     """Yield a temporary folder beside ``out_dir``; on success it replaces ``out_dir``.
@@ -260,13 +273,22 @@ def atomic_output_dir(out_dir: str | os.PathLike) -> Iterator[Path]:
     failed run never leaves half-written outputs.
     """
     out_dir = Path(out_dir).resolve()
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
+    check_writable_parent(out_dir)
+    try:
+        out_dir.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
+    except OSError as exc:
+        raise UserInputError(f"cannot create the output folder {out_dir}: {exc.strerror or exc}") from None
     umask = os.umask(0)
     os.umask(umask)
     tmp.chmod(0o777 & ~umask)  # mkdtemp makes it 0700; the final folder gets the usual mode
     try:
         yield tmp
+    except OSError as exc:  # disk full, quota, permissions changed under us: bad environment, not a bug
+        shutil.rmtree(tmp, ignore_errors=True)
+        if exc.errno in (errno.ENOSPC, errno.EDQUOT, errno.EACCES, errno.EROFS, errno.EPERM):
+            raise UserInputError(f"cannot write the output in {out_dir.parent}: {exc.strerror or exc}") from None
+        raise
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

@@ -43,12 +43,24 @@ class PassResult:
     summary: dict[str, Any] = field(default_factory=dict)
 
 
+# How 8-bit int8 weights read by uint8 x int8 kernels are quantized (PassContext.int8_weights):
+# "u8s8-safe" (default): the pair-bounded grid no CPU kernel can saturate (edgeq.targets.saturation);
+# "full-vnni-only": the full int8 grid, which onnxruntime's kernel saturates on CPUs without VNNI.
+INT8_WEIGHT_RANGES = ("u8s8-safe", "full-vnni-only")
+
+
 @dataclass
 class PassContext:
-    """What a pass may use besides the graph: calibration and the pipeline's seed."""
+    """What a pass may use besides the graph: calibration, the pipeline's seed, and the int8
+    weight range the deployment allows (chosen by the target, never silently)."""
 
     calibrator: "Calibrator | None" = None
     seed: int = 0
+    int8_weights: str = "u8s8-safe"
+
+    @property
+    def u8s8_safe(self) -> bool:
+        return self.int8_weights == "u8s8-safe"
 
     def require_calibrator(self, pass_name: str) -> "Calibrator":
         from edgeq.errors import UserInputError

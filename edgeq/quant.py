@@ -37,6 +37,11 @@ class QuantSpec:
     storage type, e.g. 6-bit values in int8 storage: how bit-width sweeps (A6W8, W5A8) are
     expressed with the integer types ONNX has. Activations then need a Clip after the
     QuantizeLinear (``qdq_nodes.insert_quantize`` adds it); weights are quantized offline.
+
+    ``pair_axis`` (weights only; None: no bound) is the K axis of a weight that onnxruntime's
+    uint8 x int8 kernel will read: a symmetric 8-bit int8 weight then gets the pair-bounded grid
+    that cannot saturate VPMADDUBSW on CPUs without VNNI (``edgeq.targets.saturation``). Other
+    dtypes and widths cannot saturate and ignore it.
     """
 
     dtype: str = "int8"
@@ -44,6 +49,7 @@ class QuantSpec:
     axis: int | None = None
     block_size: int = 0
     value_bits: int = 0
+    pair_axis: int | None = None
 
     def __post_init__(self):
         if self.dtype not in _DTYPES:
@@ -138,6 +144,8 @@ def quantize_weight(w: np.ndarray, spec: QuantSpec) -> tuple[np.ndarray, np.ndar
     (rounded up) by ``block_size``.
     """
     w = np.asarray(w, np.float32)
+    if pair_bounded(spec, w.ndim):
+        return _quantize_pair_bounded(w, spec)
     if spec.axis is None:
         scale, zp = scale_zero_point(w.min(), w.max(), spec)
         return quantize(w, scale, zp, spec), scale, zp
@@ -172,3 +180,20 @@ def dequantize_weight(q: np.ndarray, scale: np.ndarray, zp: np.ndarray, spec: Qu
     bshape = [1] * q.ndim
     bshape[axis] = -1
     return dequantize(q, scale.reshape(bshape), zp.reshape(bshape))
+
+
+def pair_bounded(spec: QuantSpec, ndim: int) -> bool:
+    """Whether ``quantize_weight`` puts this weight on the u8s8 pair-bounded grid: a symmetric
+    full-width int8 weight, per tensor or per channel, 2-D, with a K axis given."""
+    return (spec.pair_axis is not None and spec.dtype == "int8" and spec.symmetric and not spec.block_size
+            and not spec.narrowed and ndim == 2 and (spec.axis is None or spec.axis % 2 != spec.pair_axis % 2))
+
+
+def _quantize_pair_bounded(w: np.ndarray, spec: QuantSpec) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    from edgeq.targets.saturation import quantize_pair_bounded  # the kernel model lives with the targets
+
+    k_axis = spec.pair_axis % 2
+    q_kn, scale = quantize_pair_bounded(np.moveaxis(w, k_axis, 0), per_channel=spec.axis is not None)
+    q = np.moveaxis(q_kn, 0, k_axis).astype(spec.np_dtype)
+    scale = np.asarray(scale, np.float32)
+    return q, scale, np.zeros(scale.shape, spec.np_dtype)

@@ -51,8 +51,9 @@ def add_branch(graph: gs.Graph, index: ir.GraphIndex, node: gs.Node, lin, x_bran
 
 
 def quantize_branches(graph: gs.Graph, index: ir.GraphIndex, branches: list[dict],
-                      ranges: dict[str, tuple[float, float]], precision: str) -> None:
-    """Static per-tensor symmetric activation Q/DQ and per-output-channel weight DQ on each branch.
+                      ranges: dict[str, tuple[float, float]], precision: str, u8s8_safe: bool = True) -> None:
+    """Static per-tensor symmetric activation Q/DQ and per-output-channel weight DQ on each branch
+    (int8 weights on the u8s8 pair-bounded grid unless ``u8s8_safe`` is off).
 
     ``ranges``: calibrated (lo, hi) of each branch input, by tensor name. ``float`` branches are
     listed in the graph's keep-float set instead, so the qdq pass leaves them alone.
@@ -62,7 +63,7 @@ def quantize_branches(graph: gs.Graph, index: ir.GraphIndex, branches: list[dict
         return
     w_dtype, a_dtype = BRANCH_PRECISIONS[precision]
     a_spec = QuantSpec(a_dtype, symmetric=True)
-    w_spec = QuantSpec(w_dtype, symmetric=True, axis=1)
+    w_spec = QuantSpec(w_dtype, symmetric=True, axis=1, pair_axis=0 if u8s8_safe else None)
     ensure_opset(graph, a_spec, w_spec)
     for b in branches:
         lo, hi = ranges[b["x"].name]

@@ -24,6 +24,7 @@ rewritten.
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import tempfile
 import zipfile
@@ -190,6 +191,22 @@ def tokenize_file(
     return ids
 
 
+def max_positions(folder: str | os.PathLike) -> int | None:
+    """The context length a Hugging Face ``config.json`` beside the tokenizer declares
+    (``max_position_embeddings`` / ``n_positions``), or None when there is none to read."""
+    path = Path(folder)
+    path = path / "config.json" if path.is_dir() else path.parent / "config.json"
+    try:
+        config = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    for key in ("max_position_embeddings", "n_positions"):
+        value = config.get(key) if isinstance(config, dict) else None
+        if isinstance(value, int) and value > 0:
+            return value
+    return None
+
+
 def token_windows(
     text_path: str | os.PathLike,
     tokenizer_dir: str | os.PathLike,
@@ -209,6 +226,10 @@ def token_windows(
         raise UserInputError(f"offset must be >= 0, got {offset}")
     if windows is not None and windows < 1:
         raise UserInputError(f"windows must be >= 1, got {windows}")
+    limit = max_positions(tokenizer_dir)
+    if limit is not None and seq_len > limit:
+        raise UserInputError(f"seq_len {seq_len} is longer than the model's context of {limit} positions "
+                             f"(max_position_embeddings in {Path(tokenizer_dir) / 'config.json'})")
     ids = tokenize_file(text_path, tokenizer_dir, special_tokens=special_tokens)
     available = ids.size // seq_len
     if available == 0:

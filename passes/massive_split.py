@@ -121,7 +121,7 @@ class MassiveSplitPass(Pass):
             report[name] = {"channels": chans.tolist(), "absmax": np.round(absmax[chans], 2).tolist(),
                             "median_channel_absmax": round(float(np.median(absmax)), 3)}
         if branches:
-            quantize_branches(graph, index, branches, ranges, cfg.branch)
+            quantize_branches(graph, index, branches, ranges, cfg.branch, ctx.u8s8_safe)
         ir.set_graph_metadata(graph, SPLIT_KEY, f"ratio={cfg.ratio};branch={cfg.branch}")
         return PassResult(bool(branches), {
             "linears": len(sites),

@@ -36,20 +36,13 @@ from edgeq.passbase import Exactness, Pass, PassConfig, PassContext, PassResult
 from edgeq.qdq_nodes import integer_constant
 from edgeq.quant import QuantSpec, dequantize_weight
 from edgeq.registry import register_pass
-from edgeq.targets.requant import (QDQ_OPS, ErrorMeter, integer_dtype, read_constant, replace_weight, requantize, set_inputs,
+from edgeq.targets.requant import (QDQ_OPS, ErrorMeter, pow2_ceil, integer_dtype, read_constant, replace_weight, requantize, set_inputs,
                                    weight_dequantizers)
 
 
 @dataclass(frozen=True)
 class Pow2ScalesConfig(PassConfig):
     pass
-
-
-def pow2_ceil(scale: np.ndarray) -> np.ndarray:
-    """2^ceil(log2 s), exactly (frexp: s = m 2^e with m in [0.5, 1); m = 0.5 is already 2^(e-1))."""
-    s = np.asarray(scale, np.float64)
-    mantissa, exponent = np.frexp(s)
-    return np.where(mantissa == 0.5, s, np.ldexp(1.0, exponent)).astype(np.asarray(scale).dtype)
 
 
 def moved_zero_point(zp: np.ndarray, scale: np.ndarray, new_scale: np.ndarray, qmin: int, qmax: int,

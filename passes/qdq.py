@@ -130,7 +130,7 @@ class QDQPass(Pass):
                 continue  # weights already quantized (gptq), kept as they are
             key = (lin.weight, lin.weight_transposed)
             if key not in quantized_weights:
-                quantized_weights[key] = self._quantize_weight(graph, index, lin)
+                quantized_weights[key] = self._quantize_weight(graph, index, lin, ctx.u8s8_safe)
             node.inputs[1] = quantized_weights[key]
             if lin.op == "Gemm":
                 node.attrs["transB"] = int(lin.weight_transposed)  # the DQ'd weight keeps the stored layout
@@ -185,12 +185,14 @@ class QDQPass(Pass):
                 specs[lin.input] = spec
         return specs
 
-    def _weight_spec(self, axis: int) -> QuantSpec:
+    def _weight_spec(self, axis: int, pair_axis: int | None = None) -> QuantSpec:
+        """The weight spec; ``pair_axis``: the K axis, for the u8s8 pair-bounded int8 grid."""
         cfg: QDQConfig = self.config
         if cfg.weight_granularity == "tensor":
-            return QuantSpec(cfg.weight_dtype, cfg.weight_symmetric, value_bits=cfg.weight_bits)
+            return QuantSpec(cfg.weight_dtype, cfg.weight_symmetric, value_bits=cfg.weight_bits, pair_axis=pair_axis)
         block = cfg.group_size if cfg.weight_granularity == "group" else 0
-        return QuantSpec(cfg.weight_dtype, cfg.weight_symmetric, axis=axis, block_size=block, value_bits=cfg.weight_bits)
+        return QuantSpec(cfg.weight_dtype, cfg.weight_symmetric, axis=axis, block_size=block, value_bits=cfg.weight_bits,
+                         pair_axis=pair_axis)
 
     def _calibrate(self, graph, ctx: PassContext, names: list[str], spec: QuantSpec, split_by: str | None = None):
         cfg: QDQConfig = self.config
@@ -209,21 +211,23 @@ class QDQPass(Pass):
                     part.bits = spec.bits
         return observers
 
-    def _quantize_weight(self, graph: gs.Graph, index: ir.GraphIndex, lin: Linear) -> gs.Variable:
+    def _quantize_weight(self, graph: gs.Graph, index: ir.GraphIndex, lin: Linear, u8s8_safe: bool = True) -> gs.Variable:
         """Replace a float weight by integer constant -> DequantizeLinear, in the layout the node reads.
 
         MatMul reads [K, N]: a weight stored transposed is transposed here, offline. Gemm keeps
-        its stored layout and ``transB``. Channels are the N axis; groups run along K.
+        its stored layout and ``transB``. Channels are the N axis; groups run along K. With
+        ``u8s8_safe`` full-width int8 weights get the pair-bounded grid along K (no-VNNI CPUs).
         """
         w = np.asarray(index.constant_value(index.tensors[lin.weight]), np.float32)
         if lin.op == "MatMul" and lin.weight_transposed:
             w = np.ascontiguousarray(w.T)
         stored_nk = lin.op == "Gemm" and lin.weight_transposed
         n_axis, k_axis = (0, 1) if stored_nk else (1, 0)
+        pair_axis = k_axis if u8s8_safe else None
         if self.config.weight_granularity == "group":
             spec = self._weight_spec(axis=k_axis)
         else:
-            spec = self._weight_spec(axis=n_axis)
+            spec = self._weight_spec(axis=n_axis, pair_axis=pair_axis)
         return insert_weight_dequantize(graph, index, w, spec, lin.weight)
 
 

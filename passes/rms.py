@@ -91,7 +91,7 @@ class RmsPass(Pass):
                 observers = ctx.require_calibrator(self.name).observe(
                     graph, {b["x"].name: MinMaxObserver for b in branches}, "rms:branch:minmax")
                 ranges = {name: obs.range() for name, obs in observers.items()}
-            quantize_branches(graph, index, branches, ranges, cfg.branch)
+            quantize_branches(graph, index, branches, ranges, cfg.branch, ctx.u8s8_safe)
         ir.set_graph_metadata(graph, RMS_KEY, f"mode={cfg.mode};branch={cfg.branch}")
         return PassResult(bool(branches), {
             "online_hadamard_linears": len(eq9),

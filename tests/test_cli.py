@@ -205,7 +205,8 @@ def test_dump_each_and_calibration_cache(toy, tmp_path, capsys, monkeypatch):
     args = ["compile", model, "--recipe", "w8a8", "--calib", calib, "--seq-len", 16, "--calib-windows", 3]
     code, err = _run(capsys, *args, "-o", tmp_path / "a", "--dump-each", tmp_path / "dumps")
     assert code == 0, err
-    assert [p.name for p in sorted((tmp_path / "dumps").glob("*.onnx"))] == ["00_qdq.onnx"]
+    # the recipe's pass, then the saturation guard every compile for onnxruntime CPU ends with
+    assert [p.name for p in sorted((tmp_path / "dumps").glob("*.onnx"))] == ["00_qdq.onnx", "01_u8s8-safe-weights.onnx"]
     first = json.loads((tmp_path / "a" / "report.json").read_text())["calibration"]
     assert (first["onnxruntime_runs"], first["cache_hits"]) == (1, 0)
 
@@ -216,3 +217,73 @@ def test_dump_each_and_calibration_cache(toy, tmp_path, capsys, monkeypatch):
     assert second["ranges"] == first["ranges"]
     a = (tmp_path / "a" / "model.onnx.data").read_bytes()
     assert a == (tmp_path / "b" / "model.onnx.data").read_bytes()
+
+
+def _argv_code(capsys, *argv):
+    """Exit code and stderr of the CLI, argparse's usage errors (SystemExit) included."""
+    try:
+        code = main([str(a) for a in argv])
+    except SystemExit as exc:
+        code = exc.code
+    return code, capsys.readouterr().err.strip()
+
+
+_NUMERIC_CASES = [
+    # (command prefix, option, bad value, words the one-line error must contain)
+    (["compile", "{model}", "--calib", "{calib}", "-o", "{out}"], "--calib-windows", "0", "--calib-windows"),
+    (["compile", "{model}", "--calib", "{calib}", "-o", "{out}"], "--calib-windows", "-3", "--calib-windows"),
+    (["compile", "{model}", "--calib", "{calib}", "-o", "{out}"], "--calib-windows", "many", "--calib-windows"),
+    (["compile", "{model}", "--calib", "{calib}", "-o", "{out}"], "--seq-len", "1", "--seq-len"),
+    (["compile", "{model}", "--calib", "{calib}", "-o", "{out}"], "--seq-len", "0", "--seq-len"),
+    (["eval", "ppl", "{model}", "--text", "{calib}", "--tokenizer", "{tok}"], "--windows", "0", "--windows"),
+    (["eval", "ppl", "{model}", "--text", "{calib}", "--tokenizer", "{tok}"], "--offset", "-1", "--offset"),
+    (["eval", "ppl", "{model}", "--text", "{calib}", "--tokenizer", "{tok}"], "--seq-len", "1", "--seq-len"),
+    (["eval", "ppl", "{model}", "--text", "{calib}", "--tokenizer", "{tok}"], "--batch-size", "0", "--batch-size"),
+    (["eval", "ppl", "{model}", "--text", "{calib}", "--tokenizer", "{tok}"], "--threads", "0", "--threads"),
+    (["eval", "compare", "{model}", "{model}"], "--random", "0", "--random"),
+    (["eval", "compare", "{model}", "{model}"], "--max-layers", "0", "--max-layers"),
+    (["eval", "compare", "{model}", "{model}"], "--threads", "-2", "--threads"),
+    (["eval", "compare", "{model}", "{model}", "--text", "{calib}", "--tokenizer", "{tok}"], "--windows", "0", "--windows"),
+    (["inspect", "{model}"], "--calib-windows", "0", "--calib-windows"),
+    (["inspect", "{model}"], "--seq-len", "1", "--seq-len"),
+    (["inspect", "{model}"], "--outlier-threshold", "nan", "--outlier-threshold"),
+    (["inspect", "{model}"], "--outlier-threshold", "0", "--outlier-threshold"),
+    (["export", "composed-vlm", "-o", "{out}"], "--calib-samples", "0", "--calib-samples"),
+    (["export", "composed-vlm", "-o", "{out}"], "--eval-samples", "0", "--eval-samples"),
+    (["export", "composed-vlm", "-o", "{out}"], "--prefix-tokens", "0", "--prefix-tokens"),
+]
+
+
+@pytest.mark.parametrize("prefix,option,value,needle", _NUMERIC_CASES,
+                         ids=[f"{c[0][0]}{'-' + c[0][1] if c[0][0] in ('eval', 'export') else ''}{c[1]}={c[2]}" for c in _NUMERIC_CASES])
+def test_numeric_options_refuse_bad_values(toy, tmp_path, capsys, prefix, option, value, needle):
+    """Every numeric option: a value outside its range is one line on stderr, exit 2, nothing written."""
+    model, calib = toy
+    out = tmp_path / "out"
+    fill = {"model": model, "calib": calib, "tok": model.parent, "out": out}
+    argv = [a.format(**fill) for a in prefix] + [option, value]
+    code, err = _argv_code(capsys, *argv)
+    assert code == 2, err
+    assert len(err.splitlines()) == 1 and needle in err, err
+    assert not out.exists()
+
+
+def test_output_folder_that_cannot_be_created(toy, tmp_path, capsys):
+    model, calib = toy
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a folder")
+    out = blocker / "sub" / "out"
+    code, err = _argv_code(capsys, "compile", model, "--calib", calib, "-o", out)
+    assert code == 2 and len(err.splitlines()) == 1 and "is not a folder" in err, err
+    assert blocker.read_text() == "not a folder" and not (tmp_path / "sub").exists()
+
+
+def test_seq_len_longer_than_the_model_context(toy, tmp_path, capsys):
+    model, calib = toy
+    (model.parent / "config.json").write_text(json.dumps({"max_position_embeddings": 64}))
+    code, err = _argv_code(capsys, "eval", "ppl", model, "--text", calib, "--tokenizer", model.parent,
+                           "--seq-len", "65", "--windows", "1")
+    assert code == 2 and "longer than the model's context of 64" in err, err
+    out = tmp_path / "out"
+    code, err = _argv_code(capsys, "compile", model, "--calib", calib, "--seq-len", "65", "-o", out)
+    assert code == 2 and "longer than the model's context" in err and not out.exists(), err

@@ -7,8 +7,11 @@ import json
 import math
 from typing import Any
 
-from edgeq.argtypes import non_negative_int, positive_int
+from edgeq.argtypes import non_negative_int, positive_int, seq_len_int
 from edgeq.errors import UserInputError
+
+# relative perplexity gap between onnxruntime's integer kernels and exact QDQ flagged by --kernel-check
+KERNEL_GAP = 0.005
 
 _PROTOCOL = (
     "Protocol: tokenize the whole file with the model's tokenizer in one call (its special tokens "
@@ -46,13 +49,25 @@ def register(subparsers: Any) -> argparse.ArgumentParser:
     )
     ppl.add_argument("--windows", type=positive_int, default=None, metavar="N", help="windows to evaluate (default: all)")
     ppl.add_argument("--offset", type=non_negative_int, default=0, metavar="K", help="first window (default 0)")
-    ppl.add_argument("--seq-len", type=positive_int, default=512, metavar="L", help="tokens per window (default 512)")
+    ppl.add_argument("--seq-len", type=seq_len_int, default=512, metavar="L", help="tokens per window (default 512)")
     ppl.add_argument("--batch-size", type=positive_int, default=1, metavar="B", help="windows per run (default 1)")
     ppl.add_argument(
         "--no-special-tokens", dest="special_tokens", action="store_false",
         help="tokenize without the tokenizer's special tokens (differs from the project's figures)",
     )
     ppl.add_argument("--threads", type=positive_int, default=None, metavar="T", help="onnxruntime intra-op threads")
+    qdq = ppl.add_mutually_exclusive_group()
+    qdq.add_argument(
+        "--exact-qdq", action="store_true",
+        help="evaluate Q/DQ exactly as written (onnxruntime's QDQ fusion into integer kernels off, other "
+        "optimizations on): the reference a kernel's result should match",
+    )
+    qdq.add_argument(
+        "--kernel-check", action="store_true",
+        help="run twice, with onnxruntime's integer kernels (default options) and with exact QDQ, print both "
+        f"and flag a gap above {KERNEL_GAP:.1%} (the CPU's integer kernels lose accuracy: see the README, "
+        "'Integer kernels and your CPU')",
+    )
     ppl.add_argument("--json", action="store_true", help="print one JSON object instead of a line")
     ppl.set_defaults(func=run_ppl)
 
@@ -84,7 +99,7 @@ def register(subparsers: Any) -> argparse.ArgumentParser:
     cmp.add_argument("--windows", type=positive_int, default=4, metavar="N", help="windows with --text (default 4)")
     cmp.add_argument("--offset", type=non_negative_int, default=0, metavar="K", help="first window with --text (default 0)")
     cmp.add_argument(
-        "--seq-len", type=positive_int, default=None, metavar="L",
+        "--seq-len", type=seq_len_int, default=None, metavar="L",
         help="tokens per window with --text (default 512); dynamic sequence dims with --random (default 32)",
     )
     cmp.add_argument(
@@ -97,9 +112,14 @@ def register(subparsers: Any) -> argparse.ArgumentParser:
         "--max-layers", type=positive_int, default=256, metavar="M",
         help="compare at most M intermediate tensors, evenly spaced (default 256)",
     )
-    cmp.add_argument(
+    mode = cmp.add_mutually_exclusive_group()
+    mode.add_argument(
         "--optimize", action="store_true",
-        help="let onnxruntime optimize the graphs (default: run them as written)",
+        help="let onnxruntime optimize the graphs, integer kernels included (default: run them as written)",
+    )
+    mode.add_argument(
+        "--exact-qdq", action="store_true",
+        help="let onnxruntime optimize the graphs but keep Q/DQ exact (no fusion into integer kernels)",
     )
     cmp.add_argument("--threads", type=positive_int, default=None, metavar="T", help="onnxruntime intra-op threads")
     cmp.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
@@ -121,24 +141,37 @@ def _json_safe(value: Any) -> Any:
 def run_ppl(args: argparse.Namespace) -> int:
     from edgeq.evaluate.ppl import perplexity
 
-    result = perplexity(
-        args.model,
-        args.text,
-        args.tokenizer,
-        windows=args.windows,
-        offset=args.offset,
-        seq_len=args.seq_len,
-        batch_size=args.batch_size,
-        threads=args.threads,
-        special_tokens=args.special_tokens,
-    )
+    def run(exact_qdq: bool) -> dict:
+        return perplexity(
+            args.model,
+            args.text,
+            args.tokenizer,
+            windows=args.windows,
+            offset=args.offset,
+            seq_len=args.seq_len,
+            batch_size=args.batch_size,
+            threads=args.threads,
+            special_tokens=args.special_tokens,
+            exact_qdq=exact_qdq,
+        )
+
+    result = run(args.exact_qdq)
+    if args.kernel_check:
+        exact = run(True)
+        gap = result["ppl"] / exact["ppl"] - 1.0
+        result.update({"ppl_exact_qdq": exact["ppl"], "kernel_gap": gap, "kernel_gap_flagged": abs(gap) > KERNEL_GAP})
     if args.json:
         print(json.dumps(_json_safe(result)))
-    else:
-        print(
-            f"ppl {result['ppl']:.3f} over {result['tokens']} tokens "
-            f"({result['windows']} windows of {result['seq_len']}) in {result['seconds']:.1f} s"
-        )
+        return 0
+    mode = " (exact QDQ)" if args.exact_qdq else ""
+    print(
+        f"ppl {result['ppl']:.3f}{mode} over {result['tokens']} tokens "
+        f"({result['windows']} windows of {result['seq_len']}) in {result['seconds']:.1f} s"
+    )
+    if args.kernel_check:
+        print(f"ppl {result['ppl_exact_qdq']:.3f} with exact QDQ: kernel gap {result['kernel_gap']:+.2%}"
+              + (f"  WARNING: above {KERNEL_GAP:.1%}, onnxruntime's integer kernels lose accuracy on this CPU"
+                 if result["kernel_gap_flagged"] else ""))
     return 0
 
 
@@ -192,7 +225,8 @@ def run_compare(args: argparse.Namespace) -> int:
         per_layer=args.layers,
         max_layers=args.max_layers,
         threads=args.threads,
-        optimize=args.optimize,
+        optimize=args.optimize or args.exact_qdq,
+        exact_qdq=args.exact_qdq,
     )
     if args.json:
         print(json.dumps(_json_safe(result)))

@@ -162,12 +162,12 @@ def select_layers(
     return [(n, found[n]) for n in names], total
 
 
-def _session_with_outputs(path: Path, model: onnx.ModelProto, extra: Sequence[str], threads, optimize) -> Any:
+def _session_with_outputs(path: Path, model: onnx.ModelProto, extra: Sequence[str], threads, optimize, exact_qdq=False) -> Any:
     """Session of ``model`` (loaded from ``path`` without external data) with ``extra`` tensors as
     untyped graph outputs; ``model`` is extended in place (it is compare's own copy)."""
     have = {o.name for o in model.graph.output}
     model.graph.output.extend(onnx.ValueInfoProto(name=n) for n in extra if n not in have)
-    opts = session_options(threads, optimize)
+    opts = session_options(threads, optimize, exact_qdq)
     opts.add_session_config_entry(
         "session.model_external_initializers_file_folder_path", str(path.resolve().parent)
     )
@@ -225,6 +225,7 @@ def compare(
     max_layers: int | None = 256,
     threads: int | None = None,
     optimize: bool = False,
+    exact_qdq: bool = False,
 ) -> dict:
     """Run A (reference) and B on every feed dict; statistics per output and, with
     ``per_layer``, per shared intermediate tensor (see the module docstring).
@@ -244,12 +245,12 @@ def compare(
         proto_b = load_model(path_b, load_external=False)
         layers, available = select_layers(proto_a, proto_b, max_layers=max_layers)
         layer_names = [n for n, _ in layers]
-        sess_a = _session_with_outputs(path_a, proto_a, layer_names, threads, optimize)
-        sess_b = _session_with_outputs(path_b, proto_b, layer_names, threads, optimize)
+        sess_a = _session_with_outputs(path_a, proto_a, layer_names, threads, optimize, exact_qdq)
+        sess_b = _session_with_outputs(path_b, proto_b, layer_names, threads, optimize, exact_qdq)
         del proto_a, proto_b
     else:
-        sess_a = open_session(path_a, threads=threads, optimize=optimize)
-        sess_b = open_session(path_b, threads=threads, optimize=optimize)
+        sess_a = open_session(path_a, options=session_options(threads, optimize, exact_qdq))
+        sess_b = open_session(path_b, options=session_options(threads, optimize, exact_qdq))
 
     if callable(feeds_list):
         feeds_list = feeds_list(sess_a.get_inputs())

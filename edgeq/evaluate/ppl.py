@@ -22,13 +22,23 @@ from edgeq.progress import progress
 from edgeq.textdata import feeds_for_windows, token_windows
 
 
-def session_options(threads: int | None = None, optimize: bool = True) -> Any:
-    """onnxruntime SessionOptions: default graph optimizations (or none), ``threads`` intra-op."""
+# onnxruntime session config that keeps every Q/DQ as written (no integer-kernel fusion: no
+# MatMulIntegerToFloat / QLinearMatMul / QGemm), all other optimizations on: the exact-QDQ
+# reference that a kernel's result is compared with (README "Integer kernels and your CPU").
+EXACT_QDQ_CONFIG = {"session.disable_quant_qdq": "1"}
+
+
+def session_options(threads: int | None = None, optimize: bool = True, exact_qdq: bool = False) -> Any:
+    """onnxruntime SessionOptions: default graph optimizations (or none), ``threads`` intra-op;
+    ``exact_qdq``: Q/DQ evaluated as written, not fused into integer kernels."""
     import onnxruntime as ort
 
     opts = ort.SessionOptions()
     if not optimize:
         opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    if exact_qdq:
+        for key, value in EXACT_QDQ_CONFIG.items():
+            opts.add_session_config_entry(key, value)
     if threads is not None:
         if threads < 1:
             raise UserInputError(f"threads must be >= 1, got {threads}")
@@ -104,10 +114,12 @@ def perplexity(
     threads: int | None = None,
     special_tokens: bool = True,
     session_config: dict[str, str] | None = None,
+    exact_qdq: bool = False,
 ) -> dict:
     """Perplexity of ``model_path`` on the text; see the module docstring for the protocol.
     ``session_config``: onnxruntime session config entries (e.g.
-    ``{"session.qdq_matmulnbits_accuracy_level": "0"}``).
+    ``{"session.qdq_matmulnbits_accuracy_level": "0"}``); ``exact_qdq``: Q/DQ evaluated as
+    written (no integer-kernel fusion), the reference for the kernels' result.
 
     Returns ``ppl``, ``nll`` (total, nats), ``tokens`` (predicted tokens), ``windows``, ``offset``,
     ``seq_len``, ``batch_size``, ``special_tokens`` and ``seconds`` (model runs and NLL, not
@@ -118,7 +130,7 @@ def perplexity(
     ids = token_windows(
         text_path, tokenizer_dir, seq_len=seq_len, windows=windows, offset=offset, special_tokens=special_tokens
     )
-    options = session_options(threads)
+    options = session_options(threads, exact_qdq=exact_qdq)
     for key, value in (session_config or {}).items():
         options.add_session_config_entry(key, value)
     session = open_session(model_path, options=options)
@@ -134,7 +146,11 @@ def perplexity(
     for b0 in progress(starts, total=len(starts), desc="ppl"):
         batch = ids[b0 : b0 + batch_size]
         feeds = feeds_for_windows(specs, batch)
-        (logits,) = session.run([out_name], feeds)
+        try:
+            (logits,) = session.run([out_name], feeds)
+        except Exception as exc:  # onnxruntime's own error types (out of memory, bad shapes, ...)
+            first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            raise UserInputError(f"onnxruntime failed on windows {b0}..{b0 + len(batch) - 1}: {first[:300]}") from None
         if logits.ndim != 3 or logits.shape[:2] != batch.shape:
             raise UserInputError(
                 f"model output '{out_name}' has shape {list(logits.shape)}, expected "
@@ -162,6 +178,7 @@ def perplexity(
         "batch_size": batch_size,
         "special_tokens": special_tokens,
         "seconds": seconds,
+        "qdq": "exact" if exact_qdq else "kernels",
         "model": str(model_path),
         "text": str(text_path),
     }

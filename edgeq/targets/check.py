@@ -12,7 +12,10 @@ a pass meant to write. Rules, one violation line each:
   activation (a QuantizeLinear, or a DequantizeLinear of a non-constant no Q in the graph feeds) or
   an integer weight feeding a DequantizeLinear outside ``[activations]`` / ``[weights]``;
 - ``pow2-scale``: with ``power_of_two_scales``, a Q/DQ (subgraphs included) whose scale is not an
-  exact power of two, or is computed at run time so that no power of two can be promised.
+  exact power of two, or is computed at run time so that no power of two can be promised;
+- ``u8s8-saturation``: unless the profile has ``int8_weight_range = "full-vnni-only"``, a linear
+  onnxruntime runs as uint8 x int8 whose int8 weight codes have an adjacent K pair that can
+  saturate VPMADDUBSW on CPUs without VNNI (``edgeq.targets.saturation``).
 
 Element types come from the graph's declarations plus onnx type inference on a copy of the graph
 without its large initializers (weights are never copied).
@@ -86,7 +89,23 @@ def check_model(model: onnx.ModelProto, profile: TargetProfile) -> CheckResult:
     violations += _check_quantization(model, profile)
     if profile.power_of_two_scales:
         violations += _check_pow2(graph, profile)
+    if profile.int8_weight_range == "u8s8-safe":
+        violations += _check_u8s8(model)
     return CheckResult(profile.name, violations)
+
+
+def _check_u8s8(model: onnx.ModelProto) -> list[Violation]:
+    import onnx_graphsurgeon as gs
+
+    from edgeq.targets.saturation import PAIR_LIMIT
+    from edgeq.targets.u8s8_sites import find_u8s8_sites, static_risk
+
+    risk = static_risk(find_u8s8_sites(gs.import_onnx(model)))
+    return [Violation(name, "u8s8-saturation",
+                      f"{name}: uint8 x int8 linear whose int8 weight codes reach |q0|+|q1| = {worst} > {PAIR_LIMIT} in "
+                      "an adjacent K pair: onnxruntime's VPMADDUBSW kernel saturates on CPUs without VNNI (AVX2, "
+                      "AVX-512 without VNNI); recompile with --target ort-cpu (or target ort-cpu-vnni on VNNI/AMX/ARM64 only)")
+            for name, worst in risk.items()]
 
 
 def _walk(nodes):

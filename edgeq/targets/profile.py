@@ -12,6 +12,8 @@ and which lowering passes ``--target`` runs to get there. Adding a target is add
     dtypes = ["float32", "int64"]     # element types of every tensor but the Q/DQ integer side
     power_of_two_scales = false       # every Q/DQ scale an exact power of two
     ort_kernels = false               # optional: compile selects the onnxruntime-extensions kernels
+    int8_weight_range = "u8s8-safe"   # optional: or "full-vnni-only" (CPUs whose uint8 x int8
+                                      # kernel cannot saturate: AVX-512 VNNI, AVX-VNNI, AMX, ARM64)
     [activations]                     # QuantizeLinear, and DequantizeLinear not reading a weight
     dtypes = ["int8", "uint8"]
     symmetric = false                 # true: zero point 0 (signed) or the midpoint (unsigned)
@@ -95,6 +97,9 @@ class TargetProfile:
     activations: QuantRules
     weights: QuantRules
     ort_kernels: bool = False  # compile hands edgeq ops to edgeq.runtime_ops.ort_kernels (opt-in)
+    # "u8s8-safe": int8 weights of uint8 x int8 linears on the grid no CPU kernel saturates (and
+    # ``edgeq check`` flags those that could); "full-vnni-only": the full int8 grid
+    int8_weight_range: str = "u8s8-safe"
 
     def allows_op(self, domain: str, op_type: str) -> bool:
         if domain in ("", "ai.onnx"):
@@ -111,7 +116,7 @@ _TOP_KEYS = {"description", "lowering", "ops", "edgeq_ops", "domains", "dtypes",
              "activations", "weights"}
 _QUANT_KEYS = {"dtypes", "symmetric", "granularity"}
 # optional keys: they never allow anything, so leaving them out cannot silently widen a profile
-_OPTIONAL_KEYS = {"ort_kernels"}
+_OPTIONAL_KEYS = {"ort_kernels", "int8_weight_range"}
 
 
 def builtin_target_names() -> list[str]:
@@ -171,7 +176,19 @@ def parse_target(text: str, name: str, source: str = "target") -> TargetProfile:
         activations=_quant_rules(data, "activations", source),
         weights=_quant_rules(data, "weights", source),
         ort_kernels=_typed(optional, "ort_kernels", bool, source) if "ort_kernels" in optional else False,
+        int8_weight_range=_weight_range(optional, source),
     )
+
+
+def _weight_range(optional: dict, source: str) -> str:
+    from edgeq.passbase import INT8_WEIGHT_RANGES
+
+    if "int8_weight_range" not in optional:
+        return INT8_WEIGHT_RANGES[0]
+    value = _typed(optional, "int8_weight_range", str, source)
+    if value not in INT8_WEIGHT_RANGES:
+        raise UserInputError(f"{source}: 'int8_weight_range' must be one of {', '.join(INT8_WEIGHT_RANGES)}, got {value!r}")
+    return value
 
 
 def _quant_rules(data: dict, key: str, source: str) -> QuantRules:

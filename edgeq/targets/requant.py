@@ -163,3 +163,10 @@ def relative_rms(err2: float, ref2: float) -> float:
     if err2 == 0.0:
         return 0.0
     return float(np.sqrt(err2 / ref2)) if ref2 > 0 else float("inf")
+
+
+def pow2_ceil(scale: np.ndarray) -> np.ndarray:
+    """2^ceil(log2 s), exactly (frexp: s = m 2^e with m in [0.5, 1); m = 0.5 is already 2^(e-1))."""
+    s = np.asarray(scale, np.float64)
+    mantissa, exponent = np.frexp(s)
+    return np.where(mantissa == 0.5, s, np.ldexp(1.0, exponent)).astype(np.asarray(scale).dtype)

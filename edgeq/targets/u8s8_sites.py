@@ -1,0 +1,136 @@
+"""Where onnxruntime's CPU provider will run a uint8 x int8 integer kernel in a QDQ graph.
+
+The pattern its QDQ transformers fuse into ``MatMulIntegerToFloat`` / ``QLinearMatMul`` / ``QGemm``:
+a MatMul (or Gemm) whose first input is a DequantizeLinear of an 8-bit integer activation (uint8,
+or int8 which onnxruntime shifts to uint8 on x86) and whose second is a DequantizeLinear of a
+constant int8 weight, per tensor or per output channel (2-D). Those are the linears whose int8
+codes decide whether VPMADDUBSW can saturate (``edgeq.targets.saturation``). uint8 weights take
+the exact U8U8 kernel and are not listed; 16-bit activations are not fused into integer kernels.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import onnx
+import onnx_graphsurgeon as gs
+
+from edgeq import ir
+from edgeq.targets.requant import WeightDQ, integer_dtype, read_constant, weight_dequantizers
+
+_LINEAR_OPS = ("MatMul", "Gemm")
+
+
+@dataclass
+class U8S8Site:
+    """One linear onnxruntime runs as uint8 activation x int8 weight."""
+
+    node: gs.Node  # the MatMul / Gemm
+    activation: gs.Tensor  # the 8-bit integer activation (the activation DequantizeLinear's input)
+    activation_zero_point: int
+    activation_signed: bool  # int8 (shifted to uint8 by onnxruntime on x86) or uint8
+    weight: WeightDQ
+    k_axis: int  # the weight's reduction axis (0 for MatMul, 1 for Gemm with transB)
+
+    def weight_kn(self) -> np.ndarray:
+        """The weight's integer codes as [K, N]."""
+        return np.moveaxis(self.weight.q, self.k_axis, 0)
+
+
+def _activation_dq(index: ir.GraphIndex, tensor: gs.Tensor) -> tuple[gs.Tensor, int, bool] | None:
+    """(integer input, zero point, signed) when ``tensor`` is a DequantizeLinear of a non-constant 8-bit tensor."""
+    node = index.producer(tensor.name)
+    if node is None or node.op != "DequantizeLinear" or isinstance(node.inputs[0], gs.Constant):
+        return None
+    zp_t = node.inputs[2] if len(node.inputs) > 2 and node.inputs[2].name else None
+    zp = read_constant(index, zp_t) if zp_t is not None else np.zeros((), np.uint8)
+    if zp is None or np.size(zp) != 1 or integer_dtype(np.asarray(zp)) not in ("int8", "uint8"):
+        return None
+    return node.inputs[0], int(np.asarray(zp).reshape(())), integer_dtype(np.asarray(zp)) == "int8"
+
+
+def find_u8s8_sites(graph: gs.Graph, index: ir.GraphIndex | None = None) -> list[U8S8Site]:
+    """Every uint8 x int8 linear of the main graph, in graph order."""
+    index = index or ir.GraphIndex(graph)
+    by_output = {}
+    for wdq in weight_dequantizers(graph, index):
+        if wdq.spec.dtype == "int8" and not wdq.spec.block_size and wdq.q.ndim == 2:
+            by_output[wdq.node.outputs[0].name] = wdq
+    sites = []
+    for node in graph.nodes:
+        if node.op not in _LINEAR_OPS or len(node.inputs) < 2:
+            continue
+        wdq = by_output.get(node.inputs[1].name)
+        if wdq is None:
+            continue
+        act = _activation_dq(index, node.inputs[0])
+        if act is None:
+            continue
+        k_axis = 1 if node.op == "Gemm" and node.attrs.get("transB", 0) else 0
+        if wdq.spec.axis is not None and wdq.spec.axis == k_axis:
+            continue  # scales along K: not a per-output-channel weight onnxruntime fuses
+        sites.append(U8S8Site(node, act[0], act[1], act[2], wdq, k_axis))
+    return sites
+
+
+def u8s8_weights(graph: gs.Graph, index: ir.GraphIndex | None = None) -> list[tuple[WeightDQ, int]]:
+    """(weight, K axis) of every uint8 x int8 linear."""
+    return [(s.weight, s.k_axis) for s in find_u8s8_sites(graph, index)]
+
+
+def static_risk(sites: list[U8S8Site]) -> dict[str, int]:
+    """Linear name -> its worst adjacent-pair ``|q0| + |q1|`` where that exceeds 128 (may saturate)."""
+    from edgeq.targets.saturation import PAIR_LIMIT, worst_pair
+
+    out = {}
+    for site in sites:
+        worst = int(worst_pair(site.weight_kn()).max(initial=0))
+        if worst > PAIR_LIMIT:
+            out[site.node.name] = worst
+    return out
+
+
+def probe_saturation(model: onnx.ModelProto, feeds: dict[str, np.ndarray], rows: int = 32) -> dict:
+    """Per uint8 x int8 linear: the worst-case bound of its weight codes and what the VPMADDUBSW
+    model (``edgeq.targets.saturation``) predicts on real activation codes (``rows`` token rows,
+    evenly spaced, of one run on ``feeds``). The model runs in onnxruntime without graph
+    optimizations (exact QDQ), with the integer activations as extra outputs, removed afterwards.
+    Also proves that the model loads in onnxruntime."""
+    from edgeq.targets.saturation import PAIR_LIMIT, simulate_linear, worst_pair
+
+    graph = gs.import_onnx(model)
+    sites = find_u8s8_sites(graph)
+    names = sorted({s.activation.name for s in sites})
+    graph_outputs = {o.name for o in model.graph.output}
+    signed = {s.activation.name: s.activation_signed for s in sites}
+    extra = [onnx.helper.make_tensor_value_info(n, onnx.TensorProto.INT8 if signed[n] else onnx.TensorProto.UINT8, None)
+             for n in names if n not in graph_outputs]
+    model.graph.output.extend(extra)
+    try:
+        session = ir.make_session(model)
+    finally:
+        del model.graph.output[len(model.graph.output) - len(extra):]
+    if not sites:
+        return {"linears": 0}
+    fetched = dict(zip(names, session.run(names, feeds)))
+    per_linear = {}
+    for site in sites:
+        q_kn = site.weight_kn()
+        codes = fetched[site.activation.name].reshape(-1, q_kn.shape[0])
+        pick = np.unique(np.linspace(0, codes.shape[0] - 1, min(rows, codes.shape[0])).astype(np.int64))
+        stats = simulate_linear(codes[pick], site.activation_zero_point, q_kn, site.weight.zero_point)
+        per_linear[site.node.name] = {"worst_pair": int(worst_pair(q_kn).max(initial=0)), **stats.to_dict()}
+    worst = max(v["worst_pair"] for v in per_linear.values())
+    return {
+        "linears": len(per_linear),
+        "pair_limit": PAIR_LIMIT,
+        "worst_pair": worst,
+        "saturation_free": worst <= PAIR_LIMIT,
+        "linears_at_risk": sum(v["worst_pair"] > PAIR_LIMIT for v in per_linear.values()),
+        "rows_probed": int(min(rows, codes.shape[0])),
+        "max_pair_rate": max(v["pair_rate"] for v in per_linear.values()),
+        "max_rel_error": max(v["rel_error"] for v in per_linear.values()),
+        "per_linear": per_linear,
+    }
+

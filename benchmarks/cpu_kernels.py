@@ -44,12 +44,18 @@ def _recipe_variant(recipe: str, extra: dict, folder: Path) -> str:
         return recipe
     from importlib import resources
 
+    import re
+
     text = (resources.files("edgeq") / "recipes" / f"{recipe}.toml").read_text()
-    last = text.rstrip().rsplit("[[pass]]", 1)[1]
+    head, last = text.rstrip().rsplit("[[pass]]", 1)
     if 'name = "qdq"' not in last:
         raise SystemExit(f"{recipe}: the forms study needs qdq as the last pass")
+    for key, value in extra.items():  # replace the key where the recipe sets it, else add it
+        last, found = re.subn(rf"(?m)^{key}\s*=.*$", f"{key} = {value}", last)
+        if not found:
+            last += f"\n{key} = {value}"
     path = folder / f"{recipe}-{'-'.join(f'{k}{v}'.replace(chr(34), '') for k, v in extra.items())}.toml"
-    path.write_text(text.rstrip() + "\n" + "".join(f"{k} = {v}\n" for k, v in extra.items()))
+    path.write_text(head + "[[pass]]" + last + "\n")
     return str(path)
 
 
@@ -73,7 +79,10 @@ def main(argv=None) -> int:
     p.add_argument("--repeats", type=int, default=10, help="latency runs per graph (interleaved)")
     p.add_argument("--reuse", action="store_true", help="reuse compiled graphs already in --work")
     p.add_argument("--skip-latency", action="store_true")
+    p.add_argument("--latency-only", action="store_true",
+                   help="reuse the graphs and the perplexities of an earlier --out; measure latency only (on a quiet machine)")
     a = p.parse_args(argv)
+    a.reuse = a.reuse or a.latency_only
 
     from edgeq.evaluate.machine import isa_label
     from edgeq.evaluate.ppl import perplexity
@@ -98,9 +107,14 @@ def main(argv=None) -> int:
             graphs[recipe] = out / "model.onnx"
     results: dict = {"model": str(fp32), "calib_windows": a.calib_windows, "eval_windows": a.eval_windows,
                      "isa": isa_label(), "rows": rows}
-    base = perplexity(fp32, DATA / "test.txt", a.model_dir, windows=a.eval_windows)["ppl"]
-    results["fp32_ppl"] = round(base, 3)
-    for name, path in graphs.items():
+    if a.latency_only:
+        earlier = json.loads(a.out.read_text())
+        results = {**earlier, "isa": isa_label()}
+        rows = results["rows"]
+    else:
+        results["fp32_ppl"] = round(perplexity(fp32, DATA / "test.txt", a.model_dir, windows=a.eval_windows)["ppl"], 3)
+    base = results["fp32_ppl"]
+    for name, path in graphs.items() if not a.latency_only else ():
         kern = perplexity(path, DATA / "test.txt", a.model_dir, windows=a.eval_windows)["ppl"]
         exact = perplexity(path, DATA / "test.txt", a.model_dir, windows=a.eval_windows, exact_qdq=True)["ppl"]
         rows[name].update({"ppl": round(kern, 3), "ppl_exact_qdq": round(exact, 3), "x_fp32": round(kern / base, 4),

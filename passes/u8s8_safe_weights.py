@@ -17,13 +17,11 @@ weight error); a graph with nothing at risk is left untouched.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import numpy as np
 import onnx_graphsurgeon as gs
 
 from edgeq import ir
-from edgeq.passbase import Exactness, Pass, PassConfig, PassContext, PassResult
+from edgeq.passbase import Exactness, Pass, PassContext, PassResult
 from edgeq.quant import QuantSpec
 from edgeq.registry import register_pass
 from edgeq.targets.check import is_power_of_two
@@ -32,16 +30,10 @@ from edgeq.targets.saturation import PAIR_LIMIT, fix_pairs, pair_bounded_scale, 
 from edgeq.targets.u8s8_sites import u8s8_weights
 
 
-@dataclass(frozen=True)
-class U8S8SafeWeightsConfig(PassConfig):
-    pass
-
-
 @register_pass
 class U8S8SafeWeightsPass(Pass):
     name = "u8s8-safe-weights"
     exactness = Exactness.LOSSY
-    Config = U8S8SafeWeightsConfig
     summary_line = "requantize int8 weights of uint8 x int8 linears that could saturate CPUs without VNNI onto the pair-bounded grid"
 
     def run(self, graph: gs.Graph, ctx: PassContext) -> PassResult:

@@ -22,7 +22,7 @@ from edgeq.recipes import load_recipe
 from edgeq.registry import get_pass
 from edgeq.targets import builtin_target_names, check_model, load_target, parse_target
 
-BUILTINS = ["generic-qdq", "ort-cpu", "ort-cpu-kernels", "pow2-int", "qnn-htp"]
+BUILTINS = ["generic-qdq", "ort-cpu", "ort-cpu-kernels", "ort-cpu-vnni", "pow2-int", "qnn-htp"]
 
 
 # ---------------------------------------------------------------- profiles
@@ -37,6 +37,8 @@ def test_builtin_profiles_load():
     assert htp.activations.allows_dtype("uint16") and htp.activations.max_bits == 16 and htp.weights.symmetric
     assert not htp.allows_op("", "Shape") and htp.allows_op("", "MatMul")
     assert pow2.power_of_two_scales
+    # full-range int8 weights only where the target says the CPU cannot saturate them
+    assert [load_target(n).int8_weight_range for n in BUILTINS] == ["u8s8-safe"] * 3 + ["full-vnni-only"] + ["u8s8-safe"] * 2
     assert pow2.lowering == ("expand-functions", "matmulnbits-to-qdq", "int8-activations", "int8-weights", "symmetric-weights", "pow2-scales")
     assert htp.lowering == ("expand-functions", "matmulnbits-to-qdq", "symmetric-weights")
     assert pow2.activations.dtypes == {"int8"} and pow2.weights.dtypes == {"int8"}
@@ -248,7 +250,7 @@ def test_targets_lists_builtins(capsys):
     assert code == 0
     lines = out.strip().splitlines()
     assert [line.split()[0] for line in lines] == BUILTINS
-    assert "[lowering: expand-functions,matmulnbits-to-qdq,int8-activations,int8-weights,symmetric-weights,pow2-scales]" in lines[3]
+    assert "[lowering: expand-functions,matmulnbits-to-qdq,int8-activations,int8-weights,symmetric-weights,pow2-scales]" in lines[BUILTINS.index("pow2-int")]
 
 
 def test_check_exit_codes(toy, tmp_path, capsys):

@@ -1,0 +1,127 @@
+"""Real SmolLM2: every shipped 8-bit-activation recipe gives the same perplexity with onnxruntime's
+integer kernels (default session options) as with exact QDQ, on whatever CPU the tests run on.
+
+Before the pair-bounded int8 grid, the default mquant-w8a8 graph scored 54.7 instead of 25.5 on 4
+windows of an AVX2 machine (onnxruntime's u8s8 kernel saturates); the full-range form is kept
+here (``--target ort-cpu-vnni``) to show that the test can fail: on a CPU whose kernel saturates
+its gap must be large and the numpy VPMADDUBSW model must predict it; on a VNNI / AMX / ARM64 CPU
+the gap must vanish while the model still flags the weights as at risk.
+
+Calibration is cut to 2 windows of 128 tokens and evaluation to 2 windows of 512 (the kernel gap
+does not need more, and CI time does); the benchmark (benchmarks/cpu_kernels.py) has the full figures.
+"""
+
+import json
+
+import numpy as np
+import onnx
+import onnx_graphsurgeon as gs
+import pytest
+
+from edgeq.cli import main
+from edgeq.evaluate.machine import machine_info, saturating_cpu
+from edgeq.evaluate.ppl import perplexity
+from edgeq.targets.saturation import vpmaddubsw_matmul
+from edgeq.targets.u8s8_sites import find_u8s8_sites, static_risk
+
+DATA = __import__("pathlib").Path(__file__).resolve().parents[1] / "data" / "wikitext-2"
+RECIPES_8BIT = ["w8a8", "w8a8-mse", "quarot-w8a8", "mquant-w8a8", "mquant-w4a8", "muxq-w8a8", "resq-w4a8",
+                "mquant-w8a8-a16down"]
+GAP = 0.005  # the issue's bound: default within 0.5% of exact QDQ
+
+
+def _compile(smollm2_dir, out, recipe, *extra):
+    code = main(["compile", str(smollm2_dir / "model.onnx"), "--recipe", recipe, "--calib", str(DATA / "valid.txt"),
+                 "--calib-windows", "2", "--seq-len", "128", "-o", str(out), *extra])
+    assert code == 0
+    return out
+
+
+def _gap(path, tokenizer) -> tuple[float, float]:
+    kernels = perplexity(path, DATA / "test.txt", tokenizer, windows=2)["ppl"]
+    exact = perplexity(path, DATA / "test.txt", tokenizer, windows=2, exact_qdq=True)["ppl"]
+    return kernels, exact
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("recipe", RECIPES_8BIT)
+def test_recipe_integer_kernels_match_exact_qdq(recipe, smollm2_dir, tmp_path):
+    out = _compile(smollm2_dir, tmp_path / recipe, recipe)
+    u8s8 = json.loads((out / "report.json").read_text())["u8s8"]
+    assert u8s8["saturation_free"] and u8s8["linears_at_risk"] == 0 and u8s8["max_pair_rate"] == 0.0
+    if recipe != "mquant-w8a8-a16down":  # its down_proj inputs are 16-bit: fewer u8s8 linears
+        assert u8s8["linears"] >= 150
+    kernels, exact = _gap(out / "model.onnx", smollm2_dir)
+    assert abs(kernels / exact - 1) <= GAP, (recipe, kernels, exact, machine_info()["u8s8_kernel"])
+
+
+@pytest.mark.slow
+def test_full_range_weights_fail_where_the_kernel_saturates(smollm2_dir, tmp_path):
+    """The form every graph had before: the test above fails with it on AVX2, and the model says why."""
+    out = _compile(smollm2_dir, tmp_path / "full", "mquant-w8a8", "--target", "ort-cpu-vnni")
+    u8s8 = json.loads((out / "report.json").read_text())["u8s8"]
+    assert u8s8["linears_at_risk"] > 100 and u8s8["max_pair_rate"] > 0  # predicted on any machine
+    kernels, exact = _gap(out / "model.onnx", smollm2_dir)
+    if saturating_cpu():
+        assert kernels / exact - 1 > 10 * GAP, (kernels, exact)
+    else:
+        assert abs(kernels / exact - 1) <= GAP, (kernels, exact, machine_info()["u8s8_kernel"])
+
+    # one real linear: the machine's integer result equals the VPMADDUBSW model's (saturating
+    # CPU) or the exact product (otherwise), on real activation codes of this graph
+    model = onnx.load(str(out / "model.onnx"))
+    sites = find_u8s8_sites(gs.import_onnx(model))
+    risky = static_risk(sites)
+    site = next(s for s in sites if s.node.name in risky and "down_proj" in s.node.name)
+    codes = _activation_codes(model, site.activation.name, smollm2_dir)[:8]
+    q_kn = site.weight_kn().astype(np.int8)
+    predicted, saturated, _ = vpmaddubsw_matmul(codes, q_kn)
+    assert saturated > 0
+    exact_int = codes.astype(np.int64) @ q_kn.astype(np.int64)
+    got = _machine_matmul_integer(codes, q_kn)
+    np.testing.assert_array_equal(got, predicted if saturating_cpu() else exact_int)
+
+
+def _activation_codes(model: onnx.ModelProto, name: str, tokenizer) -> np.ndarray:
+    from edgeq import ir
+    from edgeq.textdata import feeds_for_windows, token_windows
+
+    model.graph.output.extend([onnx.helper.make_tensor_value_info(name, onnx.TensorProto.UINT8, None)])
+    session = ir.make_session(model)
+    ids = token_windows(DATA / "test.txt", tokenizer, seq_len=64, windows=1)
+    codes = session.run([name], feeds_for_windows(session.get_inputs(), ids))[0]
+    return codes.reshape(-1, codes.shape[-1])
+
+
+def _machine_matmul_integer(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    from onnx import TensorProto, helper, numpy_helper
+
+    from edgeq import ir
+
+    node = helper.make_node("MatMulInteger", ["a", "b"], ["y"])
+    graph = helper.make_graph([node], "g", [helper.make_tensor_value_info("a", TensorProto.UINT8, list(a.shape))],
+                              [helper.make_tensor_value_info("y", TensorProto.INT32, None)], [numpy_helper.from_array(b, "b")])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)], ir_version=8)
+    return ir.make_session(model, optimize=True).run(None, {"a": a})[0].astype(np.int64)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("recipe", ["mquant-w8a8-vlm", "mquant-w4a8-vlm"])
+def test_vlm_recipe_integer_kernels_match_exact_qdq(recipe, composed_vlm_dir, tmp_path):
+    """The -vlm recipes on the composed vision-language model (SmolLM2 + visual tokens): logits with
+    onnxruntime's integer kernels equal the exact-QDQ logits up to float rounding (no text labels
+    here, so the check is on the logits of two evaluation samples, not perplexity)."""
+    from edgeq.evaluate.ppl import open_session, session_options
+    from edgeq.pipeline import sqnr_db
+    from edgeq.textdata import load_npz_samples
+
+    out = tmp_path / recipe
+    assert main(["compile", str(composed_vlm_dir / "model.onnx"), "--recipe", recipe, "--calib",
+                 str(composed_vlm_dir / "calib.npz"), "--calib-windows", "2", "-o", str(out)]) == 0
+    u8s8 = json.loads((out / "report.json").read_text())["u8s8"]
+    assert u8s8["saturation_free"] and u8s8["linears"] >= 150
+    kernels = open_session(out / "model.onnx")
+    exact = open_session(out / "model.onnx", options=session_options(exact_qdq=True))
+    for feeds in load_npz_samples(composed_vlm_dir / "eval.npz", kernels.get_inputs())[:2]:
+        k, e = kernels.run(None, feeds)[0], exact.run(None, feeds)[0]
+        assert sqnr_db(e, k) > 40.0, (recipe, sqnr_db(e, k), machine_info()["u8s8_kernel"])

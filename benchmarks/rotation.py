@@ -43,7 +43,7 @@ def main(argv=None) -> int:
     a = bench_parser(__doc__, "bench-rotation", "w8a8,quarot-w8a8,mquant-w8a8,mquant-w4a8").parse_args(argv)
 
     from edgeq import ir
-    from edgeq.eq9 import eq9_table
+    from edgeq.passes.methods.eq9 import eq9_table
     from edgeq.evaluate.ppl import perplexity
 
     fp32 = a.model_dir / "model.onnx"

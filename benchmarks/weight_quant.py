@@ -63,7 +63,7 @@ def ablation_recipe(base: str, pass_name: str, changes: dict[str, str]) -> str:
 def sweep_seconds_7b(group_size: int = 128) -> dict:
     """Seconds of one GPTQ sweep per Llama-2-7B linear shape (random weight, random SPD Hessian),
     and the sum over the 7 linears of 32 layers."""
-    from edgeq.gptq import gptq_quantize
+    from edgeq.passes.methods.gptq import gptq_quantize
     from edgeq.quant import QuantSpec
 
     rng = np.random.default_rng(0)

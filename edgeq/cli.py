@@ -49,7 +49,6 @@ def _add_compile(sub) -> None:
     p.add_argument("--verify", action="store_true", help="onnx checker + onnxruntime session after every pass")
     p.add_argument("--check-numerics", action="store_true", help="log output drift against the input model after every pass")
     p.add_argument("--no-cache", action="store_true", help="do not read or write the calibration cache")
-    p.add_argument("--seed", type=int, default=0, help="seed for passes that draw random numbers")
     p.add_argument("--target", help="target profile (see `edgeq targets`) or a profile .toml: run its lowering passes "
                                     "after the recipe's, then fail (exit 3, nothing written) if the model is still outside it")
     p.set_defaults(func=_run_compile)
@@ -64,7 +63,7 @@ def _run_compile(args) -> int:
         model=args.model, out_dir=args.out, recipe=args.recipe or DEFAULT_RECIPE, calib=args.calib,
         tokenizer=args.tokenizer, calib_windows=args.calib_windows, seq_len=args.seq_len,
         dump_each=args.dump_each, verify=args.verify, check_numerics=args.check_numerics,
-        use_cache=not args.no_cache, seed=args.seed, target=args.target,
+        use_cache=not args.no_cache, target=args.target,
     )
     try:
         report = compile_model(req)

@@ -1,26 +1,18 @@
-"""``edgeq compile``: load, calibrate, run the recipe's pipeline, write outputs atomically.
+"""``edgeq compile``: plan -> run -> write.
 
-Outputs (all written into a temporary folder that replaces OUTDIR only on success):
-``model.onnx`` + ``model.onnx.data``, ``report.json`` (each pass: time, what it changed;
-calibration summary; numerics if asked), ``encodings.json`` (every quantized tensor, vendor-neutral),
-``aimet_encodings.json`` (the same in the AIMET/QNN 1.0.0 layout, for a QNN-style converter's
-quantization overrides; what that layout cannot express is listed in report.json) and
-``manifest.json`` (input model hash, recipe, versions, target, every output file's sha256; written
-last so it covers the final file set).
-
-With a target (``--target``, a profile in ``edgeq.targets``), the profile's lowering passes run
-after the recipe's, in the same pipeline (so ``--verify`` and friends cover them), and the result
-is checked against the profile: still outside it, the compile raises ``TargetUnreachable``
-(exit 3) before anything is written; inside it, ``report.json`` gets a ``target`` entry (the
-lowering passes' records and the check result). A profile with ``ort_kernels = true``
-(``ort-cpu-kernels``) then hands the edgeq ops to ``edgeq.runtime_ops.ort_kernels`` (their
-function bodies stay in the file as the fallback).
+- ``plan``: everything that can be refused is checked before any work (output folder, recipe,
+  target, model, opset, calibration data), and what the outputs must record is taken once: the
+  recipe as it was read (origin and hash), the input model's file hashes, its fingerprint.
+- ``run``: one ``Pipeline`` over the recipe's passes, the target's lowering passes and, unless the
+  target allows full-range int8 weights (``ort-cpu-vnni``), the ``u8s8-safe-weights`` guard; then
+  the encodings are read from the result once, and with a target the result is checked against
+  its profile (``TargetUnreachable``, exit 3, nothing written).
+- ``write``: ``edgeq.artifacts.writer`` writes the folder atomically (model, report, encodings,
+  AIMET encodings, manifest last).
 """
 
 from __future__ import annotations
 
-import json
-import resource
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -29,17 +21,18 @@ import onnx
 
 import edgeq
 from edgeq import ir
+from edgeq.artifacts.encodings import collect_encodings
+from edgeq.artifacts.manifest import input_model_record
+from edgeq.artifacts.writer import write_outputs
 from edgeq.calib.dataset import build_calibration_set
 from edgeq.calib.session import Calibrator
-from edgeq.encodings import collect_encodings
-from edgeq.encodings_aimet import aimet_unsupported, write_aimet
 from edgeq.errors import UserInputError
-from edgeq.manifest import write_manifest
-from edgeq.passbase import PassContext
+from edgeq.passbase import Pass, PassContext
 from edgeq.pipeline import Pipeline, PipelineOptions
-from edgeq.recipes import DEFAULT_RECIPE, load_recipe
+from edgeq.recipes import DEFAULT_RECIPE, Recipe, load_recipe
 from edgeq.registry import get_pass
-from edgeq.targets import TargetUnreachable, check_model, load_target
+from edgeq.targets import TargetProfile, TargetUnreachable, check_model, load_target
+from edgeq.textdata import default_tokenizer_dir
 
 
 @dataclass(frozen=True)
@@ -55,14 +48,118 @@ class CompileRequest:
     verify: bool = False
     check_numerics: bool = False
     use_cache: bool = True
-    seed: int = 0
     target: str | None = None
 
 
-def default_tokenizer_dir(model_path: Path) -> Path | None:
-    """The model's own folder when it holds tokenizer files (what ``edgeq export`` writes)."""
-    folder = model_path.resolve().parent
-    return folder if (folder / "tokenizer.json").is_file() else None
+@dataclass
+class CompilePlan:
+    """What ``run`` and ``write`` need, all validated."""
+
+    req: CompileRequest
+    recipe: Recipe
+    profile: TargetProfile | None
+    passes: list[Pass]  # recipe, then target lowering, then the guard
+    counts: tuple[int, int]  # how many of ``passes`` are the recipe's and the lowering's
+    int8_weights: str
+    model: onnx.ModelProto
+    input_model: dict  # manifest record: file hashes
+    fingerprint: str
+    calibrator: Calibrator | None
+    calibration: dict | None
+    sample: dict | None
+    started: float
+
+
+def compile_model(req: CompileRequest) -> dict:
+    plan = plan_compile(req)
+    model, records, encodings, target = run_plan(plan)
+    return write_plan(plan, model, records, encodings, target)
+
+
+def plan_compile(req: CompileRequest) -> CompilePlan:
+    started = time.perf_counter()
+    _check_out_dir(req)
+    recipe = load_recipe(req.recipe)
+    profile = load_target(req.target) if req.target else None
+    passes = [spec.build() for spec in recipe.passes]
+    lowering = [get_pass(name)() for name in profile.lowering] if profile else []
+    # every compile that may run on onnxruntime CPU ends with the saturation guard, unless the
+    # target allows full-range int8 weights (ort-cpu-vnni): README "Integer kernels and your CPU"
+    int8_weights = profile.int8_weight_range if profile else "u8s8-safe"
+    guard = [get_pass("u8s8-safe-weights")()] if int8_weights == "u8s8-safe" else []
+    model, locations = ir.load_model_and_locations(req.model)
+    ir.check_opset(model)
+    windows = recipe.calibration.windows if req.calib_windows is None else req.calib_windows
+    seq_len = recipe.calibration.seq_len if req.seq_len is None else req.seq_len
+    if windows < 1 or seq_len < 2:
+        raise UserInputError("--calib-windows must be >= 1 and --seq-len >= 2")
+    calibrator = sample = calibration = None
+    if any(p.needs_calibration for p in passes) or req.check_numerics:
+        if req.calib is None:
+            raise UserInputError(f"recipe '{recipe.name}' needs calibration data: pass --calib FILE (text or .npz)")
+        tokenizer = req.tokenizer or default_tokenizer_dir(req.model)
+        data = build_calibration_set(req.calib, ir.input_specs(model), tokenizer, windows, seq_len,
+                                     recipe.calibration.batch_size)
+        calibrator = Calibrator(data, use_cache=req.use_cache)
+        sample = data.batches[0]
+        calibration = {"data": data.description, "samples": data.samples, "tokens": data.tokens}
+    return CompilePlan(req, recipe, profile, passes + lowering + guard, (len(passes), len(lowering)), int8_weights,
+                       model, input_model_record(req.model, locations), ir.model_fingerprint(model), calibrator,
+                       calibration, sample, started)
+
+
+def run_plan(plan: CompilePlan) -> tuple[onnx.ModelProto, dict, dict, dict | None]:
+    """The pipeline, the encodings (read once) and the target check; returns (model, records by
+    stage, encodings, target summary)."""
+    req = plan.req
+    ctx = PassContext(calibrator=plan.calibrator, int8_weights=plan.int8_weights)
+    options = PipelineOptions(req.dump_each, req.verify, req.check_numerics)
+    model, records = Pipeline(plan.passes, options).run(plan.model, ctx, plan.sample, consume=True)
+    plan.model = None  # consumed: the weights are not held twice
+    n_recipe, n_lowering = plan.counts
+    stages = {"recipe": records[:n_recipe], "lowering": records[n_recipe:n_recipe + n_lowering],
+              "guard": records[n_recipe + n_lowering:]}
+    encodings = collect_encodings(model)
+    target = None
+    if plan.profile is not None:
+        result = check_model(model, plan.profile, encodings)
+        if not result.clean:
+            raise TargetUnreachable(result)
+        ir.set_metadata(model, "edgeq.target", plan.profile.name)
+        target = {"name": plan.profile.name, "description": plan.profile.description,
+                  "lowering": stages["lowering"], "check": result.to_dict()}
+        if plan.profile.ort_kernels:  # after the check: the profile is stated in edgeq ops
+            from edgeq.runtime_ops.ort_kernels import use_ort_kernels
+
+            model = use_ort_kernels(model)
+            target["ort_kernels"] = sorted({n.op_type for n in model.graph.node if n.domain == "edgeq.ort"})
+    ir.set_metadata(model, "edgeq.version", edgeq.__version__)
+    ir.set_metadata(model, "edgeq.recipe", plan.recipe.name)
+    return model, stages, encodings, target
+
+
+def write_plan(plan: CompilePlan, model: onnx.ModelProto, stages: dict, encodings: dict, target: dict | None) -> dict:
+    calibration = plan.calibration
+    if plan.calibrator is not None:
+        log = plan.calibrator.log
+        calibration = {**calibration, "onnxruntime_runs": log.runs, "cache_hits": log.cache_hits,
+                       "seconds": round(log.seconds, 2), "tensors_observed": log.tensors_observed,
+                       "fingerprint_seconds": round(log.fingerprint_seconds, 2), "ranges": log.ranges}
+    report = {
+        "edgeq_version": edgeq.__version__,
+        "input_model": str(plan.req.model),
+        "input_fingerprint": plan.fingerprint,
+        "recipe": {"name": plan.recipe.name, "description": plan.recipe.description,
+                   "calibration": asdict(plan.recipe.calibration)},
+        "passes": stages["recipe"],
+        "calibration": calibration,
+    }
+    if target is not None:
+        report["target"] = target
+    u8s8 = {"int8_weight_range": plan.int8_weights, "guard": stages["guard"][0] if stages["guard"] else None}
+    return write_outputs(plan.req.out_dir, model, report, encodings=encodings, recipe=plan.recipe,
+                         input_model=plan.input_model, target=plan.profile.name if plan.profile else None,
+                         u8s8=u8s8, probe_feeds=plan.sample, started=plan.started)
 
 
 def _check_out_dir(req: CompileRequest) -> None:
@@ -74,128 +171,3 @@ def _check_out_dir(req: CompileRequest) -> None:
     model_dir = req.model.resolve().parent
     if out == model_dir or out in model_dir.parents:
         raise UserInputError(f"output folder {req.out_dir} contains the input model; choose another -o")
-
-
-def compile_model(req: CompileRequest) -> dict:
-    start = time.perf_counter()
-    _check_out_dir(req)
-    recipe = load_recipe(req.recipe)
-    passes = [spec.build() for spec in recipe.passes]
-    profile = load_target(req.target) if req.target else None
-    lowering = [get_pass(name)() for name in profile.lowering] if profile else []
-    # every compile that may run on onnxruntime CPU ends with the saturation guard, unless the
-    # target allows full-range int8 weights (ort-cpu-vnni): README "Integer kernels and your CPU"
-    int8_weights = profile.int8_weight_range if profile else "u8s8-safe"
-    guard = [get_pass("u8s8-safe-weights")()] if int8_weights == "u8s8-safe" else []
-    model = ir.load_model(req.model)
-    ir.check_opset(model)
-    windows = recipe.calibration.windows if req.calib_windows is None else req.calib_windows
-    seq_len = recipe.calibration.seq_len if req.seq_len is None else req.seq_len
-    if windows < 1 or seq_len < 2:
-        raise UserInputError("--calib-windows must be >= 1 and --seq-len >= 2")
-    needs_calib = any(p.needs_calibration for p in passes) or req.check_numerics
-    calibrator = None
-    sample = None
-    calib_summary = None
-    if needs_calib:
-        if req.calib is None:
-            raise UserInputError(f"recipe '{recipe.name}' needs calibration data: pass --calib FILE (text or .npz)")
-        input_specs = ir.input_specs(model)
-        tokenizer = req.tokenizer or default_tokenizer_dir(req.model)
-        data = build_calibration_set(req.calib, input_specs, tokenizer, windows, seq_len, recipe.calibration.batch_size)
-        calibrator = Calibrator(data, use_cache=req.use_cache)
-        sample = data.batches[0]
-        calib_summary = {"data": data.description, "samples": data.samples, "tokens": data.tokens}
-    options = PipelineOptions(req.dump_each, req.verify, req.check_numerics)
-    ctx = PassContext(calibrator=calibrator, seed=req.seed, int8_weights=int8_weights)
-    fingerprint = ir.model_fingerprint(model)
-    out_model, records = Pipeline(passes + lowering + guard, options).run(model, ctx, sample, consume=True)
-    records, lowering_records, guard_records = (records[:len(passes)], records[len(passes):len(passes) + len(lowering)],
-                                                records[len(passes) + len(lowering):])
-    del model
-    target_summary = None
-    if profile is not None:
-        result = check_model(out_model, profile)
-        if not result.clean:
-            raise TargetUnreachable(result)
-        ir.set_metadata(out_model, "edgeq.target", profile.name)
-        target_summary = {"name": profile.name, "description": profile.description,
-                          "lowering": lowering_records, "check": result.to_dict()}
-        if profile.ort_kernels:  # after the check: the profile is stated in edgeq ops
-            from edgeq.runtime_ops.ort_kernels import use_ort_kernels
-
-            out_model = use_ort_kernels(out_model)
-            moved = sorted({n.op_type for n in out_model.graph.node if n.domain == "edgeq.ort"})
-            target_summary["ort_kernels"] = moved
-    ir.set_metadata(out_model, "edgeq.version", edgeq.__version__)
-    ir.set_metadata(out_model, "edgeq.recipe", recipe.name)
-    if calibrator is not None:
-        log = calibrator.log
-        calib_summary.update({"onnxruntime_runs": log.runs, "cache_hits": log.cache_hits,
-                              "seconds": round(log.seconds, 2), "tensors_observed": log.tensors_observed,
-                              "ranges": log.ranges})
-    report = {
-        "edgeq_version": edgeq.__version__,
-        "input_model": str(req.model),
-        "input_fingerprint": fingerprint,
-        "recipe": {"name": recipe.name, "description": recipe.description,
-                   "calibration": asdict(recipe.calibration)},
-        "passes": records,
-        "calibration": calib_summary,
-    }
-    if target_summary is not None:
-        report["target"] = target_summary
-    with ir.atomic_output_dir(req.out_dir) as tmp:
-        model_path = ir.save_model(out_model, tmp / "model.onnx")
-        # the output must load in onnxruntime; the same session measures the u8s8 kernel's risk
-        report["u8s8"] = _u8s8_report(onnx.load_model(str(model_path)), sample, int8_weights, guard_records)
-        encodings = collect_encodings(out_model)
-        (tmp / "encodings.json").write_text(json.dumps(encodings, indent=1))
-        report["quantized_tensors"] = {"activations": len(encodings["activations"]), "weights": len(encodings["weights"])}
-        write_aimet(tmp / "aimet_encodings.json", encodings, version="1.0.0", strict=False)
-        report["aimet_unsupported"] = aimet_unsupported(encodings, "1.0.0")
-        report["seconds_total"] = round(time.perf_counter() - start, 2)
-        report["peak_rss_mb"] = round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1)
-        report["input_size_mb"] = round(_model_bytes(req.model) / 2**20, 1)
-        report["output_size_mb"] = round(_model_bytes(model_path) / 2**20, 1)
-        (tmp / "report.json").write_text(json.dumps(report, indent=1, default=_json_default))
-        write_manifest(req.model, req.recipe, profile.name if profile else None, tmp)
-    return report
-
-
-def _u8s8_report(model: onnx.ModelProto, feeds: dict | None, int8_weights: str, guard_records: list) -> dict:
-    """What report.json says about onnxruntime's uint8 x int8 kernels: the weight range chosen,
-    the guard's record, and per linear the worst-case pair bound and the VPMADDUBSW model's
-    saturation rates on one calibration batch (without calibration data: the bound only)."""
-    from edgeq.targets.u8s8_sites import find_u8s8_sites, probe_saturation, static_risk
-
-    out: dict = {"int8_weight_range": int8_weights, "guard": guard_records[0] if guard_records else None}
-    if feeds is not None:
-        out.update(probe_saturation(model, feeds))
-        return out
-    ir.make_session(model)
-    import onnx_graphsurgeon as gs
-
-    sites = find_u8s8_sites(gs.import_onnx(model))
-    risk = static_risk(sites)
-    out.update({"linears": len(sites), "linears_at_risk": len(risk), "saturation_free": not risk,
-                "at_risk": risk, "note": "no calibration data: worst-case bound only, no saturation rates"})
-    return out
-
-
-def _model_bytes(path: Path) -> int:
-    """The model file plus its external data files."""
-    path = Path(path)
-    total = path.stat().st_size
-    for sibling in path.parent.glob(path.name + "*"):
-        if sibling != path and sibling.is_file():
-            total += sibling.stat().st_size
-    return total
-
-
-def _json_default(obj):
-    if hasattr(obj, "item"):
-        return obj.item()
-    if isinstance(obj, Path):
-        return str(obj)
-    return str(obj)

@@ -16,13 +16,13 @@ from edgeq import ir
 from edgeq.calib.dataset import build_calibration_set
 from edgeq.calib.observers import PerChannelAbsMaxObserver
 from edgeq.calib.session import Calibrator
-from edgeq.eq9 import eq9_table, format_eq9_table
+from edgeq.passes.methods.eq9 import eq9_table, format_eq9_table
 from edgeq.structure import analyze, format_structure
 
 
 def inspect_model(model_path: Path, calib: Path | None, tokenizer: Path | None, windows: int, seq_len: int,
                   threshold: float, as_json: bool = False) -> str:
-    from edgeq.compiler import default_tokenizer_dir
+    from edgeq.textdata import default_tokenizer_dir
 
     model = ir.load_model(model_path)
     graph = ir.to_graph(model)

@@ -15,7 +15,6 @@ from __future__ import annotations
 import contextlib
 import errno
 import hashlib
-import json
 import os
 import shutil
 import tempfile
@@ -29,6 +28,7 @@ import onnx_graphsurgeon as gs
 from google.protobuf.message import DecodeError
 
 from edgeq.errors import UserInputError
+from edgeq.protowalk import proto_nodes  # noqa: F401  (re-exported: ir is where graph code looks)
 
 EXTERNAL_DATA_SUFFIX = ".data"
 # Opsets of the default domain the passes are written for. Older graphs lack per-channel QDQ
@@ -37,7 +37,7 @@ MIN_OPSET = 13
 MAX_OPSET = onnx.defs.onnx_opset_version()
 
 
-def _external_locations(model: onnx.ModelProto) -> Iterator[tuple[str, str]]:
+def external_data_locations(model: onnx.ModelProto) -> Iterator[tuple[str, str]]:
     """Yield (tensor name, location) of every initializer stored as external data."""
     from onnx.external_data_helper import _get_all_tensors
 
@@ -49,6 +49,12 @@ def _external_locations(model: onnx.ModelProto) -> Iterator[tuple[str, str]]:
 
 def load_model(path: str | os.PathLike, load_external: bool = True) -> onnx.ModelProto:
     """Load an ONNX model, turning every way the file can be bad into a ``UserInputError``."""
+    return load_model_and_locations(path, load_external)[0]
+
+
+def load_model_and_locations(path: str | os.PathLike, load_external: bool = True) -> tuple[onnx.ModelProto, set[str]]:
+    """``load_model`` plus the external data file names it validated (inside the model's folder,
+    present), so that hashing the input (``manifest.json``) needs no second read of the model."""
     path = Path(path)
     if not path.exists():
         raise UserInputError(f"model file not found: {path}")
@@ -61,7 +67,8 @@ def load_model(path: str | os.PathLike, load_external: bool = True) -> onnx.Mode
     if not model.graph.node and not model.graph.output:
         raise UserInputError(f"{path} is not an ONNX model (no graph found)")
     base = path.parent.resolve()
-    for name, location in _external_locations(model):
+    locations = set()
+    for name, location in external_data_locations(model):
         if not location:
             raise UserInputError(f"initializer '{name}' is external but names no location")
         target = (base / location).resolve()
@@ -71,12 +78,13 @@ def load_model(path: str | os.PathLike, load_external: bool = True) -> onnx.Mode
             )
         if not target.is_file():
             raise UserInputError(f"missing external data file for '{name}': {target}")
+        locations.add(location)
     if load_external:
         try:
             onnx.load_external_data_for_model(model, str(base))
         except (OSError, ValueError) as exc:
             raise UserInputError(f"cannot read external data of {path}: {exc}") from None
-    return model
+    return model, locations
 
 
 def check_opset(model: onnx.ModelProto, lo: int = MIN_OPSET, hi: int = MAX_OPSET) -> int:
@@ -166,31 +174,6 @@ def set_graph_metadata(graph: gs.Graph, key: str, value: str) -> None:
         attrs = graph._edgeq_model_attrs = {"metadata": [], "opsets": {}, "ir_version": 8, "producer_name": "edgeq",
                                             "producer_version": "", "doc_string": "", "model_version": 0}
     attrs["metadata"] = [(k, v) for k, v in attrs["metadata"] if k != key] + [(key, value)]
-
-
-KEEP_FLOAT_KEY = "edgeq.keep_float"
-
-
-def keep_float_nodes(graph: gs.Graph) -> set[str]:
-    """Nodes a pass asked quantization passes to leave in float (e.g. RMS's float branch)."""
-    return set(json.loads(graph_metadata(graph).get(KEEP_FLOAT_KEY, "[]")))
-
-
-def add_keep_float(graph: gs.Graph, names) -> None:
-    set_graph_metadata(graph, KEEP_FLOAT_KEY, json.dumps(sorted(keep_float_nodes(graph) | set(names))))
-
-
-WEIGHT_ONLY_KEY = "edgeq.weights_quantized_first"
-
-
-def weights_quantized_first(graph: gs.Graph) -> set[str]:
-    """Linears whose weights a weight pass (gptq) quantized and whose activations the qdq pass
-    should still quantize (nodes listed here are not left out as already quantized)."""
-    return set(json.loads(graph_metadata(graph).get(WEIGHT_ONLY_KEY, "[]")))
-
-
-def add_weights_quantized_first(graph: gs.Graph, names) -> None:
-    set_graph_metadata(graph, WEIGHT_ONLY_KEY, json.dumps(sorted(weights_quantized_first(graph) | set(names))))
 
 
 def nodes_with_graphs(graph: gs.Graph) -> Iterator[tuple[gs.Graph, gs.Node]]:
@@ -319,6 +302,62 @@ def model_fingerprint(model: onnx.ModelProto) -> str:
     for imp in model.opset_import:
         h.update(f"{imp.domain}:{imp.version}".encode())
     return h.hexdigest()[:32]
+
+
+def graph_fingerprint(graph: gs.Graph, memo: dict | None = None) -> str:
+    """A content hash of a graphsurgeon graph (structure, attributes, every constant's bytes), taken
+    without exporting it to a ModelProto. ``memo`` (kept by the caller across calls) remembers the
+    digest of each constant still held as the original, immutable ``LazyValues`` (a tensor no pass
+    has rewritten), so repeated fingerprints of one compile hash only the weights that changed.
+    Calibration keys its cache with it (``edgeq.calib.session``)."""
+    h = hashlib.sha256()
+    _hash_graph(graph, h, memo if memo is not None else {})
+    h.update(f"opset:{graph.opset}".encode())
+    for imp in getattr(graph, "import_domains", None) or ():
+        h.update(f"{imp.domain}:{imp.version}".encode())
+    return h.hexdigest()[:32]
+
+
+def _hash_graph(graph: gs.Graph, h, memo: dict) -> None:
+    for kind, tensors in (("in", graph.inputs), ("out", graph.outputs)):
+        for t in tensors:
+            h.update(f"{kind}:{t.name}:{t.dtype}:{t.shape}\n".encode())
+    for node in graph.nodes:
+        h.update(f"node:{node.op}:{node.domain}:{node.name}\n".encode())
+        for key in sorted(node.attrs):
+            value = node.attrs[key]
+            h.update(f"attr:{key}:".encode())
+            if isinstance(value, gs.Graph):
+                _hash_graph(value, h, memo)
+            elif isinstance(value, gs.Constant):
+                _hash_constant(value, h, memo)
+            elif isinstance(value, np.ndarray):
+                h.update(np.ascontiguousarray(value).tobytes())
+            else:
+                h.update(repr(value).encode())
+        for t in node.inputs:
+            if isinstance(t, gs.Constant):
+                _hash_constant(t, h, memo)
+            else:
+                h.update(f"i:{t.name}\n".encode())
+        for t in node.outputs:
+            h.update(f"o:{t.name}:{t.dtype}\n".encode())
+
+
+def _hash_constant(const: gs.Constant, h, memo: dict) -> None:
+    from onnx_graphsurgeon.ir.tensor import LazyValues
+
+    values = const._values  # noqa: SLF001 (no public accessor that leaves lazy tensors unloaded)
+    h.update(f"c:{const.name}:{const.dtype}:{const.shape}\n".encode())
+    if isinstance(values, LazyValues):  # immutable: the digest of this object never changes
+        hit = memo.get(id(values))
+        if hit is None or hit[0] is not values:
+            proto = values.tensor
+            data = proto.raw_data if proto.raw_data else onnx.numpy_helper.to_array(proto).tobytes()
+            hit = memo[id(values)] = (values, hashlib.sha256(data).digest())
+        h.update(hit[1])
+    else:
+        h.update(hashlib.sha256(np.ascontiguousarray(values).tobytes()).digest())
 
 
 class GraphIndex:

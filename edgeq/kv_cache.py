@@ -28,12 +28,13 @@ text-only cache stays in ``past_key_values.{i}.key`` / ``.value``.
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import Mapping
 
 import numpy as np
 
 from edgeq.errors import UserInputError
+from edgeq.facts import KVQUANT
 from edgeq.runtime_ops.visual_kv_codes import dequantize_channelwise as dequantize  # noqa: F401  (re-exported: what post-scaled attention equals)
 from edgeq.runtime_ops.visual_kv_codes import pack_codes, quantize_rows
 
@@ -43,7 +44,7 @@ PRESENT_PREFIX = "present."
 FIELDS = ("key_codes", "key_alpha", "key_scale", "value_codes", "value_alpha", "value_scale")
 SCHEMES = {"calibquant": ("channel", "channel"), "global-v": ("channel", "global"), "kivi": ("channel", "token")}
 BITS = (1, 2, 4, 8)
-METADATA_KEY = "edgeq.kvquant"
+METADATA_KEY = KVQUANT.key
 
 
 @dataclass(frozen=True)
@@ -67,9 +68,6 @@ class VisualCacheSpec:
     @property
     def axes(self) -> tuple[str, str]:
         return SCHEMES[self.scheme]
-
-    def to_json(self) -> str:
-        return json.dumps(asdict(self), sort_keys=True)
 
     @classmethod
     def from_model(cls, model) -> "VisualCacheSpec":

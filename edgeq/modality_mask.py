@@ -11,9 +11,10 @@ from __future__ import annotations
 import numpy as np
 import onnx_graphsurgeon as gs
 
+from edgeq.facts import VISUAL_SPAN_INPUTS
 from edgeq.graph_builder import NodeBuilder
 
-SPAN_METADATA_KEY = "edgeq.visual_span_inputs"  # as written by edgeq.models.composed_vlm
+SPAN_METADATA_KEY = VISUAL_SPAN_INPUTS.key  # as written by edgeq.models.composed_vlm
 DEFAULT_SPAN_INPUTS = ("visual_start", "visual_len")
 
 

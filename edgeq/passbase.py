@@ -1,9 +1,19 @@
 """The Pass base class: a named, classified graph rewrite with a frozen config.
 
 A pass receives a graphsurgeon graph and a ``PassContext`` (calibration access, settings shared by
-the pipeline) and returns a ``PassResult`` saying whether it changed the graph and what it did.
-Running a pass a second time on its own output must report ``modified=False``; the generic test
-harness checks that for every registered pass.
+the pipeline) and returns a ``PassResult`` saying whether it changed the graph and what it did,
+or why it did not apply (``PassResult.skipped``, a typed ``NotApplicable``). Running a pass a
+second time on its own output must report ``modified=False``; the generic test harness checks
+that for every registered pass.
+
+The lifecycle belongs to the framework, not to each pass:
+
+- ``establishes``: the marker (an ``edgeq.facts`` fact) a pass leaves on the graph. When it is
+  already there, the pipeline does not run the pass and records ``already-applied``.
+- ``requires``: passes that must come earlier. Recipes are checked against it when parsed; on a
+  graph where a required pass left no marker the pipeline skips the pass
+  (``prerequisite-did-not-apply``), or refuses it (a one-line ``UserInputError``) when the
+  required pass marks even where it does not apply (``marks_when_not_applicable``: it never ran).
 """
 
 from __future__ import annotations
@@ -18,6 +28,7 @@ import onnx_graphsurgeon as gs
 
 if TYPE_CHECKING:
     from edgeq.calib.session import Calibrator
+    from edgeq.facts import Fact
 
 
 class Exactness(enum.Enum):
@@ -37,10 +48,35 @@ class PassConfig:
     """Base of every pass config; subclasses add typed fields with defaults."""
 
 
+class Reason(enum.Enum):
+    """Why a pass did not apply (typed, so reports and recipes can act on it)."""
+
+    ALREADY_APPLIED = "already-applied"  # its marker is on the graph (set by the pipeline)
+    STRUCTURE_NOT_FOUND = "structure-not-found"  # the structure it rewrites is not in this graph
+    NO_SITES = "no-sites"  # the structure is there but nothing qualifies (no outlier channel, ...)
+    PREREQUISITE_DID_NOT_APPLY = "prerequisite-did-not-apply"  # an earlier pass it builds on did not apply
+
+
+@dataclass(frozen=True)
+class NotApplicable:
+    reason: Reason
+    detail: str
+
+    def to_dict(self) -> dict[str, str]:
+        return {"reason": self.reason.value, "detail": self.detail}
+
+
 @dataclass
 class PassResult:
     modified: bool
     summary: dict[str, Any] = field(default_factory=dict)
+    not_applicable: NotApplicable | None = None
+
+    @classmethod
+    def skipped(cls, reason: Reason, detail: str, modified: bool = False, **summary) -> "PassResult":
+        """A pass that did not apply; the summary keeps the detail under the reason's usual key."""
+        key = "already_applied" if reason is Reason.ALREADY_APPLIED else "not_applicable"
+        return cls(modified, {key: detail, **summary}, NotApplicable(reason, detail))
 
 
 # How 8-bit int8 weights read by uint8 x int8 kernels are quantized (PassContext.int8_weights):
@@ -51,11 +87,10 @@ INT8_WEIGHT_RANGES = ("u8s8-safe", "full-vnni-only")
 
 @dataclass
 class PassContext:
-    """What a pass may use besides the graph: calibration, the pipeline's seed, and the int8
-    weight range the deployment allows (chosen by the target, never silently)."""
+    """What a pass may use besides the graph: calibration, and the int8 weight range the
+    deployment allows (chosen by the target, never silently). Seeds are pass config (``rotate.seed``)."""
 
     calibrator: "Calibrator | None" = None
-    seed: int = 0
     int8_weights: str = "u8s8-safe"
 
     @property
@@ -78,9 +113,14 @@ class Pass(abc.ABC):
     Config: ClassVar[type[PassConfig]] = PassConfig
     needs_calibration: ClassVar[bool] = False
     summary_line: ClassVar[str] = ""
-    # Passes that must have run before this one (MLIR-style declared requirements); the test
-    # harness runs them first, and recipes list them explicitly.
+    # Passes that must have run before this one (MLIR-style declared requirements): recipes are
+    # checked against it, the pipeline refuses without their markers, the harness runs them first.
     requires: ClassVar[tuple[str, ...]] = ()
+    # The marker this pass leaves (an edgeq.facts fact); present -> the pipeline skips the pass.
+    establishes: ClassVar["Fact | None"] = None
+    # True when the marker is left even where the pass does not apply (with the reason), so its
+    # absence means the pass never ran: passes requiring it are refused instead of skipped.
+    marks_when_not_applicable: ClassVar[bool] = False
 
     def __init__(self, config: PassConfig | None = None):
         self.config = config if config is not None else self.Config()

@@ -6,7 +6,8 @@ Every pass is timed. Optional instruments, each after every pass:
 - ``check_numerics``: run the graph on one reference sample and log the drift of every output
   against the input model's (max abs error, SQNR in dB).
 A pass that raises, or whose output fails verification, becomes a ``PassFailure`` naming it
-(exit 1); a ``UserInputError`` from a pass passes through unchanged (exit 2).
+(exit 1); a ``UserInputError`` from a pass passes through unchanged (exit 2). The pass lifecycle
+(``Pass.establishes`` markers, ``Pass.requires``) is enforced here: see ``edgeq.passbase``.
 """
 
 from __future__ import annotations
@@ -21,8 +22,10 @@ import numpy as np
 import onnx
 
 from edgeq import ir
-from edgeq.errors import EdgeqError, PassFailure
-from edgeq.passbase import Pass, PassContext
+from edgeq.errors import EdgeqError, PassFailure, UserInputError
+from edgeq.evaluate.compare import sqnr_db  # noqa: F401  (re-exported: the one SQNR)
+from edgeq.passbase import Pass, PassContext, PassResult, Reason
+from edgeq.registry import get_pass
 
 
 @dataclass(frozen=True)
@@ -30,15 +33,6 @@ class PipelineOptions:
     dump_each: Path | None = None
     verify: bool = False
     check_numerics: bool = False
-
-
-def sqnr_db(ref: np.ndarray, out: np.ndarray) -> float:
-    """Signal-to-quantization-noise ratio in dB (inf when equal)."""
-    from edgeq.evaluate.compare import sqnr_db as from_energies
-
-    ref = np.asarray(ref, np.float64)
-    err = ref - np.asarray(out, np.float64)
-    return from_energies(float(np.sum(ref * ref)), float(np.sum(err * err)))
 
 
 def output_drift(ref: list[np.ndarray], out: list[np.ndarray], names: list[str]) -> dict[str, dict[str, float]]:
@@ -84,7 +78,7 @@ class Pipeline:
             ops_before = collections.Counter(n.op for n in graph.nodes)
             start = time.perf_counter()
             try:
-                result = p.run(graph, ctx)
+                result = self._run_pass(p, graph, ctx)
                 graph.cleanup().toposort()
             except EdgeqError:
                 raise
@@ -106,8 +100,30 @@ class Pipeline:
                     session = ir.make_session(current)
                     out = session.run(out_names, sample)
                     record["numerics"] = output_drift(reference, out, out_names)
+            if result.not_applicable is not None:
+                record["not_applicable"] = result.not_applicable.to_dict()
             records.append(record)
         return ir.to_model(graph), records
+
+    @staticmethod
+    def _run_pass(p: Pass, graph, ctx: PassContext) -> PassResult:
+        """The framework's side of a pass's lifecycle: skip it when its marker is on the graph, or
+        when a pass it requires (recipes list them earlier: checked when parsed) left no marker,
+        i.e. did not apply; refuse it when that pass marks even where it does not apply (so it never
+        ran); else run it."""
+        marker = p.establishes
+        if marker is not None and marker.present(graph):
+            return PassResult.skipped(Reason.ALREADY_APPLIED, marker.text(graph))
+        for name in p.requires:
+            required = get_pass(name)
+            needed = required.establishes
+            if needed is not None and not needed.present(graph):
+                if required.marks_when_not_applicable:  # no marker at all: it never ran
+                    raise UserInputError(f"{p.name}: put {name} before {p.name} (the graph has no '{needed.key}' "
+                                         f"marker: {needed.meaning})")
+                return PassResult.skipped(Reason.PREREQUISITE_DID_NOT_APPLY,
+                                          f"{name} did not apply to this graph (no '{needed.key}' marker: {needed.meaning})")
+        return p.run(graph, ctx)
 
     @staticmethod
     def _verify(model: onnx.ModelProto, pass_name: str) -> None:

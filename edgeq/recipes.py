@@ -11,28 +11,23 @@ A recipe names a pipeline of passes with their configs and the calibration defau
     activation_dtype = "int8"
 
 Unknown top-level keys, unknown calibration keys, unknown passes and unknown pass-config keys are
-all errors (a typo must never silently fall back to a default). Built-in recipes live in
+all errors (a typo must never silently fall back to a default), and so is a pass listed before a
+pass it ``requires``. Built-in recipes live in
 ``edgeq/recipes/*.toml``; ``--recipe`` also accepts a path to a .toml file.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import sys
+import hashlib
 import types
 import typing
 from dataclasses import dataclass
-from importlib import resources
-from pathlib import Path
 
 from edgeq.errors import UserInputError
 from edgeq.passbase import Pass, PassConfig
 from edgeq.registry import get_pass
-
-if sys.version_info >= (3, 11):
-    import tomllib
-else:  # pragma: no cover
-    import tomli as tomllib
+from edgeq.tomlfile import builtin_names, load_named_toml, parse_toml
 
 DEFAULT_RECIPE = "mquant-w8a8"
 
@@ -59,31 +54,23 @@ class Recipe:
     description: str
     calibration: CalibrationSettings
     passes: tuple[PassSpec, ...]
+    origin: str = "text"  # "builtin", the file's path, or "text" (parsed from a string)
+    sha256: str = ""  # of the TOML text (what manifest.json records)
 
 
 def builtin_recipe_names() -> list[str]:
-    folder = resources.files("edgeq") / "recipes"
-    return sorted(p.name[:-5] for p in folder.iterdir() if p.name.endswith(".toml"))
+    return builtin_names("edgeq", "recipes")
 
 
 def load_recipe(name_or_path: str) -> Recipe:
-    """A built-in recipe by name, or a recipe file by path."""
-    if name_or_path.endswith(".toml") or "/" in name_or_path:
-        path = Path(name_or_path)
-        if not path.is_file():
-            raise UserInputError(f"recipe file not found: {path}")
-        return parse_recipe(path.read_text(), path.stem, source=str(path))
-    if name_or_path not in builtin_recipe_names():
-        raise UserInputError(f"unknown recipe '{name_or_path}' (known: {', '.join(builtin_recipe_names())})")
-    text = (resources.files("edgeq") / "recipes" / f"{name_or_path}.toml").read_text()
-    return parse_recipe(text, name_or_path, source=f"recipe '{name_or_path}'")
+    """A built-in recipe by name, or a recipe file by path (``edgeq.tomlfile``)."""
+    file = load_named_toml(name_or_path, "edgeq", "recipes", "recipe")
+    recipe = parse_recipe(file.text, file.name, source=file.where)
+    return dataclasses.replace(recipe, origin=file.source, sha256=file.sha256)
 
 
 def parse_recipe(text: str, name: str, source: str = "recipe") -> Recipe:
-    try:
-        data = tomllib.loads(text)
-    except tomllib.TOMLDecodeError as exc:
-        raise UserInputError(f"{source}: invalid TOML: {exc}") from None
+    data = parse_toml(text, source)
     _reject_unknown(data, {"description", "calibration", "pass"}, source)
     calibration = _build_dataclass(CalibrationSettings, data.get("calibration", {}), f"{source} [calibration]")
     raw_passes = data.get("pass", [])
@@ -96,8 +83,13 @@ def parse_recipe(text: str, name: str, source: str = "recipe") -> Recipe:
         entry = dict(entry)
         pass_cls = get_pass(entry.pop("name"))
         config = _build_dataclass(pass_cls.Config, entry, f"{source} pass '{pass_cls.name}'")
+        missing = [r for r in pass_cls.requires if r not in {spec.name for spec in specs}]
+        if missing:
+            raise UserInputError(f"{source}: pass '{pass_cls.name}' needs {', '.join(repr(m) for m in missing)} "
+                                 f"earlier in the recipe")
         specs.append(PassSpec(pass_cls.name, config))
-    return Recipe(name, str(data.get("description", "")), calibration, tuple(specs))
+    return Recipe(name, str(data.get("description", "")), calibration, tuple(specs),
+                  sha256=hashlib.sha256(text.encode()).hexdigest())
 
 
 def _reject_unknown(data: dict, allowed: set[str], where: str) -> None:

@@ -1,7 +1,11 @@
-"""The one registry of passes. Pass modules register with ``@register_pass``; lookups import
-``edgeq.passes`` on first use so every pass in ``passes/`` is known."""
+"""The one registry of passes. Pass modules register with ``@register_pass``; the first lookup
+imports every module in ``passes/`` (found by listing the folder, not by a hand-kept list: a new
+pass is a new file). ``passes/methods/`` holds method code, not passes, and is not scanned."""
 
 from __future__ import annotations
+
+import importlib
+import pkgutil
 
 from edgeq.errors import UserInputError
 from edgeq.passbase import Pass
@@ -22,7 +26,10 @@ def _ensure_loaded() -> None:
     global _loaded
     if not _loaded:
         _loaded = True
-        import edgeq.passes  # noqa: F401  (registers every pass)
+        package = importlib.import_module("edgeq.passes")
+        for info in pkgutil.iter_modules(package.__path__):
+            if not info.ispkg and not info.name.startswith("_"):
+                importlib.import_module(f"{package.__name__}.{info.name}")
 
 
 def get_pass(name: str) -> type[Pass]:

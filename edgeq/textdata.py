@@ -191,6 +191,12 @@ def tokenize_file(
     return ids
 
 
+def default_tokenizer_dir(model_path: str | os.PathLike) -> Path | None:
+    """The model's own folder when it holds tokenizer files (what ``edgeq export`` writes)."""
+    folder = Path(model_path).resolve().parent
+    return folder if (folder / "tokenizer.json").is_file() else None
+
+
 def max_positions(folder: str | os.PathLike) -> int | None:
     """The context length a Hugging Face ``config.json`` beside the tokenizer declares
     (``max_position_embeddings`` / ``n_positions``), or None when there is none to read."""

@@ -49,15 +49,15 @@ from dataclasses import dataclass
 import numpy as np
 import onnx_graphsurgeon as gs
 
-from edgeq import ir
+from edgeq import facts, ir
 from edgeq.graph_builder import NodeBuilder
 from edgeq.modality_mask import span_input_names, visual_block_mask
-from edgeq.passbase import Exactness, Pass, PassConfig, PassContext, PassResult
+from edgeq.passbase import Exactness, Pass, PassConfig, PassContext, PassResult, Reason
 from edgeq.registry import register_pass
 
 # value "span=START,LEN;visual_count=TENSOR;original_order=T1,T2": MSQ reads the count, and knows
 # that the listed tensors (inputs of output linears, un-permuted early) are in the original order
-AIFS_KEY = "edgeq.aifs"
+AIFS_KEY = facts.AIFS.key  # the model metadata key aifs leaves (tests read it)
 COMPARISONS = ("LessOrEqual", "GreaterOrEqual", "Less", "Greater")
 # ops the additive mask may pass through between the shared Where and a layer's Softmax Add
 _MASK_PASSTHROUGH = ("Slice", "Cast", "Expand", "Identity", "Reshape")
@@ -78,20 +78,18 @@ class AifsPass(Pass):
     name = "aifs"
     exactness = Exactness.FLOAT_EQUIV
     Config = AifsConfig
+    establishes = facts.AIFS
     summary_line = "reorder tokens visual-first (padding counted as visual) with an order-invariant causal mask"
 
     def run(self, graph: gs.Graph, ctx: PassContext) -> PassResult:
         meta = ir.graph_metadata(graph)
-        if AIFS_KEY in meta:
-            return PassResult(False, {"already_applied": meta[AIFS_KEY]})
         cfg: AifsConfig = self.config
         found = _match(graph, cfg, meta)
         if isinstance(found, str):
-            return PassResult(False, {"not_applicable": found})
+            return PassResult.skipped(Reason.STRUCTURE_NOT_FOUND, found)
         summary = _rewrite(graph, found)
-        ir.set_graph_metadata(graph, AIFS_KEY, f"span={found['start'].name},{found['length'].name};"
-                                                f"visual_count={summary['visual_count']};"
-                                                f"original_order={','.join(summary['original_order_tensors'])}")
+        facts.AIFS.set(graph, span=f"{found['start'].name},{found['length'].name}", visual_count=summary["visual_count"],
+                       original_order=",".join(summary["original_order_tensors"]))
         return PassResult(True, summary)
 
 

@@ -2,7 +2,7 @@
 
 Why: an FP8 tensor core with 4-bit weight storage halves weight memory against FP8 W8A8 and runs
 up to 3x W4A16 on Gaudi (paper Fig. 4); the cost is two weight roundings (INT4 grid, then FP8),
-which DPQ's compensation (``edgeq.dpq.DpqColumns`` inside the GPTQ sweep) sees both of. Group-aware
+which DPQ's compensation (``edgeq.passes.methods.dpq.DpqColumns`` inside the GPTQ sweep) sees both of. Group-aware
 reordering (``order = "gar"``, the default) quantizes the groups holding the most important inputs
 first without any runtime permutation. ``two_level = false`` is the ablation "GPTQ, then cast to
 FP8": plain GPTQ INT4 on the real weight, then the same FP8 form.
@@ -31,16 +31,16 @@ import onnx_graphsurgeon as gs
 
 from edgeq import ir
 from edgeq.calib.observers import MinMaxObserver
-from edgeq.dpq import DpqColumns
+from edgeq.passes.methods.dpq import DpqColumns
 from edgeq.errors import UserInputError
-from edgeq.fp8 import FP8_MAX, power_of_two_scale
-from edgeq.gptq import ColumnQuantizer, GptqResult, IntColumns
+from edgeq.passes.methods.fp8 import FP8_MAX, power_of_two_scale
+from edgeq.passes.methods.gptq import ColumnQuantizer, GptqResult, IntColumns
 from edgeq.passbase import PassContext
 from edgeq.qdq_nodes import insert_fp8_qdq
 from edgeq.quant import QuantSpec
 from edgeq.registry import register_pass
 from edgeq.structure.linears import Linear
-from edgeq.passes.gptq import GptqConfig, GptqPass
+from edgeq.passes.methods.gptq_rewrite import GptqConfig, GptqRewrite
 
 
 @dataclass(frozen=True)
@@ -67,7 +67,7 @@ class DpqConfig(GptqConfig):
 
 
 @register_pass
-class DpqPass(GptqPass):
+class DpqPass(GptqRewrite):
     name = "dpq"
     Config = DpqConfig
     summary_line = "DPQ W4A8: INT4 weights dequantized to FP8, static FP8 activations, two-level GPTQ + GAR"
@@ -105,7 +105,7 @@ class DpqPass(GptqPass):
                 raise UserInputError(f"dpq: calibration saw no finite values for '{s}'")
             scales[s] = amax / FP8_MAX if amax > 0 else 1.0
         if cfg.lowering == "custom":
-            from edgeq.passes.dpq_custom import lower_to_w4a8_linear
+            from edgeq.passes.methods.dpq_custom import lower_to_w4a8_linear
 
             lower_to_w4a8_linear(graph, index, linears, self._weights, scales, cfg.group_size, self.spec(False))
         else:

@@ -15,7 +15,6 @@ tensors renamed ``<node name>/<body name>`` (unique in the graph).
 from __future__ import annotations
 
 from collections import Counter
-from dataclasses import dataclass
 
 import onnx
 import onnx.inliner
@@ -23,22 +22,16 @@ import onnx_graphsurgeon as gs
 from onnx_graphsurgeon.exporters.onnx_exporter import OnnxExporter
 
 from edgeq import ir
-from edgeq.passbase import Exactness, Pass, PassConfig, PassContext, PassResult
+from edgeq.passbase import Exactness, Pass, PassContext, PassResult
 from edgeq.registry import register_pass
 from edgeq.runtime_ops.domain import DOMAIN, DOMAIN_VERSION
 from edgeq.runtime_ops.schema import get_schema
-
-
-@dataclass(frozen=True)
-class ExpandFunctionsConfig(PassConfig):
-    pass
 
 
 @register_pass
 class ExpandFunctionsPass(Pass):
     name = "expand-functions"
     exactness = Exactness.EXACT
-    Config = ExpandFunctionsConfig
     summary_line = "inline every edgeq custom op as its ONNX function body (standard ops only; target lowering)"
 
     def run(self, graph: gs.Graph, ctx: PassContext) -> PassResult:

@@ -12,28 +12,21 @@ the norm output is also the residual stream). Such norms are left alone and list
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 
 import numpy as np
 import onnx_graphsurgeon as gs
 
 from edgeq import ir
-from edgeq.passbase import Exactness, Pass, PassConfig, PassContext, PassResult
+from edgeq.passbase import Exactness, Pass, PassContext, PassResult
 from edgeq.registry import register_pass
 from edgeq.structure import Norm, analyze
-from edgeq.weights import LinearEditor, is_weightless, norm_weights, position_wise_readers
-
-
-@dataclass(frozen=True)
-class FuseNormsConfig(PassConfig):
-    pass
+from edgeq.passes.methods.weights import LinearEditor, is_weightless, norm_weights, position_wise_readers
 
 
 @register_pass
 class FuseNormsPass(Pass):
     name = "fuse-norms"
     exactness = Exactness.FLOAT_EQUIV
-    Config = FuseNormsConfig
     summary_line = "fold norm scales/biases into the linears that read them; untie tied embeddings"
 
     def run(self, graph: gs.Graph, ctx: PassContext) -> PassResult:

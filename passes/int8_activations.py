@@ -36,7 +36,7 @@ import onnx
 import onnx_graphsurgeon as gs
 
 from edgeq import ir
-from edgeq.passbase import Exactness, Pass, PassConfig, PassContext, PassResult
+from edgeq.passbase import Exactness, Pass, PassContext, PassResult
 from edgeq.registry import register_pass
 from edgeq.targets.requant import read_constant
 
@@ -46,18 +46,13 @@ _SIGNED = {
     "uint16": ("int16", np.int16, onnx.TensorProto.INT16, 32768),
 }
 _ONNX_UNSIGNED = {onnx.TensorProto.UINT8: "uint8", onnx.TensorProto.UINT16: "uint16"}
-# ops that move integer elements without changing their grid (``edgeq.encodings._PASS_THROUGH``),
+# ops that move integer elements without changing their grid (``edgeq.artifacts.encodings._PASS_THROUGH``),
 # with the input slots carrying the integers (None: every input)
 _DATA_SLOTS: dict[str, tuple[int, ...] | None] = {
     "Clip": (0,), "Gather": (0,), "GatherElements": (0,), "Concat": None, "Reshape": (0,), "Transpose": (0,),
     "Squeeze": (0,), "Unsqueeze": (0,), "Slice": (0,), "Identity": (0,), "Flatten": (0,), "Expand": (0,),
     "Split": (0,), "Tile": (0,),
 }
-
-
-@dataclass(frozen=True)
-class Int8ActivationsConfig(PassConfig):
-    pass
 
 
 @dataclass
@@ -74,7 +69,6 @@ class _Group:
 class Int8ActivationsPass(Pass):
     name = "int8-activations"
     exactness = Exactness.EXACT
-    Config = Int8ActivationsConfig
     summary_line = "uint8/uint16 activations -> int8/int16, zero point and Clip bounds - 128 / - 32768 (exact; target lowering)"
 
     def run(self, graph: gs.Graph, ctx: PassContext) -> PassResult:

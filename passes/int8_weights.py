@@ -24,13 +24,12 @@ weights are then allowed by a target (symmetry, granularity) is other lowering p
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 
 import numpy as np
 import onnx_graphsurgeon as gs
 
 from edgeq import ir
-from edgeq.passbase import Exactness, Pass, PassConfig, PassContext, PassResult
+from edgeq.passbase import Exactness, Pass, PassContext, PassResult
 from edgeq.registry import register_pass
 from edgeq.targets.requant import read_constant, set_inputs
 
@@ -38,16 +37,10 @@ from edgeq.targets.requant import read_constant, set_inputs
 _SHIFT = {"int4": 0, "int2": 0, "uint4": 8, "uint2": 2}
 
 
-@dataclass(frozen=True)
-class Int8WeightsConfig(PassConfig):
-    pass
-
-
 @register_pass
 class Int8WeightsPass(Pass):
     name = "int8-weights"
     exactness = Exactness.EXACT
-    Config = Int8WeightsConfig
     summary_line = "int4/uint4 (int2/uint2) weights behind DequantizeLinear -> int8, same values (exact; target lowering)"
 
     def run(self, graph: gs.Graph, ctx: PassContext) -> PassResult:

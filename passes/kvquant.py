@@ -16,7 +16,7 @@ decode feeds.
 Calibration (on ``--calib`` samples, prefill only): for each sample and layer, the post-RoPE
 queries of the last ``query_tokens`` prompt positions (text after the image, the positions that
 read the visual cache the way decode steps do), the visual and text keys and values, and the
-causal mask among the text; then ``edgeq.kv_calibration``: range-clipping factors for K and V
+causal mask among the text; then ``edgeq.passes.methods.kv_calibration``: range-clipping factors for K and V
 (grid 1.0 ... 0.2, coordinate descent, no logit calibration) and (tau1, tau2) on {0,1,2,3}^2, both
 minimizing the mean relative attention-output error. The chosen values and the errors go to the
 pass summary (report.json) and to the model metadata ``edgeq.kvquant`` (which the host-side
@@ -29,22 +29,20 @@ KIVI-style comparator). ``bits``: 1 or 2 (the method), 4 and 8 for the fidelity 
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import dataclass
 
 import numpy as np
 import onnx_graphsurgeon as gs
 
-from edgeq import ir
+from edgeq import facts
 from edgeq.errors import UserInputError
-from edgeq.kv_attention_sites import KVSite, find_kv_sites
-from edgeq.kv_cache import BITS, FIELDS, METADATA_KEY, SCHEMES, VISUAL_PREFIX, VisualCacheSpec
+from edgeq.passes.methods.kv_attention_sites import KVSite, find_kv_sites
+from edgeq.kv_cache import BITS, FIELDS, SCHEMES, VISUAL_PREFIX, VisualCacheSpec
 from edgeq.passbase import Exactness, Pass, PassConfig, PassContext, PassResult
 from edgeq.registry import register_pass
 from edgeq.runtime_ops.domain import DOMAIN
 
-OP_TYPES = ("VisualKVAttention", "VisualKVAttentionKIVI")
 
 
 @dataclass(frozen=True)
@@ -83,18 +81,17 @@ class KvQuantPass(Pass):
     exactness = Exactness.LOSSY
     Config = KvQuantConfig
     needs_calibration = True
+    establishes = facts.KVQUANT
     summary_line = "CalibQuant visual KV cache: packed 1/2-bit channel-wise codes, post-scaled attention, logit calibration"
 
     def run(self, graph: gs.Graph, ctx: PassContext) -> PassResult:
         cfg: KvQuantConfig = self.config
-        if any(n.domain == DOMAIN and n.op in OP_TYPES for n in graph.nodes):
-            return PassResult(False, {"already_quantized": True})
         sites = find_kv_sites(graph)
         spec = VisualCacheSpec(cfg.bits, cfg.scheme, cfg.k_clip, cfg.v_clip)
         tau = (cfg.tau1, cfg.tau2)
         calibration: dict = {}
         if cfg.needs_data:
-            from edgeq.kv_calibration import search_clip, search_tau
+            from edgeq.passes.methods.kv_calibration import search_clip, search_tau
 
             samples = collect_attention_samples(graph, sites, ctx.require_calibrator(self.name), cfg)
             calibration["samples"] = len(samples)
@@ -112,7 +109,7 @@ class KvQuantPass(Pass):
         graph.cleanup().toposort()
         chosen = {"bits": spec.bits, "scheme": spec.scheme, "k_clip": spec.k_clip, "v_clip": spec.v_clip,
                   "tau1": tau[0], "tau2": tau[1], "calibrate": bool(cfg.calibrate)}
-        ir.set_graph_metadata(graph, METADATA_KEY, json.dumps(chosen, sort_keys=True))
+        facts.KVQUANT.set(graph, chosen)
         return PassResult(True, {"layers": len(sites), **chosen, "calibration": calibration,
                                  "visual_inputs": [f"{VISUAL_PREFIX}{{i}}.{f}" for f in FIELDS]})
 
@@ -168,22 +165,17 @@ def _op(graph: gs.Graph, op: str, name: str, inputs, attrs=None) -> gs.Variable:
 def collect_attention_samples(graph: gs.Graph, sites: list[KVSite], calibrator, cfg: KvQuantConfig) -> list:
     """Decode-like attention samples of every layer from prefill runs on the calibration data
     (see the module docstring)."""
-    from edgeq.calib.session import add_outputs
-    from edgeq.kv_calibration import AttentionSample
     from edgeq.kv_cache import split_visual_rows
+    from edgeq.passes.methods.kv_calibration import AttentionSample
 
-    model = ir.to_model(graph)
     names = {t.name for t in graph.inputs}
     has_span = {"visual_start", "visual_len"} <= names
     if not has_span and cfg.visual_start < 0:
         raise UserInputError("kvquant calibration needs the visual span: a graph with visual_start / visual_len "
                              "inputs, or the pass options visual_start and visual_len")
     fetch = [s.q.name for s in sites] + [n for s in sites for n in (s.key, s.value)]
-    add_outputs(model, graph, fetch)
-    session = ir.make_session(model, optimize=True)
     samples = []
-    for feeds in calibrator.data.batches[:cfg.max_samples]:
-        values = dict(zip(fetch, session.run(fetch, feeds)))
+    for feeds, values in calibrator.fetch(graph, fetch, cfg.max_samples):
         batch = values[sites[0].key].shape[0]
         starts = feeds["visual_start"] if has_span else np.full(batch, cfg.visual_start)
         lens = feeds["visual_len"] if has_span else np.full(batch, cfg.visual_len)

@@ -28,17 +28,16 @@ from dataclasses import dataclass
 import numpy as np
 import onnx_graphsurgeon as gs
 
-from edgeq import ir
+from edgeq import facts, ir
 from edgeq.calib.observers import PerChannelAbsMaxObserver
 from edgeq.errors import UserInputError
 from edgeq.passbase import Exactness, Pass, PassConfig, PassContext, PassResult
 from edgeq.registry import register_pass
 from edgeq.runtime_ops.online_hadamard import OP_TYPE, hadamard_matrix_for_fold
-from edgeq.side_branch import BRANCH_PRECISIONS, add_branch, quantize_branches
+from edgeq.passes.methods.side_branch import BRANCH_PRECISIONS, add_branch, quantize_branches
 from edgeq.structure import analyze
-from edgeq.weights import LinearEditor
+from edgeq.passes.methods.weights import LinearEditor
 
-SPLIT_KEY = "edgeq.massive_split"
 
 
 @dataclass(frozen=True)
@@ -73,6 +72,7 @@ class MassiveSplitPass(Pass):
     name = "massive-split"
     exactness = Exactness.FLOAT_EQUIV
     Config = MassiveSplitConfig
+    establishes = facts.MASSIVE_SPLIT
     summary_line = "split massive-activation input channels (before any online Hadamard) into a GEMV branch"
 
     @property
@@ -84,8 +84,6 @@ class MassiveSplitPass(Pass):
         return True
 
     def run(self, graph: gs.Graph, ctx: PassContext) -> PassResult:
-        if SPLIT_KEY in ir.graph_metadata(graph):
-            return PassResult(False, {"already_applied": ir.graph_metadata(graph)[SPLIT_KEY]})
         cfg: MassiveSplitConfig = self.config
         editor = LinearEditor(graph)
         index = editor.index
@@ -122,7 +120,7 @@ class MassiveSplitPass(Pass):
                             "median_channel_absmax": round(float(np.median(absmax)), 3)}
         if branches:
             quantize_branches(graph, index, branches, ranges, cfg.branch, ctx.u8s8_safe)
-        ir.set_graph_metadata(graph, SPLIT_KEY, f"ratio={cfg.ratio};branch={cfg.branch}")
+        facts.MASSIVE_SPLIT.set(graph, ratio=cfg.ratio, branch=cfg.branch)
         return PassResult(bool(branches), {
             "linears": len(sites),
             "split": len(branches),

@@ -9,7 +9,7 @@ standard form, an integer weight behind an opset-21 block ``DequantizeLinear`` f
     W = DequantizeLinear(q [K, N] int4|uint4, scale [ceil(K/G), N], zero_point, axis=0, block_size=G)
     Y = MatMul(A, W)  (+ Add(., bias))
 
-Unpacking (the inverse of ``edgeq.matmulnbits.pack_matmulnbits``; the contrib op's layout, which
+Unpacking (the inverse of ``edgeq.passes.methods.matmulnbits.pack_matmulnbits``; the contrib op's layout, which
 ``onnxruntime.quantization``'s MatMulNBits quantizer writes too): ``B`` uint8 ``[N, k_blocks,
 G/2]`` (any shape of that size), low nibble = even row; the padding rows of a short last block are
 dropped. Zero points: absent = 8 for every block; uint8 packed per column, two blocks a byte
@@ -49,14 +49,14 @@ import numpy as np
 import onnx_graphsurgeon as gs
 
 from edgeq import ir
-from edgeq.matmulnbits import BITS, DOMAIN
-from edgeq.passbase import Exactness, Pass, PassConfig, PassContext, PassResult
+from edgeq.passes.methods.matmulnbits import BITS, DOMAIN
+from edgeq.passbase import Exactness, Pass, PassContext, PassResult
 from edgeq.qdq_nodes import ensure_opset, insert_weight_dequantize
 from edgeq.quant import QuantSpec
 from edgeq.registry import register_pass
 from edgeq.targets.requant import read_constant
 
-_SUFFIX = "_MatMulNBits"  # what edgeq.matmulnbits.insert_matmulnbits appends to the linear's name
+_SUFFIX = "_MatMulNBits"  # what edgeq.passes.methods.matmulnbits.insert_matmulnbits appends to the linear's name
 
 
 class Refused(Exception):
@@ -65,7 +65,7 @@ class Refused(Exception):
 
 def unpack_matmulnbits(b: np.ndarray, scales: np.ndarray, zero_points: np.ndarray | None, k: int, n: int,
                        block_size: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, bool]:
-    """The inverse of ``edgeq.matmulnbits.pack_matmulnbits``: (q [K, N], scale [ceil(K/G), N],
+    """The inverse of ``edgeq.passes.methods.matmulnbits.pack_matmulnbits``: (q [K, N], scale [ceil(K/G), N],
     zero point [ceil(K/G), N], signed). Codes and zero points are unsigned 4-bit values; when every
     zero point is 8 the result is signed (``q = code - 8``, zero point 0). Raises ``Refused`` when
     the arrays do not fit the op's layout."""
@@ -188,16 +188,10 @@ def _fresh(names: set[str], base: str) -> str:
     return name
 
 
-@dataclass(frozen=True)
-class MatMulNBitsToQDQConfig(PassConfig):
-    pass
-
-
 @register_pass
 class MatMulNBitsToQDQPass(Pass):
     name = "matmulnbits-to-qdq"
     exactness = Exactness.FLOAT_EQUIV
-    Config = MatMulNBitsToQDQConfig
     summary_line = "com.microsoft::MatMulNBits -> int4/uint4 block DequantizeLinear + MatMul (target lowering)"
 
     def run(self, graph: gs.Graph, ctx: PassContext) -> PassResult:

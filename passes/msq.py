@@ -33,19 +33,18 @@ from dataclasses import dataclass
 import numpy as np
 import onnx_graphsurgeon as gs
 
-from edgeq import ir
+from edgeq import facts, ir
 from edgeq.errors import UserInputError
 from edgeq.graph_builder import NodeBuilder
 from edgeq.modality_mask import prefix_mask, span_input_names, visual_block_mask
 from edgeq.passbase import PassContext, PassResult
-from edgeq.passes.aifs import AIFS_KEY
-from edgeq.passes.qdq import QDQConfig, QDQPass
+from edgeq.passes.methods.static_qdq import QDQConfig, StaticQDQ
 from edgeq.qdq_nodes import QuantizedTensor, insert_dequantize, insert_quantize
 from edgeq.quant import QuantSpec, scale_zero_point
 from edgeq.registry import register_pass
 from edgeq.runtime_ops.domain import DOMAIN
 
-MSQ_KEY = "edgeq.msq"
+MSQ_KEY = facts.MSQ.key  # the model metadata key msq leaves (tests read it)
 LOWERINGS = ("integer", "custom", "select")
 
 
@@ -79,19 +78,18 @@ class _RescaledSite:
 
 
 @register_pass
-class MsqPass(QDQPass):
+class MsqPass(StaticQDQ):
     name = "msq"
     Config = MsqConfig
+    establishes = facts.MSQ
     summary_line = "MQuant MSQ: qdq with a visual and a text static scale per activation site (after aifs: visual-first slices)"
 
     def run(self, graph: gs.Graph, ctx: PassContext) -> PassResult:
         meta = ir.graph_metadata(graph)
-        if MSQ_KEY in meta:
-            return PassResult(False, {"already_applied": meta[MSQ_KEY]})
         cfg: MsqConfig = self.config
         self._b = NodeBuilder(graph, ir.GraphIndex(graph), "msq")
         self._graph, self._meta = graph, meta
-        self._aifs = dict(part.split("=", 1) for part in meta.get(AIFS_KEY, "").split(";") if "=" in part)
+        self._aifs = facts.AIFS.get(graph) or {}
         self._masks: dict[str, tuple[gs.Tensor, gs.Tensor]] = {}  # order -> (is_visual [B,S], [B,S,1])
         self._count = None
         self._ranges: dict[str, dict] = {}
@@ -100,7 +98,7 @@ class MsqPass(QDQPass):
         self._mask("permuted" if "visual_count" in self._aifs else "original")  # fail early on a text-only graph
         result = super().run(graph, ctx)
         if result.modified:
-            ir.set_graph_metadata(graph, MSQ_KEY, f"layout={self._layout()};lowering={cfg.lowering}")
+            facts.MSQ.set(graph, layout=self._layout(), lowering=cfg.lowering)
         return result
 
     def _layout(self) -> str:

@@ -32,16 +32,15 @@ from dataclasses import dataclass
 import numpy as np
 import onnx_graphsurgeon as gs
 
-from edgeq import ir
+from edgeq import facts, ir
 from edgeq.calib.observers import ChannelStatsObserver
 from edgeq.errors import UserInputError
 from edgeq.passbase import Exactness, Pass, PassConfig, PassContext, PassResult
 from edgeq.registry import register_pass
-from edgeq.side_branch import add_branch
+from edgeq.passes.methods.side_branch import add_branch
 from edgeq.structure import Norm, analyze
-from edgeq.weights import LinearEditor, norm_weights, position_wise_readers
+from edgeq.passes.methods.weights import LinearEditor, norm_weights, position_wise_readers
 
-MUXQ_KEY = "edgeq.muxq"
 _MAX_EXPONENT = 16
 
 
@@ -102,17 +101,16 @@ class MuxqPass(Pass):
     name = "muxq"
     exactness = Exactness.FLOAT_EQUIV
     Config = MuxqConfig
+    establishes = facts.MUXQ
     needs_calibration = True
     summary_line = "MUXQ: outlier input channels into Body/Aux (one uniform INT8 GEMM); llm-int8 comparator"
 
     def run(self, graph: gs.Graph, ctx: PassContext) -> PassResult:
-        if MUXQ_KEY in ir.graph_metadata(graph):
-            return PassResult(False, {"already_applied": ir.graph_metadata(graph)[MUXQ_KEY]})
         cfg: MuxqConfig = self.config
         structure = analyze(graph)
         editor = LinearEditor(graph)
         index = editor.index
-        keep_float = ir.keep_float_nodes(graph)
+        keep_float = facts.KEEP_FLOAT.names(graph)
         sites: dict[str, list] = {}
         for lin in structure.linears:
             if lin.quantized or lin.node in keep_float or (cfg.roles and lin.role not in cfg.roles):
@@ -147,8 +145,8 @@ class MuxqPass(Pass):
                 _decompose(graph, index, editor, body, linears, chans, e, cfg.form)
             report[site] = entry
         if branches:
-            ir.add_keep_float(graph, branches)
-        ir.set_graph_metadata(graph, MUXQ_KEY, f"method={cfg.method};rule={cfg.rule};form={cfg.form}")
+            facts.KEEP_FLOAT.add(graph, branches)
+        facts.MUXQ.set(graph, method=cfg.method, rule=cfg.rule, form=cfg.form)
         outliers = [r["outliers"] for r in report.values()]
         return PassResult(bool(report), {
             "method": cfg.method,

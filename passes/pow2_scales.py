@@ -26,23 +26,17 @@ a power-of-two profile cannot accept.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 
 import numpy as np
 import onnx_graphsurgeon as gs
 
 from edgeq import ir
-from edgeq.passbase import Exactness, Pass, PassConfig, PassContext, PassResult
+from edgeq.passbase import Exactness, Pass, PassContext, PassResult
 from edgeq.qdq_nodes import integer_constant
 from edgeq.quant import QuantSpec, dequantize_weight
 from edgeq.registry import register_pass
 from edgeq.targets.requant import (QDQ_OPS, ErrorMeter, pow2_ceil, integer_dtype, read_constant, replace_weight, requantize, set_inputs,
                                    weight_dequantizers)
-
-
-@dataclass(frozen=True)
-class Pow2ScalesConfig(PassConfig):
-    pass
 
 
 def moved_zero_point(zp: np.ndarray, scale: np.ndarray, new_scale: np.ndarray, qmin: int, qmax: int,
@@ -72,7 +66,6 @@ class _ScaleStats:
 class Pow2ScalesPass(Pass):
     name = "pow2-scales"
     exactness = Exactness.LOSSY
-    Config = Pow2ScalesConfig
     summary_line = "every Q/DQ scale -> 2^ceil(log2 s); weights requantized, activation zero points moved (target lowering)"
 
     def run(self, graph: gs.Graph, ctx: PassContext) -> PassResult:

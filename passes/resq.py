@@ -17,30 +17,28 @@ subspace (r = dimension / ``rank_divisor``). ``basis = "linf"`` is the paper's T
 (the r channels of largest calibrated |x| max, rotated inside each group) and ``"hadamard"`` the
 QuaRot-like uniform baseline (randomized Hadamard everywhere, no subspaces). Exact at infinite
 precision: the fp32 graph keeps its outputs (FLOAT_EQUIV). The layout is recorded in the model
-metadata (``edgeq.resq``) for ``resq-qdq``.
+metadata (``edgeq.passes.methods.resq``) for ``resq-qdq``.
 """
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 
 import numpy as np
 import onnx_graphsurgeon as gs
 
-from edgeq import ir
-from edgeq.attention_tensors import AttentionNotFound, AttentionTensors, find_attention_tensors
+from edgeq import facts, ir
+from edgeq.passes.methods.attention_tensors import AttentionNotFound, AttentionTensors, find_attention_tensors
 from edgeq.calib.observers import HessianObserver, PerChannelAbsMaxObserver
 from edgeq.errors import UserInputError
-from edgeq.passbase import Exactness, Pass, PassConfig, PassContext, PassResult
-from edgeq.passes.rotate import fold_online_rotations, rotate_stream, set_writer_weights
+from edgeq.passbase import Exactness, Pass, PassConfig, PassContext, PassResult, Reason
+from edgeq.passes.methods.rotation import fold_online_rotations, rotate_stream, set_writer_weights
 from edgeq.registry import register_pass
-from edgeq.resq import SubspaceBasis, linf_basis, subspace_basis
+from edgeq.passes.methods.resq import SubspaceBasis, linf_basis, subspace_basis
 from edgeq.runtime_ops.hadamard import randomized_hadamard
-from edgeq.stream import NotApplicable, analyze_stream, require_weightless_rms
-from edgeq.weights import LinearEditor
+from edgeq.passes.methods.stream import NotApplicable, analyze_stream, require_weightless_rms
+from edgeq.passes.methods.weights import LinearEditor
 
-RESQ_KEY = "edgeq.resq"
 BASES = ("pca", "linf", "hadamard")
 
 
@@ -63,8 +61,7 @@ class ResqConfig(PassConfig):
 
 def resq_layout(graph: gs.Graph) -> dict | None:
     """What ``resq`` recorded (ranks, per-layer K/V tensors), or None if it has not run."""
-    raw = ir.graph_metadata(graph).get(RESQ_KEY)
-    return json.loads(raw) if raw else None
+    return facts.RESQ.get(graph)
 
 
 @register_pass
@@ -73,6 +70,8 @@ class ResqPass(Pass):
     exactness = Exactness.FLOAT_EQUIV
     Config = ResqConfig
     requires = ("fuse-norms", "ln-to-rms")
+    establishes = facts.RESQ
+    marks_when_not_applicable = True  # resq-qdq reports resq's reason instead of asking for resq
     summary_line = "ResQ projections: PCA bases (U_A stream, U_B values, U_C keys online) + online Hadamard (U_D)"
 
     @property
@@ -80,15 +79,13 @@ class ResqPass(Pass):
         return self.config.basis != "hadamard"
 
     def run(self, graph: gs.Graph, ctx: PassContext) -> PassResult:
-        if resq_layout(graph) is not None:
-            return PassResult(False, {"already_projected": resq_layout(graph)["basis"]})
         cfg: ResqConfig = self.config
         try:
             stream = analyze_stream(graph)
         except NotApplicable as exc:
             # recorded, so resq-qdq reports the same instead of asking for resq
-            ir.set_graph_metadata(graph, RESQ_KEY, json.dumps({"basis": cfg.basis, "not_applicable": str(exc)}))
-            return PassResult(True, {"not_applicable": str(exc)})
+            facts.RESQ.set(graph, {"basis": cfg.basis, "not_applicable": str(exc)})
+            return PassResult.skipped(Reason.STRUCTURE_NOT_FOUND, str(exc), modified=True)
         require_weightless_rms(graph, stream, self.name)
         attention: list[AttentionTensors] = []
         skipped = None
@@ -122,7 +119,7 @@ class ResqPass(Pass):
         rank = 0 if cfg.basis == "hadamard" else d // cfg.rank_divisor
         layout = {"basis": cfg.basis, "rank_divisor": cfg.rank_divisor, "hidden": d, "hidden_rank": rank,
                   "stream_readers": sorted(readers), "layers": layers}
-        ir.set_graph_metadata(graph, RESQ_KEY, json.dumps(layout, sort_keys=True))
+        facts.RESQ.set(graph, layout)
         summary = {"basis": cfg.basis, "hidden": d, "hidden_rank": rank, "attention_layers": len(layers),
                    "online": {"hadamard": sum(v == "hadamard" for v in online.values()),
                               "dense_fallback": sorted(k for k, v in online.items() if v != "hadamard")}}
@@ -199,7 +196,7 @@ class ResqPass(Pass):
             consumers = list(index.consumers(name))
             out = gs.Variable(ir.unique_name(index, f"/resq/layers.{att.layer}/{label}_projected"), dtype=np.float32)
             graph.nodes.append(gs.Node("MatMul", f"/resq/layers.{att.layer}/{label}_U_C", inputs=[tensor, const], outputs=[out]))
-            ir.add_keep_float(graph, [f"/resq/layers.{att.layer}/{label}_U_C"])  # an online projection, not a layer
+            facts.KEEP_FLOAT.add(graph, [f"/resq/layers.{att.layer}/{label}_U_C"])  # an online projection, not a layer
             for node in consumers:
                 for i, t in enumerate(node.inputs):
                     if t is tensor:

@@ -7,7 +7,7 @@ one at ``high_bits`` (8), each with its own scale: per token at run time (``acti
 "dynamic"``, asymmetric: the paper's setting) or static per tensor from calibration ("static",
 asymmetric: the NPU form). The weight rows of the high subspace are quantized at
 ``weight_high_bits`` (8) and the others at ``weight_low_bits`` (4), per output channel and
-symmetric, with GPTQ compensating through both grids (``edgeq.gptq``'s ``subsets``): two
+symmetric, with GPTQ compensating through both grids (``edgeq.passes.methods.gptq``'s ``subsets``): two
 DequantizeLinear initializers concatenated along K. o_proj reads the heads side by side, each
 head's high channels last, so its input is gathered (all low channels, then all high ones) and
 its weight rows permuted alike. down_proj (behind the online Hadamard U_D) is uniform at
@@ -20,18 +20,16 @@ float (``skip_roles``), as in ResQ, QuaRot and SpinQuant.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 
 import numpy as np
 import onnx_graphsurgeon as gs
 
-from edgeq import ir
+from edgeq import facts, ir
 from edgeq.calib.observers import ChannelMinMaxObserver, HessianObserver
 from edgeq.errors import UserInputError
-from edgeq.gptq import IntColumns, gptq_quantize
-from edgeq.passbase import Exactness, Pass, PassConfig, PassContext, PassResult
-from edgeq.passes.resq import resq_layout
+from edgeq.passes.methods.gptq import IntColumns, gptq_quantize
+from edgeq.passbase import Exactness, Pass, PassConfig, PassContext, PassResult, Reason
 from edgeq.qdq_nodes import (ensure_opset, insert_dequantize, insert_quantize, insert_token_fake_quant_asymmetric,
                               insert_weight_dequantize)
 from edgeq.quant import QuantSpec, quantize_weight, scale_zero_point
@@ -40,7 +38,6 @@ from edgeq.runtime_ops.domain import DOMAIN
 from edgeq.structure import find_linears
 from edgeq.structure.linears import Linear
 
-DONE_KEY = "edgeq.resq_qdq"
 
 
 @dataclass(frozen=True)
@@ -114,6 +111,7 @@ class ResqQDQPass(Pass):
     exactness = Exactness.LOSSY
     Config = ResqQDQConfig
     requires = ("fuse-norms", "ln-to-rms", "resq")
+    establishes = facts.RESQ_QDQ
     summary_line = "ResQ mixed precision: SubspaceQDQ activations (4-bit low / 8-bit high subspace), 4/8-bit GPTQ weight rows, K/V"
 
     @property
@@ -122,14 +120,10 @@ class ResqQDQPass(Pass):
 
     def run(self, graph: gs.Graph, ctx: PassContext) -> PassResult:
         cfg: ResqQDQConfig = self.config
-        if DONE_KEY in ir.graph_metadata(graph):
-            return PassResult(False, {"already_quantized": True})
-        layout = resq_layout(graph)
-        if layout is None:
-            raise UserInputError("resq-qdq: the graph has no ResQ projections: put resq before resq-qdq")
+        layout = facts.RESQ.get(graph)
         if "not_applicable" in layout:
-            return PassResult(False, {"not_applicable": f"resq did not apply: {layout['not_applicable']}"})
-        keep_float = ir.keep_float_nodes(graph)
+            return PassResult.skipped(Reason.PREREQUISITE_DID_NOT_APPLY, f"resq did not apply: {layout['not_applicable']}")
+        keep_float = facts.KEEP_FLOAT.names(graph)
         linears = [lin for lin in find_linears(graph) if lin.role not in cfg.skip_roles and lin.node not in keep_float]
         if not linears:
             return PassResult(False, {"linears_quantized": 0})
@@ -183,7 +177,7 @@ class ResqQDQPass(Pass):
                 for i, t in enumerate(node.inputs):
                     if t is tensor:
                         node.inputs[i] = out
-        ir.set_graph_metadata(graph, DONE_KEY, json.dumps({"activations": cfg.activations}))
+        facts.RESQ_QDQ.set(graph, {"activations": cfg.activations})
         uniform = sum(1 for s in sites.values() if s.rank == 0)
         return PassResult(True, {
             "linears_quantized": len(linears), "mixed_sites": len(sites) - uniform, "uniform_sites": uniform,

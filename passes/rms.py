@@ -21,18 +21,17 @@ from dataclasses import dataclass
 import numpy as np
 import onnx_graphsurgeon as gs
 
-from edgeq import ir
+from edgeq import facts, ir
 from edgeq.calib.observers import MinMaxObserver
-from edgeq.eq9 import eq9_columns
+from edgeq.passes.methods.eq9 import eq9_columns
 from edgeq.errors import UserInputError
 from edgeq.passbase import Exactness, Pass, PassConfig, PassContext, PassResult
 from edgeq.registry import register_pass
 from edgeq.runtime_ops.online_hadamard import OP_TYPE, hadamard_matrix_for_fold
-from edgeq.side_branch import BRANCH_PRECISIONS, add_branch, quantize_branches
+from edgeq.passes.methods.side_branch import BRANCH_PRECISIONS, add_branch, quantize_branches
 from edgeq.structure import analyze
-from edgeq.weights import LinearEditor
+from edgeq.passes.methods.weights import LinearEditor
 
-RMS_KEY = "edgeq.rms"
 
 
 @dataclass(frozen=True)
@@ -53,6 +52,7 @@ class RmsPass(Pass):
     exactness = Exactness.FLOAT_EQUIV
     Config = RmsConfig
     requires = ("fuse-norms", "ln-to-rms", "rotate")
+    establishes = facts.RMS
     summary_line = "MQuant RMS: split rotated channel 0 of Eq. 9 layers into a GEMV branch"
 
     @property
@@ -64,8 +64,6 @@ class RmsPass(Pass):
         return BRANCH_PRECISIONS[self.config.branch] is not None
 
     def run(self, graph: gs.Graph, ctx: PassContext) -> PassResult:
-        if RMS_KEY in ir.graph_metadata(graph):
-            return PassResult(False, {"already_applied": ir.graph_metadata(graph)[RMS_KEY]})
         cfg: RmsConfig = self.config
         s = analyze(graph)
         editor = LinearEditor(graph)
@@ -92,7 +90,7 @@ class RmsPass(Pass):
                     graph, {b["x"].name: MinMaxObserver for b in branches}, "rms:branch:minmax")
                 ranges = {name: obs.range() for name, obs in observers.items()}
             quantize_branches(graph, index, branches, ranges, cfg.branch, ctx.u8s8_safe)
-        ir.set_graph_metadata(graph, RMS_KEY, f"mode={cfg.mode};branch={cfg.branch}")
+        facts.RMS.set(graph, mode=cfg.mode, branch=cfg.branch)
         return PassResult(bool(branches), {
             "online_hadamard_linears": len(eq9),
             "meeting_eq9": sum(v > 0 for v in eq9.values()),

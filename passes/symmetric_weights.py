@@ -17,13 +17,12 @@ change in dequantized weights relative to their RMS, overall and the worst weigh
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 
 import numpy as np
 import onnx_graphsurgeon as gs
 
 from edgeq import ir
-from edgeq.passbase import Exactness, Pass, PassConfig, PassContext, PassResult
+from edgeq.passbase import Exactness, Pass, PassContext, PassResult
 from edgeq.quant import QuantSpec, dequantize_weight, quantize_weight
 from edgeq.registry import register_pass
 from edgeq.targets.requant import ErrorMeter, replace_weight, set_inputs, weight_dequantizers
@@ -31,16 +30,10 @@ from edgeq.targets.requant import ErrorMeter, replace_weight, set_inputs, weight
 _SIGNED = {"uint8": "int8", "uint4": "int4", "uint16": "int16", "int8": "int8", "int4": "int4", "int16": "int16"}
 
 
-@dataclass(frozen=True)
-class SymmetricWeightsConfig(PassConfig):
-    pass
-
-
 @register_pass
 class SymmetricWeightsPass(Pass):
     name = "symmetric-weights"
     exactness = Exactness.LOSSY
-    Config = SymmetricWeightsConfig
     summary_line = "integer weights -> signed symmetric (uint shifted exactly, asymmetric requantized; target lowering)"
 
     def run(self, graph: gs.Graph, ctx: PassContext) -> PassResult:

@@ -20,6 +20,7 @@ import numpy as np
 import onnx
 from onnx import helper
 
+from edgeq.protowalk import proto_nodes
 from edgeq.runtime_ops import modality_qdq as _mq
 from edgeq.runtime_ops import online_hadamard as _oh
 from edgeq.runtime_ops import subspace_qdq as _sq
@@ -211,24 +212,12 @@ def get_schema(op_type: str) -> OpSchema:
         raise KeyError(f"unknown {DOMAIN} op {op_type!r}; known: {sorted(SCHEMAS)}") from None
 
 
-def _iter_nodes(nodes):
-    """Every node, including those in subgraphs (If / Loop / Scan bodies)."""
-    for node in nodes:
-        yield node
-        for attr in node.attribute:
-            if attr.type == onnx.AttributeProto.GRAPH:
-                yield from _iter_nodes(attr.g.node)
-            elif attr.type == onnx.AttributeProto.GRAPHS:
-                for g in attr.graphs:
-                    yield from _iter_nodes(g.node)
-
-
 def used_ops(model: onnx.ModelProto) -> set[str]:
     """Names of the edgeq ops the model's graph (and its functions) use."""
-    nodes = list(_iter_nodes(model.graph.node))
+    nodes = list(proto_nodes(model.graph.node))
     for fn in model.functions:
         if fn.domain != DOMAIN:
-            nodes.extend(_iter_nodes(fn.node))
+            nodes.extend(proto_nodes(fn.node))
     return {n.op_type for n in nodes if n.domain == DOMAIN}
 
 

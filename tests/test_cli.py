@@ -45,7 +45,7 @@ def test_compile_writes_model_report_and_encodings(toy, tmp_path, capsys):
     assert code == 0, err
     assert sorted(p.name for p in out.iterdir()) == ["aimet_encodings.json", "encodings.json", "manifest.json",
                                                      "model.onnx", "model.onnx.data", "report.json"]
-    from edgeq.manifest import verify_manifest
+    from edgeq.artifacts.manifest import verify_manifest
 
     assert verify_manifest(out) == []  # every output file hashed, nothing missing or extra
     manifest = json.loads((out / "manifest.json").read_text())

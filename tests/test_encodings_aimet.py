@@ -19,8 +19,8 @@ from toy import random_feeds, toy_lm
 
 from edgeq import ir
 from edgeq.calib.session import CalibrationSet, Calibrator
-from edgeq.encodings import collect_encodings
-from edgeq.encodings_aimet import aimet_offsets, aimet_unsupported, export_aimet, write_aimet
+from edgeq.artifacts.encodings import collect_encodings
+from edgeq.artifacts.aimet import aimet_offsets, aimet_unsupported, export_aimet, write_aimet
 from edgeq.errors import UserInputError
 from edgeq.passbase import PassContext
 from edgeq.passes.qdq import QDQConfig, QDQPass

@@ -19,7 +19,7 @@ from toy import random_feeds, toy_model_dir, write_text
 from edgeq import ir
 from edgeq.calib.session import CalibrationSet, Calibrator
 from edgeq.cli import main
-from edgeq.encodings import _PASS_THROUGH, collect_encodings
+from edgeq.artifacts.encodings import _PASS_THROUGH, collect_encodings
 from edgeq.passbase import Exactness, PassContext
 from edgeq.passes.int8_activations import _DATA_SLOTS
 from edgeq.passes.muxq import MuxqConfig, MuxqPass

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 from edgeq.kv_cache import VisualCacheSpec
-from edgeq.kv_calibration import AttentionSample, float_attention, quantized_attention, search_clip, search_tau
+from edgeq.passes.methods.kv_calibration import AttentionSample, float_attention, quantized_attention, search_clip, search_tau
 
 
 def _sample(seed: int, heads: int = 4, kv_heads: int = 2, nv: int = 24, nt: int = 5, d: int = 16) -> AttentionSample:

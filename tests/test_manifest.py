@@ -14,7 +14,7 @@ from toy import toy_model_dir
 
 import edgeq
 from edgeq.errors import UserInputError
-from edgeq.manifest import MANIFEST_VERSION, build_manifest, verify_manifest, write_manifest
+from edgeq.artifacts.manifest import MANIFEST_VERSION, build_manifest, verify_manifest, write_manifest
 
 
 def _sha(path) -> str:

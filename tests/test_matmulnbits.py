@@ -17,7 +17,7 @@ import onnx
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
-from edgeq.matmulnbits import insert_matmulnbits, matmulnbits_node, pack_matmulnbits
+from edgeq.passes.methods.matmulnbits import insert_matmulnbits, matmulnbits_node, pack_matmulnbits
 
 ort = pytest.importorskip("onnxruntime")
 ml_dtypes = pytest.importorskip("ml_dtypes")
@@ -28,7 +28,7 @@ LEVEL = ort.GraphOptimizationLevel
 
 
 def make_weight(rng, k, g, signed):
-    """(q [K, N], scale [ceil(K/G), N], zero point, W [K, N] float64) like edgeq.gptq produces."""
+    """(q [K, N], scale [ceil(K/G), N], zero point, W [K, N] float64) like edgeq.passes.methods.gptq produces."""
     kb = -(-k // g)
     if signed:  # symmetric 'full range' int4: zero point 0, scales of both signs
         q = rng.integers(-8, 8, (k, N))

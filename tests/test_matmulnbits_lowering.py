@@ -18,10 +18,10 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 from toy import random_feeds
 
-from edgeq import ir
+from edgeq import facts, ir
 from edgeq.calib.session import CalibrationSet, Calibrator
 from edgeq.errors import UserInputError
-from edgeq.matmulnbits import pack_matmulnbits
+from edgeq.passes.methods.matmulnbits import pack_matmulnbits
 from edgeq.passbase import FLOAT_EQUIV_RTOL, Exactness, PassContext
 from edgeq.passes.matmulnbits_to_qdq import Refused, unpack_matmulnbits  # importing it registers the pass
 from edgeq.pipeline import Pipeline, PipelineOptions
@@ -127,7 +127,7 @@ def test_gptq_matmulnbits_lowered_back(cfg, dtype, tiny_models, tmp_path):
             np.testing.assert_array_equal(np.asarray(a, np.float64), np.asarray(b, np.float64))
     for a, b in zip(got, _outputs(dq_form, feeds)):
         np.testing.assert_array_equal(a, b)
-    assert ir.weights_quantized_first(ir.to_graph(out)) == ir.weights_quantized_first(ir.to_graph(dq_form))
+    assert facts.WEIGHTS_QUANTIZED_FIRST.names(ir.to_graph(out)) == facts.WEIGHTS_QUANTIZED_FIRST.names(ir.to_graph(dq_form))
 
 
 # ---------------------------------------------------------------- single nodes, bit for bit
@@ -136,7 +136,7 @@ N = 24
 
 
 def _weight(rng, k, g, signed):
-    """(q [K, N], scale, zero point) as edgeq.gptq writes them (cf. tests/test_matmulnbits.py)."""
+    """(q [K, N], scale, zero point) as edgeq.passes.methods.gptq writes them (cf. tests/test_matmulnbits.py)."""
     kb = -(-k // g)
     if signed:  # full-range symmetric int4: zero point 0, scales of both signs
         s = rng.uniform(0.01, 0.05, (kb, N)) * rng.choice([-1.0, 1.0], (kb, N))

@@ -156,7 +156,7 @@ def test_concat_is_quantized_in_the_integer_domain_and_fused(tiny_models, tmp_pa
     import onnx
     import onnxruntime as ort
 
-    import edgeq.passes.qdq as qdq_module
+    import edgeq.passes.methods.static_qdq as qdq_module
 
     model = ir.load_model(tiny_models["llama"])
     specs = ir.make_session(model).get_inputs()

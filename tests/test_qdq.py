@@ -13,7 +13,7 @@ from toy import random_feeds, toy_lm
 
 from edgeq import ir
 from edgeq.calib.session import CalibrationSet, Calibrator
-from edgeq.encodings import collect_encodings
+from edgeq.artifacts.encodings import collect_encodings
 from edgeq.passbase import PassContext
 from edgeq.pipeline import Pipeline, sqnr_db
 from edgeq.quant import QuantSpec, dequantize_weight, fake_quant

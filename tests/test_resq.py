@@ -11,14 +11,14 @@ from edgeq import ir
 from edgeq.calib.dataset import build_calibration_set
 from edgeq.calib.session import CalibrationSet, Calibrator
 from edgeq.errors import UserInputError
-from edgeq.gptq import IntColumns, gptq_quantize, layer_error
+from edgeq.passes.methods.gptq import IntColumns, gptq_quantize, layer_error
 from edgeq.passbase import FLOAT_EQUIV_RTOL, PassContext
 from edgeq.passes.resq import ResqConfig, ResqPass, resq_layout
 from edgeq.passes.resq_qdq import ResqQDQConfig, ResqQDQPass
 from edgeq.pipeline import Pipeline, sqnr_db
 from edgeq.quant import QuantSpec, dequantize_weight, quantize_weight
 from edgeq.registry import get_pass
-from edgeq.resq import linf_basis
+from edgeq.passes.methods.resq import linf_basis
 
 DATA = __import__("pathlib").Path(__file__).resolve().parents[1] / "data" / "wikitext-2"
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from edgeq.resq import subspace_basis
+from edgeq.passes.methods.resq import subspace_basis
 
 
 def _covariance(d=24, seed=0):

@@ -7,13 +7,13 @@ import numpy as np
 import pytest
 from toy import random_feeds
 
-from edgeq import ir
+from edgeq import facts, ir
 from edgeq.models.tiny import TINY_ARCHS
 from edgeq.passbase import FLOAT_EQUIV_RTOL, PassContext
 from edgeq.pipeline import Pipeline
 from edgeq.registry import get_pass
 from edgeq.structure import analyze
-from edgeq.weights import is_weightless
+from edgeq.passes.methods.weights import is_weightless
 
 CHAIN = ["fuse-norms", "ln-to-rms", "rotate"]
 # Architectures whose residual stream the rotation family can rewrite; BERT is post-LN (the norm
@@ -64,13 +64,13 @@ def test_rms_split_is_float_equivalent(arch, tiny_models):
         scale = max(float(np.abs(ref).max()), 1.0)
         np.testing.assert_allclose(got, ref, rtol=0, atol=FLOAT_EQUIV_RTOL * scale)
     graph = ir.to_graph(out)
-    assert len(ir.keep_float_nodes(graph)) == 2
+    assert len(facts.KEEP_FLOAT.names(graph)) == 2
     again, rec2 = Pipeline([RmsPass(RmsConfig(mode="all", branch="float"))]).run(out, PassContext())
     assert rec2[0]["modified"] is False
 
 
 def test_eq9_columns_hand_built():
-    from edgeq.eq9 import eq9_columns
+    from edgeq.passes.methods.eq9 import eq9_columns
 
     w = np.array([[1.0, 1.0, 3.0], [1.0, -1.0, -0.5], [1.0, 0.5, 0.2], [1.0, 0.0, 0.1]])
     # column 0: |sqrt(4) * 1| = 2 > 1 (meets); column 1: |2 * 0.125| < 1; column 2: 2*0.7=1.4 < 3

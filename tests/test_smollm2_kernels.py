@@ -9,6 +9,12 @@ the gap must vanish while the model still flags the weights as at risk.
 
 Calibration is cut to 2 windows of 128 tokens and evaluation to 2 windows of 512 (the kernel gap
 does not need more, and CI time does); the benchmark (benchmarks/cpu_kernels.py) has the full figures.
+
+The bound is 0.5%, or three times the graph's own float noise where that is larger: plain static
+W8A8 without rotation (w8a8, w8a8-mse) is so close to its rounding boundaries that two exact
+evaluations differing only in float summation order (exact QDQ with onnxruntime's other
+optimizations, and no optimization at all) already differ by ~1%; a saturating kernel differs by
+over 100%.
 """
 
 import json
@@ -43,6 +49,12 @@ def _gap(path, tokenizer) -> tuple[float, float]:
     return kernels, exact
 
 
+def _float_noise(path, tokenizer, exact: float) -> float:
+    """|exact QDQ / unoptimized - 1|: what float summation order alone moves this graph's perplexity."""
+    plain = perplexity(path, DATA / "test.txt", tokenizer, windows=2, optimize=False)["ppl"]
+    return abs(exact / plain - 1)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("recipe", RECIPES_8BIT)
 def test_recipe_integer_kernels_match_exact_qdq(recipe, smollm2_dir, tmp_path):
@@ -52,7 +64,10 @@ def test_recipe_integer_kernels_match_exact_qdq(recipe, smollm2_dir, tmp_path):
     if recipe != "mquant-w8a8-a16down":  # its down_proj inputs are 16-bit: fewer u8s8 linears
         assert u8s8["linears"] >= 150
     kernels, exact = _gap(out / "model.onnx", smollm2_dir)
-    assert abs(kernels / exact - 1) <= GAP, (recipe, kernels, exact, machine_info()["u8s8_kernel"])
+    if abs(kernels / exact - 1) <= GAP:
+        return
+    noise = _float_noise(out / "model.onnx", smollm2_dir, exact)
+    assert abs(kernels / exact - 1) <= 3 * noise, (recipe, kernels, exact, noise, machine_info()["u8s8_kernel"])
 
 
 @pytest.mark.slow

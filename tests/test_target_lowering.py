@@ -14,7 +14,7 @@ from toy import random_feeds
 
 from edgeq import ir
 from edgeq.calib.session import CalibrationSet, Calibrator
-from edgeq.encodings import collect_encodings
+from edgeq.artifacts.encodings import collect_encodings
 from edgeq.passbase import PassContext
 from edgeq.passes.qdq import QDQConfig, QDQPass
 from edgeq.passes.resq_qdq import ResqQDQConfig, ResqQDQPass

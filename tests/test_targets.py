@@ -324,7 +324,7 @@ def test_compile_with_ort_cpu_kernels_selects_the_kernels(tiny_models, tmp_path,
     from edgeq.runtime_ops.ort_kernels import has_ort_kernels, ort_kernel_session_options
 
     recipe = tmp_path / "rot.toml"
-    recipe.write_text('[[pass]]\nname = "fuse-norms"\n\n[[pass]]\nname = "rotate"\n')
+    recipe.write_text('[[pass]]\nname = "fuse-norms"\n\n[[pass]]\nname = "ln-to-rms"\n\n[[pass]]\nname = "rotate"\n')
     out, plain = tmp_path / "kernels", tmp_path / "plain"
     model = tiny_models["llama"]
     assert _run(capsys, "compile", model, "--recipe", recipe, "-o", plain, "--target", "ort-cpu")[0] == 0

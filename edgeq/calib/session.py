@@ -41,6 +41,7 @@ class CalibrationLog:
     cache_hits: int = 0
     seconds: float = 0.0
     tensors_observed: int = 0
+    fingerprint_seconds: float = 0.0  # spent keying the cache (graph fingerprints)
     ranges: dict[str, list[float]] = field(default_factory=dict)
 
 
@@ -54,6 +55,7 @@ class Calibrator:
         self.cache_dir = cache_dir or default_cache_dir()
         self.use_cache = use_cache
         self.log = CalibrationLog()
+        self._fingerprint_memo: dict = {}
 
     def observe(
         self,
@@ -69,15 +71,17 @@ class Calibrator:
         """
         if not factories:
             return {}
-        model = ir.to_model(graph)
         names = sorted(factories)
-        key = self._cache_key(model, names, settings_key + (f":split={split_by}" if split_by else ""))
+        start = time.perf_counter()
+        key = self._cache_key(graph, names, settings_key + (f":split={split_by}" if split_by else ""))
+        self.log.fingerprint_seconds += time.perf_counter() - start
         cached = self._load(key, names)
         if cached is not None:
             self.log.cache_hits += 1
             self._record(cached)
             return cached
         start = time.perf_counter()
+        model = ir.to_model(graph)  # only when onnxruntime has to run
         if split_by:
             observers = {name: ModalitySplitObserver(factories[name](), factories[name]()) for name in names}
         else:
@@ -100,15 +104,33 @@ class Calibrator:
         self._record(observers)
         return observers
 
+    def fetch(self, graph: gs.Graph, names: list[str], max_batches: int | None = None):
+        """Yield ``(feeds, {name: value})`` for the calibration batches (at most ``max_batches``),
+        for methods whose statistics are not per-tensor observers (kvquant's attention samples).
+        One onnxruntime session, counted in the log like ``observe``'s; nothing is cached."""
+        model = ir.to_model(graph)
+        add_outputs(model, graph, names)
+        start = time.perf_counter()
+        session = ir.make_session(model, optimize=True)
+        del model
+        for feeds in self.data.batches[:max_batches]:
+            values = dict(zip(names, session.run(names, feeds)))
+            yield feeds, values
+        self.log.runs += 1
+        self.log.tensors_observed += len(names)
+        self.log.seconds += time.perf_counter() - start
+
     def _record(self, observers: dict[str, Observer]) -> None:
         self.log.tensors_observed += len(observers)
         for name, obs in observers.items():
             lo, hi = obs.range()
             self.log.ranges[name] = [float(lo), float(hi)]
 
-    def _cache_key(self, model: onnx.ModelProto, names: list[str], settings_key: str) -> str:
+    def _cache_key(self, graph: gs.Graph, names: list[str], settings_key: str) -> str:
+        """The graph's fingerprint (taken on the graphsurgeon graph: no export, untouched weights
+        hashed once per compile), the data's, the settings and the tensors."""
         h = hashlib.sha256()
-        for part in (ir.model_fingerprint(model), self.data.fingerprint, settings_key, *names):
+        for part in (ir.graph_fingerprint(graph, self._fingerprint_memo), self.data.fingerprint, settings_key, *names):
             h.update(part.encode())
             h.update(b"\0")
         return h.hexdigest()[:32]

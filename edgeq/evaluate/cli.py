@@ -63,6 +63,11 @@ def register(subparsers: Any) -> argparse.ArgumentParser:
         "optimizations on): the reference a kernel's result should match",
     )
     qdq.add_argument(
+        "--no-optimize", action="store_true",
+        help="run the graph exactly as written (onnxruntime graph optimizations off): exact QDQ in another "
+        "float summation order, to see how much float noise alone moves a fragile graph",
+    )
+    qdq.add_argument(
         "--kernel-check", action="store_true",
         help="run twice, with onnxruntime's integer kernels (default options) and with exact QDQ, print both "
         f"and flag a gap above {KERNEL_GAP:.1%} (the CPU's integer kernels lose accuracy: see the README, "
@@ -153,6 +158,7 @@ def run_ppl(args: argparse.Namespace) -> int:
             threads=args.threads,
             special_tokens=args.special_tokens,
             exact_qdq=exact_qdq,
+            optimize=not args.no_optimize,
         )
 
     result = run(args.exact_qdq)
@@ -163,7 +169,7 @@ def run_ppl(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(_json_safe(result)))
         return 0
-    mode = " (exact QDQ)" if args.exact_qdq else ""
+    mode = " (exact QDQ)" if args.exact_qdq else " (no optimization)" if args.no_optimize else ""
     print(
         f"ppl {result['ppl']:.3f}{mode} over {result['tokens']} tokens "
         f"({result['windows']} windows of {result['seq_len']}) in {result['seconds']:.1f} s"

@@ -94,11 +94,18 @@ class ErrorStats:
             return out
         out["max_abs"] = self.max_abs
         out["mean_abs"] = self.sum_abs / self.count if self.count else 0.0
-        out["sqnr_db"] = sqnr_db(self.sum_ref2, self.sum_err2)
+        out["sqnr_db"] = sqnr_from_energies(self.sum_ref2, self.sum_err2)
         return out
 
 
-def sqnr_db(sum_ref2: float, sum_err2: float) -> float:
+def sqnr_db(ref: np.ndarray, out: np.ndarray) -> float:
+    """Signal-to-quantization-noise ratio of ``out`` against ``ref`` in dB (inf when equal)."""
+    ref = np.asarray(ref, np.float64)
+    err = ref - np.asarray(out, np.float64)
+    return sqnr_from_energies(float(np.sum(ref * ref)), float(np.sum(err * err)))
+
+
+def sqnr_from_energies(sum_ref2: float, sum_err2: float) -> float:
     """10 log10(signal energy / error energy); inf for no error, -inf for error on a zero signal."""
     if math.isnan(sum_ref2) or math.isnan(sum_err2):
         return math.nan

@@ -115,11 +115,13 @@ def perplexity(
     special_tokens: bool = True,
     session_config: dict[str, str] | None = None,
     exact_qdq: bool = False,
+    optimize: bool = True,
 ) -> dict:
     """Perplexity of ``model_path`` on the text; see the module docstring for the protocol.
     ``session_config``: onnxruntime session config entries (e.g.
     ``{"session.qdq_matmulnbits_accuracy_level": "0"}``); ``exact_qdq``: Q/DQ evaluated as
-    written (no integer-kernel fusion), the reference for the kernels' result.
+    written (no integer-kernel fusion), the reference for the kernels' result; ``optimize=False``:
+    no graph optimization at all (the same arithmetic in another float summation order).
 
     Returns ``ppl``, ``nll`` (total, nats), ``tokens`` (predicted tokens), ``windows``, ``offset``,
     ``seq_len``, ``batch_size``, ``special_tokens`` and ``seconds`` (model runs and NLL, not
@@ -130,7 +132,7 @@ def perplexity(
     ids = token_windows(
         text_path, tokenizer_dir, seq_len=seq_len, windows=windows, offset=offset, special_tokens=special_tokens
     )
-    options = session_options(threads, exact_qdq=exact_qdq)
+    options = session_options(threads, optimize=optimize, exact_qdq=exact_qdq)
     for key, value in (session_config or {}).items():
         options.add_session_config_entry(key, value)
     session = open_session(model_path, options=options)

@@ -18,8 +18,6 @@ from edgeq.structure._graph import Walker
 
 # Roles a linear can get. Structure decides them; a node-name hint is only the fallback.
 ATTENTION_ROLES = ("q_proj", "k_proj", "v_proj", "qkv", "qk_proj", "kv_proj", "o_proj")
-MLP_ROLES = ("gate_proj", "up_proj", "down_proj", "fc1", "fc2")
-HEAD_ROLES = ("lm_head", "classifier")
 
 
 @dataclass(frozen=True)

@@ -1,6 +1,6 @@
 """``edgeq check``: every node and tensor of a model that a target profile does not accept, and why.
 
-The quantization parameters are read back from the graph with ``edgeq.encodings.collect_encodings``
+The quantization parameters are read back from the graph with ``edgeq.artifacts.encodings.collect_encodings``
 (the same reading ``encodings.json`` gets), so the check judges what the model computes, not what
 a pass meant to write. Rules, one violation line each:
 
@@ -30,7 +30,8 @@ import numpy as np
 import onnx
 from onnx import numpy_helper
 
-from edgeq.encodings import collect_encodings
+from edgeq import ir
+from edgeq.artifacts.encodings import collect_encodings
 from edgeq.errors import EdgeqError
 from edgeq.targets.profile import QuantRules, TargetProfile, dtype_bits, dtype_name
 
@@ -79,14 +80,15 @@ class TargetUnreachable(EdgeqError):
         self.result = result
 
 
-def check_model(model: onnx.ModelProto, profile: TargetProfile) -> CheckResult:
-    """Every violation of ``profile`` in ``model``, in graph order within each rule."""
+def check_model(model: onnx.ModelProto, profile: TargetProfile, encodings: dict | None = None) -> CheckResult:
+    """Every violation of ``profile`` in ``model``, in graph order within each rule. ``encodings``:
+    ``collect_encodings(model)`` when the caller has it already (compile reads them once)."""
     graph = model.graph
     violations: list[Violation] = []
     violations += _check_ops(graph, profile)
     integer_side = _integer_side_tensors(graph)
     violations += _check_dtypes(model, profile, integer_side)
-    violations += _check_quantization(model, profile)
+    violations += _check_quantization(model, profile, encodings if encodings is not None else collect_encodings(model))
     if profile.power_of_two_scales:
         violations += _check_pow2(graph, profile)
     if profile.int8_weight_range == "u8s8-safe":
@@ -108,21 +110,9 @@ def _check_u8s8(model: onnx.ModelProto) -> list[Violation]:
             for name, worst in risk.items()]
 
 
-def _walk(nodes):
-    """Every node, subgraph bodies (If / Loop / Scan) included."""
-    for node in nodes:
-        yield node
-        for attr in node.attribute:
-            if attr.type == onnx.AttributeProto.GRAPH:
-                yield from _walk(attr.g.node)
-            elif attr.type == onnx.AttributeProto.GRAPHS:
-                for g in attr.graphs:
-                    yield from _walk(g.node)
-
-
 def _check_ops(graph: onnx.GraphProto, profile: TargetProfile) -> list[Violation]:
     out = []
-    for node in _walk(graph.node):
+    for node in ir.proto_nodes(graph.node):
         if profile.allows_op(node.domain, node.op_type):
             continue
         if node.domain in ("", "ai.onnx"):
@@ -202,7 +192,7 @@ def _check_dtypes(model: onnx.ModelProto, profile: TargetProfile, integer_side: 
 def _constants(graph: onnx.GraphProto) -> dict[str, onnx.TensorProto]:
     """Initializers and Constant-node values, subgraphs included (Q/DQ parameters live there)."""
     found = {t.name: t for t in graph.initializer}
-    for node in _walk(graph.node):
+    for node in ir.proto_nodes(graph.node):
         if node.op_type != "Constant" or not node.attribute:
             continue
         attr = node.attribute[0]
@@ -215,9 +205,8 @@ def _constants(graph: onnx.GraphProto) -> dict[str, onnx.TensorProto]:
     return found
 
 
-def _check_quantization(model: onnx.ModelProto, profile: TargetProfile) -> list[Violation]:
+def _check_quantization(model: onnx.ModelProto, profile: TargetProfile, enc: dict) -> list[Violation]:
     graph = model.graph
-    enc = collect_encodings(model)
     constants = _constants(graph)
     producers = {o: n for n in graph.node for o in n.output}
     out = []
@@ -309,7 +298,7 @@ def is_power_of_two(values: np.ndarray) -> np.ndarray:
 def _check_pow2(graph: onnx.GraphProto, profile: TargetProfile) -> list[Violation]:
     constants = _constants(graph)
     out = []
-    for node in _walk(graph.node):
+    for node in ir.proto_nodes(graph.node):
         if node.op_type not in _QDQ or len(node.input) < 2:
             continue
         label = f"{node.op_type} {node.name or node.output[0]}"

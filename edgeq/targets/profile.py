@@ -30,19 +30,12 @@ Built-in profiles live in ``edgeq/targets/profiles/*.toml``; ``--target`` also t
 
 from __future__ import annotations
 
-import sys
 from dataclasses import dataclass
-from importlib import resources
-from pathlib import Path
 
 import onnx
 
 from edgeq.errors import UserInputError
-
-if sys.version_info >= (3, 11):
-    import tomllib
-else:  # pragma: no cover
-    import tomli as tomllib
+from edgeq.tomlfile import builtin_names, load_named_toml, parse_toml
 
 ANY = "*"
 GRANULARITIES = ("tensor", "channel", "block")
@@ -120,29 +113,17 @@ _OPTIONAL_KEYS = {"ort_kernels", "int8_weight_range"}
 
 
 def builtin_target_names() -> list[str]:
-    folder = resources.files("edgeq.targets") / "profiles"
-    return sorted(p.name[:-5] for p in folder.iterdir() if p.name.endswith(".toml"))
+    return builtin_names("edgeq.targets", "profiles")
 
 
 def load_target(name_or_path: str) -> TargetProfile:
-    """A built-in profile by name, or a profile file by path (``.toml`` or containing a slash)."""
-    if name_or_path.endswith(".toml") or "/" in name_or_path:
-        path = Path(name_or_path)
-        if not path.is_file():
-            raise UserInputError(f"target profile file not found: {path}")
-        return parse_target(path.read_text(), path.stem, source=str(path))
-    names = builtin_target_names()
-    if name_or_path not in names:
-        raise UserInputError(f"unknown target '{name_or_path}' (known: {', '.join(names)})")
-    text = (resources.files("edgeq.targets") / "profiles" / f"{name_or_path}.toml").read_text()
-    return parse_target(text, name_or_path, source=f"target '{name_or_path}'")
+    """A built-in profile by name, or a profile file by path (``edgeq.tomlfile``)."""
+    file = load_named_toml(name_or_path, "edgeq.targets", "profiles", "target")
+    return parse_target(file.text, file.name, source=file.where)
 
 
 def parse_target(text: str, name: str, source: str = "target") -> TargetProfile:
-    try:
-        data = tomllib.loads(text)
-    except tomllib.TOMLDecodeError as exc:
-        raise UserInputError(f"{source}: invalid TOML: {exc}") from None
+    data = parse_toml(text, source)
     optional = {k: data.pop(k) for k in _OPTIONAL_KEYS & set(data)}
     _require_keys(data, _TOP_KEYS, source)
     description = _typed(data, "description", str, source)

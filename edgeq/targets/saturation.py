@@ -35,85 +35,13 @@ from dataclasses import dataclass
 
 import numpy as np
 
+# the pair-bounded grid is quantization math (edgeq.quant); the kernel model is here
+from edgeq.quant import (PAIR_LIMIT, adjacent_pairs, fix_pairs, is_saturation_free, pair_bounded_scale, pair_magnitudes,
+                         quantize_pair_bounded, worst_pair)
+
 INT16_MIN, INT16_MAX = -32768, 32767
-ACTIVATION_CODE_MAX = 255
-PAIR_LIMIT = INT16_MAX // ACTIVATION_CODE_MAX  # 128: the largest same-sign |q0| + |q1| that cannot saturate
-INT8_SYMMETRIC_MAX = 127
-
-
-def _pairs(q_kn: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """The (2j, 2j + 1) rows of a [K, ...] array, K zero-padded to even (MLAS pads K with zeros)."""
-    q = np.asarray(q_kn)
-    if q.shape[0] % 2:
-        q = np.concatenate([q, np.zeros((1,) + q.shape[1:], q.dtype)])
-    return q[0::2], q[1::2]
-
-
-def pair_magnitudes(q_kn: np.ndarray) -> np.ndarray:
-    """Worst-case ``|u0 q0 + u1 q1| / 255`` of each adjacent K pair over u in [0, 255]^2:
-    ``|q0| + |q1|`` for same-sign pairs, ``max(|q0|, |q1|)`` otherwise. Shape [ceil(K/2), ...]."""
-    a, b = _pairs(q_kn)
-    if np.issubdtype(a.dtype, np.integer):
-        a, b = a.astype(np.int64), b.astype(np.int64)
-    same = (a >= 0) == (b >= 0)
-    return np.where(same, np.abs(a) + np.abs(b), np.maximum(np.abs(a), np.abs(b)))
-
-
-def worst_pair(q_kn: np.ndarray) -> np.ndarray:
-    """Per output column (all trailing axes) the largest ``pair_magnitudes``; <= 128 is safe."""
-    return pair_magnitudes(q_kn).max(axis=0)
-
-
-def is_saturation_free(q_kn: np.ndarray) -> bool:
-    return bool(np.all(worst_pair(q_kn) <= PAIR_LIMIT))
-
-
-def pair_bounded_scale(w_kn: np.ndarray, per_channel: bool = True) -> np.ndarray:
-    """The finest symmetric int8 scale whose codes cannot saturate the u8s8 kernel (see module
-    docstring). ``w_kn`` is [K, N]; returns [N] (per channel) or a scalar (per tensor)."""
-    w = np.asarray(w_kn, np.float64)
-    mag = pair_magnitudes(w)  # same formula on real values
-    if per_channel:
-        need = np.maximum(mag.max(axis=0) / PAIR_LIMIT, np.abs(w).max(axis=0) / INT8_SYMMETRIC_MAX)
-    else:
-        need = np.maximum(mag.max() / PAIR_LIMIT, np.abs(w).max() / INT8_SYMMETRIC_MAX)
-    return np.maximum(need, np.finfo(np.float32).tiny).astype(np.float32)
-
-
-def fix_pairs(q_kn: np.ndarray, target_kn: np.ndarray | None = None) -> tuple[np.ndarray, int]:
-    """Codes with every same-sign adjacent pair at ``|q0| + |q1| <= 128``: the excess is taken off
-    the magnitude of the element whose rounding went up the most (``|q| - |target|``; without
-    ``target`` the larger element), the rest off the other. Returns (codes, pairs changed)."""
-    q = np.array(q_kn, np.int64)
-    target = np.asarray(target_kn, np.float64) if target_kn is not None else q.astype(np.float64)
-    odd = q.shape[0] % 2
-    if odd:
-        q = np.concatenate([q, np.zeros((1,) + q.shape[1:], np.int64)])
-        target = np.concatenate([target, np.zeros((1,) + target.shape[1:])])
-    a, b = q[0::2], q[1::2]
-    excess = np.where((a >= 0) == (b >= 0), np.abs(a) + np.abs(b) - PAIR_LIMIT, 0)
-    over = excess > 0
-    changed = int(over.sum())
-    if changed:
-        first_a = (np.abs(a) - np.abs(target[0::2])) >= (np.abs(b) - np.abs(target[1::2]))
-        big, small = np.where(first_a, a, b), np.where(first_a, b, a)
-        cut_big = np.minimum(np.where(over, excess, 0), np.abs(big))
-        cut_small = np.where(over, excess, 0) - cut_big
-        big = big - np.sign(big) * cut_big
-        small = small - np.sign(small) * cut_small
-        q[0::2] = np.where(first_a, big, small)
-        q[1::2] = np.where(first_a, small, big)
-    return (q[:-1] if odd else q), changed
-
-
-def quantize_pair_bounded(w_kn: np.ndarray, per_channel: bool = True) -> tuple[np.ndarray, np.ndarray]:
-    """Symmetric int8 codes [K, N] and scale ([N] or scalar) on the pair-bounded grid."""
-    w = np.asarray(w_kn, np.float32)
-    scale = pair_bounded_scale(w, per_channel)
-    target = w / (scale if per_channel else scale.reshape(()))
-    q = np.clip(np.round(target), -INT8_SYMMETRIC_MAX, INT8_SYMMETRIC_MAX)
-    q, _ = fix_pairs(q.astype(np.int64), target)
-    return q, scale
+__all__ = ["PAIR_LIMIT", "fix_pairs", "is_saturation_free", "pair_bounded_scale", "pair_magnitudes", "quantize_pair_bounded",
+           "simulate_linear", "vpmaddubsw_matmul", "worst_pair", "SaturationStats"]
 
 
 def vpmaddubsw_matmul(a_u8: np.ndarray, b_s8: np.ndarray, entries_per_chunk: int = 4096) -> tuple[np.ndarray, int, int]:
@@ -128,7 +56,7 @@ def vpmaddubsw_matmul(a_u8: np.ndarray, b_s8: np.ndarray, entries_per_chunk: int
     b = np.asarray(b_s8, np.int64)
     if a.shape[1] % 2:
         a = np.concatenate([a, np.zeros((a.shape[0], 1), np.int64)], axis=1)
-    b0, b1 = _pairs(b)
+    b0, b1 = adjacent_pairs(b)
     out = np.rint(a.astype(np.float64) @ np.concatenate([b, np.zeros((a.shape[1] - b.shape[0], b.shape[1]), np.int64)])
                   .astype(np.float64)).astype(np.int64)
     risky_j, risky_n = np.nonzero(((b0 >= 0) == (b1 >= 0)) & (np.abs(b0) + np.abs(b1) > PAIR_LIMIT))

@@ -1,7 +1,7 @@
 """FP8 e4m3fn arithmetic in numpy (round to nearest even, saturating), and power-of-two scales.
 
 Why here: DPQ's weights pass through FP8 between their INT4 storage and the matmul, and its
-activations are FP8 with static scales; the compensation (``edgeq.dpq``), the numpy references and
+activations are FP8 with static scales; the compensation (``edgeq.passes.methods.dpq``), the numpy references and
 the graph's QuantizeLinear(float8e4m3fn, saturate=1) must round identically. ``ml_dtypes`` (a
 dependency of onnx itself) does the rounding; it does not saturate, so values are clipped to
 +-448 first, which is what QuantizeLinear's ``saturate=1`` and the GPU's ``satfinite`` do.

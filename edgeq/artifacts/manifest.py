@@ -26,7 +26,7 @@ import hashlib
 import json
 import os
 import time
-from importlib import metadata, resources
+from importlib import metadata
 from pathlib import Path
 from typing import Mapping
 
@@ -35,14 +35,16 @@ import onnx
 import edgeq
 from edgeq import ir
 from edgeq.errors import UserInputError
+from edgeq.tomlfile import load_named_toml
 
 MANIFEST_VERSION = "edgeq-manifest/1"
 MANIFEST_NAME = "manifest.json"
 _CHUNK = 1 << 20
 
 
-def build_manifest(input_model_path, recipe_name_or_dict, target: str | None, out_dir) -> dict:
-    """The manifest of ``out_dir`` (see the module docstring); reads every file once."""
+def build_manifest(input_model, recipe_name_or_dict, target: str | None, out_dir) -> dict:
+    """The manifest of ``out_dir`` (see the module docstring); reads every output file once.
+    ``input_model``: the model's path, or its ``input_model_record`` taken when it was read."""
     out_dir = Path(out_dir)
     if not out_dir.is_dir():
         raise UserInputError(f"output folder not found: {out_dir}")
@@ -53,15 +55,15 @@ def build_manifest(input_model_path, recipe_name_or_dict, target: str | None, ou
         "onnx": onnx.__version__,
         "onnxruntime": _onnxruntime_version(),
         "target": target,
-        "input_model": _input_model(Path(input_model_path)),
+        "input_model": dict(input_model) if isinstance(input_model, Mapping) else input_model_record(Path(input_model)),
         "recipe": _recipe(recipe_name_or_dict),
         "files": _folder_files(out_dir),
     }
 
 
-def write_manifest(input_model_path, recipe_name_or_dict, target: str | None, out_dir) -> Path:
+def write_manifest(input_model, recipe_name_or_dict, target: str | None, out_dir) -> Path:
     """Build the manifest of ``out_dir`` and write it to ``out_dir/manifest.json`` (atomically)."""
-    data = build_manifest(input_model_path, recipe_name_or_dict, target, out_dir)
+    data = build_manifest(input_model, recipe_name_or_dict, target, out_dir)
     path = Path(out_dir) / MANIFEST_NAME
     tmp = path.with_name(f".{MANIFEST_NAME}.tmp-{os.getpid()}")
     tmp.write_text(json.dumps(data, indent=1))
@@ -119,61 +121,32 @@ def _folder_files(folder: Path) -> dict:
     return {p.relative_to(folder).as_posix(): _entry(p) for p in _walk(folder)}
 
 
-def _input_model(path: Path) -> dict:
-    """Hashes of the model file and every external data file it references."""
-    model = ir.load_model(path, load_external=False)  # validates locations: inside the folder, present
+def input_model_record(path: Path, locations: set[str] | None = None) -> dict:
+    """Hashes of the model file and every external data file it references (``locations``: those
+    files' names when the caller read the model already; else read from its structure)."""
+    path = Path(path)
+    if locations is None:
+        model = ir.load_model(path, load_external=False)  # validates locations: inside the folder, present
+        locations = {loc for _, loc in ir.external_data_locations(model)}
     files = {path.name: _entry(path)}
-    for location in sorted(_external_locations(model)):
+    for location in sorted(locations):
         files[location] = _entry(path.parent / location)
     digest = hashlib.sha256("".join(f"{n} {e['sha256']}\n" for n, e in sorted(files.items())).encode()).hexdigest()
     return {"path": str(path), "sha256": digest, "files": files}
 
 
-def _external_locations(model: onnx.ModelProto) -> set[str]:
-    """The external data files named by initializers and constant attributes (subgraphs too)."""
-    found: set[str] = set()
-
-    def tensor(t: onnx.TensorProto):
-        if t.data_location == onnx.TensorProto.EXTERNAL:
-            found.update(e.value for e in t.external_data if e.key == "location")
-
-    def graph(g: onnx.GraphProto):
-        for t in g.initializer:
-            tensor(t)
-        for s in g.sparse_initializer:
-            tensor(s.values)
-            tensor(s.indices)
-        for n in g.node:
-            for a in n.attribute:
-                if a.HasField("t"):
-                    tensor(a.t)
-                for t in a.tensors:
-                    tensor(t)
-                if a.HasField("g"):
-                    graph(a.g)
-                for sub in a.graphs:
-                    graph(sub)
-
-    graph(model.graph)
-    return found
-
-
 def _recipe(recipe) -> dict:
+    """name, origin and sha256 of the recipe: a loaded ``Recipe`` (what compile passes: the text it
+    actually ran), a dict (canonical JSON), or a name / path read through ``edgeq.tomlfile``."""
+    from edgeq.recipes import Recipe
+
+    if isinstance(recipe, Recipe):
+        return {"name": recipe.name, "source": recipe.origin, "sha256": recipe.sha256}
     if isinstance(recipe, Mapping):
         text = json.dumps(recipe, sort_keys=True, separators=(",", ":"), default=str)
         return {"name": recipe.get("name"), "source": "dict", "sha256": hashlib.sha256(text.encode()).hexdigest()}
-    name_or_path = str(recipe)
-    if name_or_path.endswith(".toml") or "/" in name_or_path:  # the rule recipes.load_recipe follows
-        path = Path(name_or_path)
-        if not path.is_file():
-            raise UserInputError(f"recipe file not found: {path}")
-        data, name, source = path.read_bytes(), path.stem, str(path)
-    else:
-        file = resources.files("edgeq") / "recipes" / f"{name_or_path}.toml"
-        if not file.is_file():
-            raise UserInputError(f"unknown recipe '{name_or_path}'")
-        data, name, source = file.read_bytes(), name_or_path, "builtin"
-    return {"name": name, "source": source, "sha256": hashlib.sha256(data).hexdigest()}
+    file = load_named_toml(str(recipe), "edgeq", "recipes", "recipe")
+    return {"name": file.name, "source": file.source, "sha256": file.sha256}
 
 
 def _timestamp() -> str:
@@ -190,7 +163,7 @@ def _edgeq_version() -> str:
 
 
 def _onnxruntime_version() -> str:
-    import onnxruntime  # here, not at import: importing edgeq.manifest stays cheap
+    import onnxruntime  # here, not at import: importing edgeq.artifacts.manifest stays cheap
 
     return onnxruntime.__version__
 

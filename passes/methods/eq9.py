@@ -25,7 +25,7 @@ def eq9_table(graph: gs.Graph) -> dict:
     """MQuant Table 2 for one model: the MLP output linears (where the online Hadamard goes) and
     how many meet Eq. 9, plus the same count over all linears."""
     from edgeq.structure import analyze
-    from edgeq.weights import LinearEditor
+    from edgeq.passes.methods.weights import LinearEditor
 
     s = analyze(graph)
     editor = LinearEditor(graph)

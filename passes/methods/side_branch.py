@@ -11,7 +11,7 @@ from __future__ import annotations
 import numpy as np
 import onnx_graphsurgeon as gs
 
-from edgeq import ir
+from edgeq import facts, ir
 from edgeq.qdq_nodes import ensure_opset, insert_dequantize, insert_quantize, insert_weight_dequantize
 from edgeq.quant import QuantSpec
 
@@ -59,7 +59,7 @@ def quantize_branches(graph: gs.Graph, index: ir.GraphIndex, branches: list[dict
     listed in the graph's keep-float set instead, so the qdq pass leaves them alone.
     """
     if BRANCH_PRECISIONS[precision] is None:
-        ir.add_keep_float(graph, [b["matmul"].name for b in branches])
+        facts.KEEP_FLOAT.add(graph, [b["matmul"].name for b in branches])
         return
     w_dtype, a_dtype = BRANCH_PRECISIONS[precision]
     a_spec = QuantSpec(a_dtype, symmetric=True)

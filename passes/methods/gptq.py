@@ -13,7 +13,7 @@ when K is not a multiple, as DequantizeLinear's ``block_size`` allows), so the r
 straight into the graph.
 
 What a column becomes is the job of a column quantizer (``IntColumns`` here: one integer grid;
-``edgeq.dpq.DpqColumns``: INT4 through FP8, DPQ's two levels), so the error that is propagated is
+``edgeq.passes.methods.dpq.DpqColumns``: INT4 through FP8, DPQ's two levels), so the error that is propagated is
 always against what the graph will compute with. The visiting order:
 
 - ``natural``: columns in stored order; group parameters fitted when the sweep reaches the group,

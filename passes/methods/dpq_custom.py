@@ -12,7 +12,7 @@ import numpy as np
 import onnx_graphsurgeon as gs
 
 from edgeq import ir
-from edgeq.gptq import GptqResult
+from edgeq.passes.methods.gptq import GptqResult
 from edgeq.qdq_nodes import integer_constant
 from edgeq.quant import QuantSpec
 from edgeq.runtime_ops.domain import DOMAIN

@@ -13,8 +13,8 @@ from __future__ import annotations
 import onnx_graphsurgeon as gs
 
 from edgeq import ir
-from edgeq.gptq import GptqResult
-from edgeq.matmulnbits import insert_matmulnbits
+from edgeq.passes.methods.gptq import GptqResult
+from edgeq.passes.methods.matmulnbits import insert_matmulnbits
 from edgeq.structure.linears import Linear
 
 

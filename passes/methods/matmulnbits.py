@@ -19,7 +19,7 @@ Layout written here (the contrib op's spec, confirmed against
   point of every block is 8 (``2^(bits-1)``).
 * ``W[k, n] = (code - zp) * scale``; ``Y = A @ W`` with ``A [..., K]``.
 
-Our weights (``edgeq.gptq.GptqResult``): integers ``q [K, N]`` with ``W = (q - zp) * scale``.
+Our weights (``edgeq.passes.methods.gptq.GptqResult``): integers ``q [K, N]`` with ``W = (q - zp) * scale``.
 Symmetric signed int4 (``q`` in [-8, 7], zero point 0, scales possibly negative for 'full range'
 weights) become ``q + 8`` with the default zero point 8, so no ``zero_points`` input; asymmetric
 uint4 (``q`` in [0, 15], zero points in [0, 15]) keep their codes and pass packed zero points.

@@ -22,9 +22,9 @@ import onnx_graphsurgeon as gs
 
 from edgeq import ir
 from edgeq.structure import Linear, Norm, analyze
-from edgeq.weights import SHAPE_ONLY as _SHAPE_ONLY
-from edgeq.weights import TRANSPARENT as _TRANSPARENT
-from edgeq.weights import position_wise_readers
+from edgeq.passes.methods.weights import SHAPE_ONLY as _SHAPE_ONLY
+from edgeq.passes.methods.weights import TRANSPARENT as _TRANSPARENT
+from edgeq.passes.methods.weights import position_wise_readers
 
 
 class NotApplicable(Exception):
@@ -94,7 +94,7 @@ def require_weightless_rms(graph: gs.Graph, stream: ResidualStream, pass_name: s
     """Stream rewrites (rotate, resq) need every norm to be a weightless RMSNorm, i.e. fuse-norms
     and ln-to-rms before them; raise ``UserInputError`` naming the missing step otherwise."""
     from edgeq.errors import UserInputError
-    from edgeq.weights import is_weightless
+    from edgeq.passes.methods.weights import is_weightless
 
     index = ir.GraphIndex(graph)
     for norm in stream.norms:

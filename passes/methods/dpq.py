@@ -7,7 +7,7 @@ range (reduced by one INT4 step, ``DPQ_FP8_RANGE``, so the dequantized INT4 valu
 the INT4 group grid is fitted on ``W8 = fp8(W / s8)``, and the error propagated for each column is
 against ``s8 * fp8((q - z) * s_g)``, the value the hardware computes with (paper Eq. 7-12).
 
-``DpqColumns`` is the column quantizer ``edgeq.gptq.gptq_quantize`` sweeps with. Group scales keep
+``DpqColumns`` is the column quantizer ``edgeq.passes.methods.gptq.gptq_quantize`` sweeps with. Group scales keep
 7 significant bits (``SCALE_BITS``) so the Triton kernel's fp16 dequantization is exact (see
 ``kernels/w4a8_gemm_ref.py``, which this mirrors). ``gptq_then_fp8`` is the ablation the paper
 compares against: plain GPTQ on the real weight, then the result cast to FP8.
@@ -17,8 +17,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from edgeq.fp8 import power_of_two_scale, round_fp8, round_significant
-from edgeq.gptq import GptqResult
+from edgeq.passes.methods.fp8 import power_of_two_scale, round_fp8, round_significant
+from edgeq.passes.methods.gptq import GptqResult
 from edgeq.quant import QuantSpec
 
 SCALE_BITS = 7

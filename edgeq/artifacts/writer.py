@@ -1,0 +1,78 @@
+"""The one writer of a compile's output folder.
+
+Everything lands in a temporary folder next to the destination, renamed over it only when all of
+it is written (``ir.atomic_output_dir``), in this order: ``model.onnx`` + ``model.onnx.data``; an
+onnxruntime session on the saved model (the output must load; the same session measures the
+uint8 x int8 kernels' saturation risk for ``report.json``); ``encodings.json`` (from the
+encodings the compiler read once); ``aimet_encodings.json``; ``report.json``; ``manifest.json``
+last, so that it hashes the final file set, from the recipe and input hashes recorded at the start.
+"""
+
+from __future__ import annotations
+
+import json
+import resource
+import time
+from pathlib import Path
+
+import onnx
+
+from edgeq import ir
+from edgeq.artifacts.aimet import aimet_unsupported, write_aimet
+from edgeq.artifacts.manifest import write_manifest
+
+
+def write_outputs(out_dir: Path, model: onnx.ModelProto, report: dict, *, encodings: dict, recipe, input_model: dict,
+                  target: str | None, u8s8: dict, probe_feeds: dict | None, started: float) -> dict:
+    """Write every output file; returns the completed report."""
+    with ir.atomic_output_dir(out_dir) as tmp:
+        model_path = ir.save_model(model, tmp / "model.onnx")
+        report["u8s8"] = _u8s8_report(onnx.load_model(str(model_path)), probe_feeds, u8s8)
+        (tmp / "encodings.json").write_text(json.dumps(encodings, indent=1))
+        report["quantized_tensors"] = {"activations": len(encodings["activations"]), "weights": len(encodings["weights"])}
+        write_aimet(tmp / "aimet_encodings.json", encodings, version="1.0.0", strict=False)
+        report["aimet_unsupported"] = aimet_unsupported(encodings, "1.0.0")
+        report["seconds_total"] = round(time.perf_counter() - started, 2)
+        report["peak_rss_mb"] = round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1)
+        report["input_size_mb"] = round(sum(f["size"] for f in input_model["files"].values()) / 2**20, 1)
+        report["output_size_mb"] = round(model_bytes(model_path) / 2**20, 1)
+        (tmp / "report.json").write_text(json.dumps(report, indent=1, default=_json_default))
+        write_manifest(input_model, recipe, target, tmp)
+    return report
+
+
+def model_bytes(path: Path) -> int:
+    """The model file plus its external data files."""
+    path = Path(path)
+    total = path.stat().st_size
+    for sibling in path.parent.glob(path.name + "*"):
+        if sibling != path and sibling.is_file():
+            total += sibling.stat().st_size
+    return total
+
+
+def _u8s8_report(model: onnx.ModelProto, feeds: dict | None, u8s8: dict) -> dict:
+    """What report.json says about onnxruntime's uint8 x int8 kernels: the weight range chosen,
+    the guard's record, and per linear the worst-case pair bound and the VPMADDUBSW model's
+    saturation rates on one calibration batch (without calibration data: the bound only). Either
+    way an onnxruntime session is built on the saved model: it must load."""
+    import onnx_graphsurgeon as gs
+
+    from edgeq.targets.u8s8_sites import find_u8s8_sites, probe_saturation, static_risk
+
+    out = dict(u8s8)
+    if feeds is not None:
+        out.update(probe_saturation(model, feeds))
+        return out
+    ir.make_session(model)
+    sites = find_u8s8_sites(gs.import_onnx(model))
+    risk = static_risk(sites)
+    out.update({"linears": len(sites), "linears_at_risk": len(risk), "saturation_free": not risk, "at_risk": risk,
+                "note": "no calibration data: worst-case bound only, no saturation rates"})
+    return out
+
+
+def _json_default(obj):
+    if hasattr(obj, "item"):
+        return obj.item()
+    return str(obj)

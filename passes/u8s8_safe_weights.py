@@ -25,7 +25,7 @@ from edgeq.passbase import Exactness, Pass, PassContext, PassResult
 from edgeq.quant import QuantSpec
 from edgeq.registry import register_pass
 from edgeq.targets.check import is_power_of_two
-from edgeq.targets.requant import ErrorMeter, WeightDQ, pow2_ceil, replace_weight
+from edgeq.targets.requant import ErrorMeter, WeightDQ, broadcast_param, pow2_ceil, replace_weight
 from edgeq.targets.saturation import PAIR_LIMIT, fix_pairs, pair_bounded_scale, worst_pair
 from edgeq.targets.u8s8_sites import u8s8_weights
 
@@ -50,7 +50,7 @@ class U8S8SafeWeightsPass(Pass):
             if np.all(worst_pair(q_kn) <= PAIR_LIMIT):
                 continue
             q, scale, n_channels, n_fixes = _requantize(wdq, k_axis)
-            meter.add(wdq.dequantized(), (q * np.asarray(_broadcast(scale, wdq, k_axis), np.float64)))
+            meter.add(wdq.dequantized(), q * broadcast_param(scale, wdq.spec, q.shape).astype(np.float64))
             spec = QuantSpec("int8", True, axis=wdq.spec.axis)
             replace_weight(graph, index, wdq, q, scale, np.zeros(np.shape(scale), np.int64), spec, "u8s8safe")
             changed_weights += 1
@@ -63,14 +63,6 @@ class U8S8SafeWeightsPass(Pass):
         if changed_weights:
             summary.update(meter.summary())
         return PassResult(changed_weights > 0, summary)
-
-
-def _broadcast(scale: np.ndarray, wdq: WeightDQ, k_axis: int) -> np.ndarray:
-    if wdq.spec.axis is None:
-        return np.asarray(scale).reshape(())
-    shape = [1] * wdq.q.ndim
-    shape[wdq.spec.axis] = -1
-    return np.asarray(scale).reshape(shape)
 
 
 def _requantize(wdq: WeightDQ, k_axis: int) -> tuple[np.ndarray, np.ndarray, int, int]:

@@ -287,3 +287,28 @@ def test_seq_len_longer_than_the_model_context(toy, tmp_path, capsys):
     out = tmp_path / "out"
     code, err = _argv_code(capsys, "compile", model, "--calib", calib, "--seq-len", "65", "-o", out)
     assert code == 2 and "longer than the model's context" in err and not out.exists(), err
+
+
+def _subcommand_paths(parser, prefix=()):
+    """Every command path of the CLI (("compile",), ("eval", "ppl"), ...), found by walking argparse."""
+    import argparse
+
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for name, sub in action.choices.items():
+                yield prefix + (name,)
+                yield from _subcommand_paths(sub, prefix + (name,))
+
+
+def test_every_help_renders(capsys):
+    """argparse formats help strings with %: a stray '%' in one option's help breaks only that
+    command's --help (``eval ppl --help`` once crashed on "0.5% (")."""
+    from edgeq.cli import build_parser
+
+    paths = list(_subcommand_paths(build_parser()))
+    assert ("eval", "ppl") in paths and ("compile",) in paths
+    for path in paths:
+        with pytest.raises(SystemExit) as exc:
+            main([*path, "--help"])
+        assert exc.value.code == 0, path
+        assert "usage:" in capsys.readouterr().out

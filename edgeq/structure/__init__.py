@@ -13,6 +13,7 @@ Typical use::
     for lin in s.linears: ...
 """
 
+from edgeq.structure._graph import BreadthFirst
 from edgeq.structure.blocks import Block, ResidualAdd
 from edgeq.structure.core import (
     ModelStructure,
@@ -28,6 +29,7 @@ from edgeq.structure.report import format_structure
 
 __all__ = [
     "Block",
+    "BreadthFirst",
     "Embedding",
     "Linear",
     "ModelStructure",

@@ -9,7 +9,7 @@ scan of the whole graph.
 from __future__ import annotations
 
 from collections import deque
-from typing import Iterable
+from typing import Any, Callable, Hashable, Iterable, Iterator
 
 import numpy as np
 import onnx_graphsurgeon as gs
@@ -30,6 +30,40 @@ FIRST_INPUT_ONLY = PASS_THROUGH | frozenset({
 })
 
 MAX_VISITS = 256
+
+
+def _tensor_name(tensor) -> str:
+    return tensor.name
+
+
+class BreadthFirst:
+    """One bounded breadth-first walk: iterate it for the items in visiting order, ``push`` the
+    items a visited one leads to.
+
+    Every graph search here (and aifs's mask cone) is this loop; only what a visited item yields
+    and where the walk goes on from it differ, so those stay in the caller's loop body, and a
+    search that stops at its first hit returns from the loop. Items are tensors (deduplicated by
+    name) unless ``key`` says otherwise; the walk ends when the queue is empty or ``limit``
+    distinct items were visited (a wrongly classified start costs a few steps, not the graph).
+    """
+
+    def __init__(self, start: Any, limit: int = MAX_VISITS, key: Callable[[Any], Hashable] = _tensor_name):
+        self._queue = deque([start])
+        self._seen: set[Hashable] = set()
+        self._limit = limit
+        self._key = key
+
+    def __iter__(self) -> Iterator[Any]:
+        while self._queue and len(self._seen) < self._limit:
+            item = self._queue.popleft()
+            key = self._key(item)
+            if key in self._seen:
+                continue
+            self._seen.add(key)
+            yield item
+
+    def push(self, items: Iterable[Any]) -> None:
+        self._queue.extend(items)
 
 
 class Walker:
@@ -161,15 +195,11 @@ def trace_back(walker: Walker, tensor: gs.Tensor, ops: frozenset[str] = PASS_THR
 
 def reaches_graph_output(walker: Walker, tensor: gs.Tensor) -> bool:
     """Whether ``tensor`` is a graph output or becomes one through pass-through ops only."""
-    queue, seen = deque([tensor]), set()
-    while queue and len(seen) < MAX_VISITS:
-        t = queue.popleft()
-        if t.name in seen:
-            continue
-        seen.add(t.name)
+    walk = BreadthFirst(tensor)
+    for t in walk:
         if t.name in walker.graph_outputs:
             return True
         for user in walker.consumers(t.name):
             if user.op in PASS_THROUGH and user.inputs and user.inputs[0].name == t.name:
-                queue.extend(user.outputs[:1])
+                walk.push(user.outputs[:1])
     return False

@@ -19,12 +19,11 @@ from __future__ import annotations
 
 import dataclasses
 import re
-from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import onnx_graphsurgeon as gs
 
-from edgeq.structure._graph import MAX_VISITS, PASS_THROUGH, Walker, data_inputs, reaches_graph_output, trace_back
+from edgeq.structure._graph import PASS_THROUGH, BreadthFirst, Walker, data_inputs, reaches_graph_output, trace_back
 from edgeq.structure.linears import Embedding, Linear, tie
 from edgeq.structure.norms import Norm
 
@@ -94,15 +93,15 @@ class ResidualAdd:
 
 @dataclass
 class _Draft:
+    """A block before it is placed in a layer. ``pattern`` holds the ``Block`` fields the match
+    itself fixes (an attention's softmax / qk_matmul / pv_matmul, an MLP's activation / gated),
+    keyed by Block's field names: they are declared once, on Block, and passed through as they are."""
+
     kind: str
     anchor: gs.Node
     roles: dict[str, str]  # linear node name -> role, input side first
     output_linear: str | None
-    softmax: str | None = None
-    qk: str | None = None
-    pv: str | None = None
-    activation: str | None = None
-    gated: bool = False
+    pattern: dict[str, object] = field(default_factory=dict)
 
 
 class _Lookup:
@@ -122,30 +121,22 @@ class _Lookup:
 
 def _search_up(w: Walker, start: gs.Tensor, ops: frozenset[str], want) -> gs.Node | None:
     """Breadth-first upstream search through ``ops`` for the first node satisfying ``want``."""
-    queue, seen = deque([start]), set()
-    while queue and len(seen) < MAX_VISITS:
-        tensor = queue.popleft()
-        if tensor.name in seen:
-            continue
-        seen.add(tensor.name)
+    walk = BreadthFirst(start)
+    for tensor in walk:
         node = w.producer(tensor.name)
         if node is None:
             continue
         if want(node):
             return node
         if node.op in ops:
-            queue.extend(data_inputs(w, node))
+            walk.push(data_inputs(w, node))
     return None
 
 
 def _upstream_linears(w: Walker, start: gs.Tensor, look: _Lookup) -> list[Linear]:
     """Linears whose outputs reach ``start`` through data-movement and elementwise ops only."""
-    found, queue, seen = [], deque([start]), set()
-    while queue and len(seen) < MAX_VISITS:
-        tensor = queue.popleft()
-        if tensor.name in seen:
-            continue
-        seen.add(tensor.name)
+    found, walk = [], BreadthFirst(start)
+    for tensor in walk:
         lin = look.by_output.get(tensor.name)
         if lin is not None:
             if lin not in found:
@@ -153,23 +144,19 @@ def _upstream_linears(w: Walker, start: gs.Tensor, look: _Lookup) -> list[Linear
             continue
         node = w.producer(tensor.name)
         if node is not None and node.op in _PROJ_OPS:
-            queue.extend(data_inputs(w, node))
+            walk.push(data_inputs(w, node))
     return found
 
 
 def _downstream_linear(w: Walker, start: gs.Tensor, look: _Lookup) -> Linear | None:
     """The first linear reading ``start`` through Transpose/Reshape-like ops (the o_proj)."""
-    queue, seen = deque([start]), set()
-    while queue and len(seen) < MAX_VISITS:
-        tensor = queue.popleft()
-        if tensor.name in seen:
-            continue
-        seen.add(tensor.name)
+    walk = BreadthFirst(start)
+    for tensor in walk:
         for lin in look.by_input.get(tensor.name, []):
             return lin
         for user in w.consumers(tensor.name):
             if user.op in _MERGE_OPS and user.inputs[0].name == tensor.name:
-                queue.extend(user.outputs[:1])
+                walk.push(user.outputs[:1])
     return None
 
 
@@ -197,21 +184,17 @@ def _attention(w: Walker, softmax: gs.Node, look: _Lookup) -> _Draft | None:
     output = None
     if o is not None and o.node not in roles:
         roles[o.node], output = "o_proj", o.node
-    return _Draft("attention", softmax, roles, output, softmax=softmax.name, qk=qk.name, pv=pv.name)
+    return _Draft("attention", softmax, roles, output, dict(softmax=softmax.name, qk_matmul=qk.name, pv_matmul=pv.name))
 
 
 def _find_pv(w: Walker, softmax: gs.Node, look: _Lookup) -> gs.Node | None:
-    queue, seen = deque([softmax.outputs[0]]), set()
-    while queue and len(seen) < 32:
-        tensor = queue.popleft()
-        if tensor.name in seen:
-            continue
-        seen.add(tensor.name)
+    walk = BreadthFirst(softmax.outputs[0], limit=32)
+    for tensor in walk:
         for user in w.consumers(tensor.name):
             if _is_act_matmul(w, look, user) and user.inputs[0].name == tensor.name:
                 return user
             if user.op in _PROB_OPS:
-                queue.extend(user.outputs[:1])
+                walk.push(user.outputs[:1])
     return None
 
 
@@ -220,12 +203,8 @@ def _mlp_sources(w: Walker, down: Linear, look: _Lookup):
     also the activation's name."""
     crossed: dict[str, bool] = {}
     acts: set[str] = set()
-    queue, seen = deque([(down.input, False)]), set()
-    while queue and len(seen) < MAX_VISITS:
-        name, through = queue.popleft()
-        if (name, through) in seen:
-            continue
-        seen.add((name, through))
+    walk = BreadthFirst((down.input, False), key=lambda item: item)  # (tensor name, crossed an activation)
+    for name, through in walk:
         lin = look.by_output.get(name)
         if lin is not None:
             crossed[lin.node] = crossed.get(lin.node, False) or through
@@ -235,11 +214,11 @@ def _mlp_sources(w: Walker, down: Linear, look: _Lookup):
             continue
         if node.op in _ACTIVATIONS:
             acts.add(_silu_or(w, node))
-            queue.extend((t.name, True) for t in data_inputs(w, node)[:1])
+            walk.push((t.name, True) for t in data_inputs(w, node)[:1])
         elif node.op in _MLP_OPS:
             if node.op == "Pow":
                 acts.add("Pow")
-            queue.extend((t.name, through) for t in data_inputs(w, node))
+            walk.push((t.name, through) for t in data_inputs(w, node))
     return crossed, acts
 
 
@@ -275,8 +254,7 @@ def _mlp(w: Walker, down: Linear, look: _Lookup) -> _Draft | None:
     roles = {n: ("gate_proj" if gated else "fc1") for n in activated}
     roles.update({n: "up_proj" for n in plain})
     roles[down.node] = "down_proj" if gated else "fc2"
-    return _Draft("mlp", look.nodes[down.node], roles, down.node,
-                  activation=_activation_name(acts), gated=gated)
+    return _Draft("mlp", look.nodes[down.node], roles, down.node, dict(activation=_activation_name(acts), gated=gated))
 
 
 def detect_drafts(w: Walker, linears: list[Linear]) -> list[_Draft]:
@@ -327,8 +305,7 @@ def build_blocks(w: Walker, drafts: list[_Draft], linears: list[Linear], norms: 
         blocks.append(Block(
             kind=draft.kind, name=f"layers.{layer}", layer=layer, linears=names,
             roles=tuple(draft.roles[n] for n in names), norm=norm, input=block_input, output=out,
-            softmax=draft.softmax, qk_matmul=draft.qk, pv_matmul=draft.pv,
-            activation=draft.activation, gated=draft.gated,
+            **draft.pattern,
         ))
     return blocks
 

@@ -200,20 +200,30 @@ def _match_affine(w: Walker, y: gs.Tensor, with_bias: bool):
     return out, scale, scale_node, bias, bias_node, nodes
 
 
+def _decomposed(w: Walker, kind: str, anchor: gs.Node, x: gs.Tensor, d: gs.Tensor,
+                head: list[gs.Node]) -> Norm | None:
+    """The rest of a decomposed norm of ``x`` once its head matched: the ``head`` nodes end at the
+    variance ReduceMean of ``d`` (``x`` itself for RMSNorm, ``x - mean`` for LayerNorm), then
+    ``d / sqrt(var + eps)`` (``_match_tail``) and gamma, plus beta for LayerNorm (``_match_affine``).
+    RMSNorm and LayerNorm differ only in their heads, so both finish here; ``anchor`` is the
+    ReduceMean the match started from, whose axes are the norm's."""
+    tail = _match_tail(w, head[-1], d)
+    if tail is None:
+        return None
+    eps, y, tail_nodes = tail
+    out, scale, scale_node, bias, bias_node, affine = _match_affine(w, y, with_bias=kind == "layer")
+    nodes = head + tail_nodes + affine
+    return Norm(kind=kind, fused=False, input=x.name, output=out.name, scale=scale, bias=bias,
+                eps=eps, nodes=tuple(n.name for n in nodes), axis=_reduce_axes(w, anchor),
+                scale_node=scale_node, bias_node=bias_node)
+
+
 def _match_rms(w: Walker, reduce: gs.Node) -> Norm | None:
     square = w.producer(reduce.inputs[0].name)
     x = _squared(w, square)
     if x is None or _centered(w, x) or w.is_const(x):
         return None
-    tail = _match_tail(w, reduce, x)
-    if tail is None:
-        return None
-    eps, y, tail_nodes = tail
-    out, scale, scale_node, _, _, affine = _match_affine(w, y, with_bias=False)
-    nodes = [square, reduce] + tail_nodes + affine
-    return Norm(kind="rms", fused=False, input=x.name, output=out.name, scale=scale, bias=None,
-                eps=eps, nodes=tuple(n.name for n in nodes), axis=_reduce_axes(w, reduce),
-                scale_node=scale_node)
+    return _decomposed(w, "rms", reduce, x, x, [square, reduce])
 
 
 def _match_layer(w: Walker, mean: gs.Node) -> Norm | None:
@@ -229,12 +239,4 @@ def _match_layer(w: Walker, mean: gs.Node) -> Norm | None:
     var = w.sole_consumer(square.outputs[0]) if square is not None else None
     if var is None or var.op != "ReduceMean":
         return None
-    tail = _match_tail(w, var, d)
-    if tail is None:
-        return None
-    eps, y, tail_nodes = tail
-    out, scale, scale_node, bias, bias_node, affine = _match_affine(w, y, with_bias=True)
-    nodes = [mean, sub, square, var] + tail_nodes + affine
-    return Norm(kind="layer", fused=False, input=x.name, output=out.name, scale=scale, bias=bias,
-                eps=eps, nodes=tuple(n.name for n in nodes), axis=_reduce_axes(w, mean),
-                scale_node=scale_node, bias_node=bias_node)
+    return _decomposed(w, "layer", mean, x, d, [mean, sub, square, var])

@@ -34,15 +34,13 @@ on an H100, about 100 s).
 
 from __future__ import annotations
 
-import argparse
-import json
 import math
 import sys
 import time
 
 import torch
 
-from edgeq.kernels.bench_timing import bench_graph, warm_up
+from edgeq.kernels.bench_timing import bench_graph, bench_parser, device_meta, no_cuda, warm_up, write_json
 
 LAYERS = 32
 TAU = (0.0, 3.0)
@@ -351,8 +349,7 @@ def table(results, fig_rows) -> str:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--out", help="JSON output path")
+    ap = bench_parser(__doc__)
     ap.add_argument("--shapes", nargs="+", default=["64,32,8192,128", "16,32,3328,128"], help="B,H,N,D")
     ap.add_argument("--sweep", action="store_true", help="tune configs / unpack form on the first shape")
     ap.add_argument("--fig-n", type=int, nargs="*", default=[8192, 3328])
@@ -361,8 +358,7 @@ def main(argv=None) -> int:
     ap.add_argument("--fig", help="write the Figure 3 style plot here (PNG)")
     ap.add_argument("--rep-ms", type=int, default=100)
     args = ap.parse_args(argv)
-    if not torch.cuda.is_available():
-        print("bench_calibquant: no CUDA device", file=sys.stderr)
+    if no_cuda("bench_calibquant"):
         return 2
     t0 = time.time()
     warm_up()
@@ -377,30 +373,21 @@ def main(argv=None) -> int:
         if sw:
             sweeps[shape] = sw
     fig_rows = figure3(args.fig_n, args.budgets, args.rep_ms, args.max_batch) if args.fig_n else []
-    props = torch.cuda.get_device_properties(0)
-    meta = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "sms": props.multi_processor_count,
-            "timing": "median ms per call, CUDA-graph replay, operand copies rotated (> 256 MB together)",
-            "calibration": {"tau1": TAU[0], "tau2": TAU[1]},
-            "data": "K = N(0,1) + per-channel offset, V = N(0,1), q = N(0,1), fp16; all tokens quantized; KVH = H; "
-                    "packed K [B, H, N, D*b/8] contiguous, packed V the same shape stored token-major",
-            "budget_model": "per sequence: one layer's K+V bytes x 32 layers, H=32, D=128; fp16 2*H*N*D*2; "
-                            "b bits 2*H*N*D*b/8 + fp32 alpha/scale 2*2*H*D*4; GB = 1e9 bytes; weights, "
-                            "activations and transient logits not counted",
-            "tokens_per_s": "timed_batch / (32 layers x one layer's decode attention time)",
-            "tuned": {str(n): {str(k): v for k, v in t.items()} for n, t in tuned_by_n.items()}, "wall_s": None}
-    try:
-        import triton
-
-        meta["triton"] = triton.__version__
-    except ImportError:
-        pass
+    meta = device_meta(
+        timing="median ms per call, CUDA-graph replay, operand copies rotated (> 256 MB together)",
+        calibration={"tau1": TAU[0], "tau2": TAU[1]},
+        data="K = N(0,1) + per-channel offset, V = N(0,1), q = N(0,1), fp16; all tokens quantized; KVH = H; "
+             "packed K [B, H, N, D*b/8] contiguous, packed V the same shape stored token-major",
+        budget_model="per sequence: one layer's K+V bytes x 32 layers, H=32, D=128; fp16 2*H*N*D*2; "
+                     "b bits 2*H*N*D*b/8 + fp32 alpha/scale 2*2*H*D*4; GB = 1e9 bytes; weights, "
+                     "activations and transient logits not counted",
+        tokens_per_s="timed_batch / (32 layers x one layer's decode attention time)",
+        tuned={str(n): {str(k): v for k, v in t.items()} for n, t in tuned_by_n.items()}, wall_s=None)
     meta["wall_s"] = time.time() - t0
     print(f"device: {meta['device']}, torch {meta['torch']}, triton {meta.get('triton')}; tuned {meta['tuned']}")
     print(table(results, fig_rows))
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump({"meta": meta, "results": results, "memory_budget": fig_rows,
-                       "sweep": {s: {str(b): v for b, v in sw.items()} for s, sw in sweeps.items()}}, f, indent=2)
+    write_json(args.out, meta, results, memory_budget=fig_rows,
+               sweep={s: {str(b): v for b, v in sw.items()} for s, sw in sweeps.items()})
     if args.fig and fig_rows:
         plot(fig_rows, args.fig)
     return 0

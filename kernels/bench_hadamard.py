@@ -17,30 +17,15 @@ Usage: python kernels/bench_hadamard.py --out $OUT/hadamard.json [--rows 4096] [
 
 from __future__ import annotations
 
-import argparse
-import json
 import sys
 
 import torch
 
+from edgeq.kernels.bench_timing import bench_eager, bench_parser, device_meta, no_cuda, warm_up, write_json
+
 
 def _bench(fn) -> float:
-    import triton.testing
-
-    return float(triton.testing.do_bench(fn, warmup=10, rep=50, return_mode="median"))
-
-
-def _warm_up(seconds: float = 0.5) -> None:
-    """Keep the GPU busy before the first timing: an idle GPU starts at a low clock, and the first
-    entry of the sweep measured up to 5x slow without this."""
-    import time
-
-    a = torch.randn(4096, 4096, device="cuda", dtype=torch.bfloat16)
-    end = time.perf_counter() + seconds
-    while time.perf_counter() < end:
-        for _ in range(20):
-            a @ a
-        torch.cuda.synchronize()
+    return bench_eager(fn, warmup_ms=10, rep_ms=50)
 
 
 def run(sizes, rows: int, dtypes, with_variants: bool = False) -> list[dict]:
@@ -50,7 +35,7 @@ def run(sizes, rows: int, dtypes, with_variants: bool = False) -> list[dict]:
 
     results = []
     gen = torch.Generator(device="cuda").manual_seed(0)
-    _warm_up()
+    warm_up()
     for n in sizes:
         factors = hadamard_factors(n)
         if factors is None:
@@ -125,30 +110,19 @@ def table(results: list[dict]) -> str:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--out", help="JSON output path")
+    ap = bench_parser(__doc__)
     ap.add_argument("--rows", type=int, default=4096)
     ap.add_argument("--sizes", type=int, nargs="+", default=[1536, 4096, 11008, 14336])
     ap.add_argument("--dtypes", nargs="+", default=["bfloat16", "float16", "float32"])
     ap.add_argument("--variants", action="store_true", help="also time other tile sizes, warps, fp32 modes")
     args = ap.parse_args(argv)
-    if not torch.cuda.is_available():
-        print("bench_hadamard: no CUDA device", file=sys.stderr)
+    if no_cuda("bench_hadamard"):
         return 2
     dtypes = [getattr(torch, d) for d in args.dtypes]
     results = run(args.sizes, args.rows, dtypes, with_variants=args.variants)
     print(f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}, rows {args.rows}")
     print(table(results))
-    if args.out:
-        meta = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "rows": args.rows}
-        try:
-            import triton
-
-            meta["triton"] = triton.__version__
-        except ImportError:
-            pass
-        with open(args.out, "w") as f:
-            json.dump({"meta": meta, "results": results}, f, indent=2)
+    write_json(args.out, device_meta(rows=args.rows), results)
     return 0
 
 

@@ -28,14 +28,11 @@ Usage: python kernels/bench_int8_gemm.py --out $OUT/int8-gemm.json [--m 16 512 4
 
 from __future__ import annotations
 
-import argparse
-import json
 import sys
 
 import torch
 
-from edgeq.kernels.bench_timing import bench_eager as _bench_eager
-from edgeq.kernels.bench_timing import bench_graph as _bench_graph
+from edgeq.kernels.bench_timing import device_meta, gemm_parser, no_cuda, time_ops, write_json
 from edgeq.kernels.bench_timing import fmt_ms as _fmt
 from edgeq.kernels.bench_timing import warm_up as _warm_up
 
@@ -108,16 +105,7 @@ def run_case(m: int, n: int, k_base: int, outliers: int, gen, *, n_sets: int, wa
     sets = [_operand_set(m, n, k_base, outliers, gen) for _ in range(n_sets)]
     row = {"M": m, "N": n, "K": k_base, "k_outliers": outliers, "K_total": k, "operand_sets": n_sets}
     row.update(_check(sets[0]))
-    for name, op in _ops(outliers).items():
-        try:
-            op(sets[0])
-            torch.cuda.synchronize()
-        except RuntimeError as e:  # torch._int_mm refuses M <= 16 and K % 8 != 0
-            row[f"{name}_ms"] = row[f"{name}_eager_ms"] = "unsupported"
-            row[f"{name}_error"] = str(e).strip().splitlines()[0]
-            continue
-        row[f"{name}_ms"] = _bench_graph(op, sets, rep_ms)
-        row[f"{name}_eager_ms"] = _bench_eager(lambda op=op: op(sets[0]), warmup_ms, rep_ms)
+    time_ops(row, _ops(outliers), sets, warmup_ms, rep_ms)  # torch._int_mm refuses M <= 16 and K % 8 != 0
     for name in ("triton", "triton_kmajor", "triton_split", "int_mm_kmajor", "fp16_matmul"):
         row[f"{name}_TOPS"] = _tops(m, n, k, row.get(f"{name}_ms"))
     best = min(row["triton_ms"], row["triton_kmajor_ms"])
@@ -145,18 +133,11 @@ def table(results: list[dict]) -> str:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--out", help="JSON output path")
-    ap.add_argument("--m", type=int, nargs="+", default=[16, 512, 4096])
-    ap.add_argument("--n", type=int, default=4096)
+    ap = gemm_parser(__doc__, m=[16, 512, 4096], sets=6, sets_note="6 x 17 MB > L2", rep_ms=50)
     ap.add_argument("--k-base", type=int, default=4096)
     ap.add_argument("--outliers", type=int, nargs="+", default=[0, 64, 256])
-    ap.add_argument("--sets", type=int, default=6, help="operand sets rotated in the graph timing (6 x 17 MB > L2)")
-    ap.add_argument("--warmup-ms", type=int, default=10)
-    ap.add_argument("--rep-ms", type=int, default=50)
     args = ap.parse_args(argv)
-    if not torch.cuda.is_available():
-        print("bench_int8_gemm: no CUDA device", file=sys.stderr)
+    if no_cuda("bench_int8_gemm"):
         return 2
     gen = torch.Generator(device="cuda").manual_seed(0)
     _warm_up()
@@ -167,22 +148,11 @@ def main(argv=None) -> int:
                                     warmup_ms=args.warmup_ms, rep_ms=args.rep_ms))
             torch.cuda.empty_cache()
             print(f"done M={m} k={k}", file=sys.stderr, flush=True)
-    props = torch.cuda.get_device_properties(0)
-    meta = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
-            "capability": list(torch.cuda.get_device_capability()), "sms": props.multi_processor_count,
-            "timing": "ms columns: CUDA-graph replay, operand sets rotated; *_eager_ms: do_bench, cold L2"}
-    try:
-        import triton
-
-        meta["triton"] = triton.__version__
-    except ImportError:
-        pass
+    meta = device_meta(timing="ms columns: CUDA-graph replay, operand sets rotated; *_eager_ms: do_bench, cold L2")
     print(f"device: {meta['device']}, torch {meta['torch']}, triton {meta.get('triton')}; median ms per call, "
           f"CUDA graphs over {args.sets} rotating operand sets (eager-k: do_bench, host launch included)")
     print(table(results))
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump({"meta": meta, "results": results}, f, indent=2)
+    write_json(args.out, meta, results)
     return 0
 
 

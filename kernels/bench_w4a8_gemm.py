@@ -33,14 +33,11 @@ registers, spills and SASS opcode counts of the tuned configs.)
 
 from __future__ import annotations
 
-import argparse
-import json
 import sys
 
 import torch
 
-from edgeq.kernels.bench_timing import bench_eager as _bench_eager
-from edgeq.kernels.bench_timing import bench_graph as _bench_graph
+from edgeq.kernels.bench_timing import device_meta, gemm_parser, no_cuda, time_ops, write_json
 from edgeq.kernels.bench_timing import fmt_ms as _fmt
 from edgeq.kernels.bench_timing import warm_up as _warm_up
 
@@ -128,16 +125,7 @@ def run_case(m: int, n: int, k: int, wsets: list, gen, *, warmup_ms: int, rep_ms
         row[f"config{tag}"] = last_tuned_config()
         row[f"tuning_ms{tag}"] = tuning_timings()
     row.update(_errors(sets[0], ops))
-    for name, op in ops.items():
-        try:
-            op(sets[0])
-            torch.cuda.synchronize()
-        except RuntimeError as e:  # _scaled_mm may refuse shapes
-            row[f"{name}_ms"] = row[f"{name}_eager_ms"] = "unsupported"
-            row[f"{name}_error"] = str(e).strip().splitlines()[0]
-            continue
-        row[f"{name}_ms"] = _bench_graph(op, sets, rep_ms)
-        row[f"{name}_eager_ms"] = _bench_eager(lambda op=op: op(sets[0]), warmup_ms, rep_ms)
+    time_ops(row, ops, sets, warmup_ms, rep_ms)  # _scaled_mm may refuse shapes
     flops = 2.0 * m * n * k
     for name in ops:
         if isinstance(row.get(f"{name}_ms"), float):
@@ -241,18 +229,11 @@ def table(results: list[dict]) -> str:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--out", help="JSON output path")
-    ap.add_argument("--m", type=int, nargs="+", default=[1, 16, 256, 4096])
-    ap.add_argument("--n", type=int, default=4096)
+    ap = gemm_parser(__doc__, m=[1, 16, 256, 4096], sets=8, sets_note="8 x 56 MB > L2", rep_ms=60)
     ap.add_argument("--k", type=int, default=4096)
-    ap.add_argument("--sets", type=int, default=8, help="operand sets rotated in the graph timing (8 x 56 MB > L2)")
-    ap.add_argument("--warmup-ms", type=int, default=10)
-    ap.add_argument("--rep-ms", type=int, default=60)
     ap.add_argument("--sass", help="write registers / spills / SASS opcode counts of the tuned configs here")
     args = ap.parse_args(argv)
-    if not torch.cuda.is_available():
-        print("bench_w4a8_gemm: no CUDA device", file=sys.stderr)
+    if no_cuda("bench_w4a8_gemm"):
         return 2
     gen = torch.Generator(device="cuda").manual_seed(0)
     wsets = [_weight_set(args.n, args.k, gen) for _ in range(args.sets)]
@@ -262,23 +243,12 @@ def main(argv=None) -> int:
         results.append(run_case(m, args.n, args.k, wsets, gen, warmup_ms=args.warmup_ms, rep_ms=args.rep_ms))
         torch.cuda.empty_cache()
         print(f"done M={m}", file=sys.stderr, flush=True)
-    props = torch.cuda.get_device_properties(0)
-    meta = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
-            "capability": list(torch.cuda.get_device_capability()), "sms": props.multi_processor_count,
-            "timing": "ms columns: CUDA-graph replay, operand sets rotated; *_eager_ms: do_bench of one set",
-            "weights": "Gaussian * 0.02, DPQ symmetric INT4, fp16 group scales (G=128), power-of-two s8"}
-    try:
-        import triton
-
-        meta["triton"] = triton.__version__
-    except ImportError:
-        pass
+    meta = device_meta(timing="ms columns: CUDA-graph replay, operand sets rotated; *_eager_ms: do_bench of one set",
+                       weights="Gaussian * 0.02, DPQ symmetric INT4, fp16 group scales (G=128), power-of-two s8")
     print(f"device: {meta['device']}, torch {meta['torch']}, triton {meta.get('triton')}; K=N={args.k}/{args.n}; "
           f"median ms per call, CUDA graphs over {args.sets} rotating operand sets")
     print(table(results))
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump({"meta": meta, "results": results}, f, indent=2)
+    write_json(args.out, meta, results)
     if args.sass:
         with open(args.sass, "w") as f:
             f.write(sass_report(results, args.n, args.k) + "\n")

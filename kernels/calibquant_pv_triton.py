@@ -7,7 +7,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from edgeq.kernels.calibquant_unpack_triton import PLANE_SCALE, _unpack_b1, _unpack_b2
+from edgeq.kernels.calibquant_unpack_triton import PLANE_SCALE, _program_chunk, _unpack_planes
 
 LOG2E = tl.constexpr(1.4426950408889634)
 
@@ -28,7 +28,7 @@ def _store_plane(wo_ptr, o, offs_j, offs_g, jm, gm, I: tl.constexpr, BITS: tl.co
 def _pv_dots(packed, pt, o0, o1, o2, o3, o4, o5, o6, o7, BITS: tl.constexpr, UNPACK: tl.constexpr):
     """Accumulate plane_i^T @ p^T into o_i over the planes of one packed V tile ``[DPC, BLOCK_T]``."""
     if BITS == 1:
-        v0, v1, v2, v3, v4, v5, v6, v7 = _unpack_b1(packed, UNPACK)
+        v0, v1, v2, v3, v4, v5, v6, v7 = _unpack_planes(packed, 1, UNPACK)
         o0 = tl.dot(v0, pt, o0)
         o1 = tl.dot(v1, pt, o1)
         o2 = tl.dot(v2, pt, o2)
@@ -38,7 +38,7 @@ def _pv_dots(packed, pt, o0, o1, o2, o3, o4, o5, o6, o7, BITS: tl.constexpr, UNP
         o6 = tl.dot(v6, pt, o6)
         o7 = tl.dot(v7, pt, o7)
     else:
-        v0, v1, v2, v3 = _unpack_b2(packed, UNPACK)
+        v0, v1, v2, v3 = _unpack_planes(packed, 2, UNPACK)
         o0 = tl.dot(v0, pt, o0)
         o1 = tl.dot(v1, pt, o1)
         o2 = tl.dot(v2, pt, o2)
@@ -73,17 +73,10 @@ def _pv_kernel(lg_ptr, mm_ptr, vp_ptr, wo_ptr, ws_ptr,
     """Unnormalized ``sum_t p_t code_v[t]`` and ``sum_t p_t`` of one (batch, kv head, token chunk).
     V may be stored token-major (``stride_pn == 1``): each thread's A fragment then holds
     consecutive tokens of one byte column, which is what the p.V dot reduces over."""
-    pid = tl.program_id(0)
-    chunk = tl.program_id(1)
-    b = pid // KVH
-    kh = pid % KVH
+    b, kh, chunk, t_start, t_end, t_full, offs_g, gm, offs_j, jm, offs_t = _program_chunk(
+        N, G, KVH, DP, CHUNK, G_PAD, DPC, BLOCK_T)
     H = KVH * G
     D = DP * (8 // BITS)
-    offs_g = tl.arange(0, G_PAD)
-    offs_j = tl.arange(0, DPC)
-    offs_t = tl.arange(0, BLOCK_T)
-    gm = offs_g < G
-    jm = offs_j < DP
     row = b * H + kh * G + offs_g
     # [gamma, delta] of each query head from the QK chunks; the calibration slope a
     offs_c = tl.arange(0, NCQ_PAD)
@@ -100,9 +93,6 @@ def _pv_kernel(lg_ptr, mm_ptr, vp_ptr, wo_ptr, ws_ptr,
     ref = tl.where(gm, tl.where(a >= 0, delta, gamma), 0.0)
     c2 = tl.where(gm, a * LOG2E, 0.0)
 
-    t_start = chunk * CHUNK
-    t_end = tl.minimum(t_start + CHUNK, N)
-    n_full = (t_end - t_start) // BLOCK_T
     vb = vp_ptr + b.to(tl.int64) * stride_pb + kh.to(tl.int64) * stride_ph + offs_j[:, None].to(tl.int64) * stride_pj
     lb = lg_ptr + (b * H + kh * G).to(tl.int64) * N + t_start
     if GQA1:
@@ -121,7 +111,6 @@ def _pv_kernel(lg_ptr, mm_ptr, vp_ptr, wo_ptr, ws_ptr,
     o6 = tl.zeros((DPC, G_PAD), dtype=tl.float32)
     o7 = tl.zeros((DPC, G_PAD), dtype=tl.float32)
     tm_all = offs_t < BLOCK_T
-    t_full = t_start + n_full * BLOCK_T
     for t0 in range(t_start, t_full, BLOCK_T):
         pt, ps = _pv_probs(lptrs + (t0 - t_start), ref, c2, offs_g, gm, tm_all, GQA1, False)
         s += ps

@@ -7,7 +7,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from edgeq.kernels.calibquant_unpack_triton import PLANE_SCALE, _unpack_b1, _unpack_b2
+from edgeq.kernels.calibquant_unpack_triton import PLANE_SCALE, _program_chunk, _unpack_planes
 
 
 @triton.jit
@@ -32,7 +32,7 @@ def _qk_dots(packed, q0, q1, q2, q3, q4, q5, q6, q7, BITS: tl.constexpr, UNPACK:
     """``[BLOCK_T, G_PAD]`` sums of plane_i @ q_i over the planes of one packed K tile."""
     acc = tl.zeros((BLOCK_T, G_PAD), dtype=tl.float32)
     if BITS == 1:
-        k0, k1, k2, k3, k4, k5, k6, k7 = _unpack_b1(packed, UNPACK)
+        k0, k1, k2, k3, k4, k5, k6, k7 = _unpack_planes(packed, 1, UNPACK)
         acc = tl.dot(k0, q0, acc)
         acc = tl.dot(k1, q1, acc)
         acc = tl.dot(k2, q2, acc)
@@ -42,7 +42,7 @@ def _qk_dots(packed, q0, q1, q2, q3, q4, q5, q6, q7, BITS: tl.constexpr, UNPACK:
         acc = tl.dot(k6, q6, acc)
         acc = tl.dot(k7, q7, acc)
     else:
-        k0, k1, k2, k3 = _unpack_b2(packed, UNPACK)
+        k0, k1, k2, k3 = _unpack_planes(packed, 2, UNPACK)
         acc = tl.dot(k0, q0, acc)
         acc = tl.dot(k1, q1, acc)
         acc = tl.dot(k2, q2, acc)
@@ -61,19 +61,12 @@ def _qk_kernel(q_ptr, ks_ptr, ka_ptr, kp_ptr, lg_ptr, mm_ptr,
     """Logits ``[B, H, N]`` (fp32) of one (batch, kv head, token chunk), and the chunk's min / max.
     Full token blocks run in the loop; the last, partial block of the chunk, if any, once more
     after it with token masks (the loop's own mask is always true: see the load)."""
-    pid = tl.program_id(0)
-    chunk = tl.program_id(1)
-    b = pid // KVH
-    kh = pid % KVH
+    b, kh, chunk, t_start, t_end, t_full, offs_g, gm, offs_j, jm, offs_t = _program_chunk(
+        N, G, KVH, DP, CHUNK, G_PAD, DPC, BLOCK_T)
     H = KVH * G
     D = DP * (8 // BITS)
-    offs_g = tl.arange(0, G_PAD)
-    offs_j = tl.arange(0, DPC)
-    offs_t = tl.arange(0, BLOCK_T)
-    gm = offs_g < G
-    jm = offs_j < DP
     qb = q_ptr + b.to(tl.int64) * stride_qb + (kh * G).to(tl.int64) * stride_qh
-    kvb = pid.to(tl.int64) * D  # alpha / scale are contiguous [B, KVH, D]
+    kvb = tl.program_id(0).to(tl.int64) * D  # (b, kh)'s row: alpha / scale are contiguous [B, KVH, D]
     ks = ks_ptr + kvb
     ka = ka_ptr + kvb
     # the query planes stay on chip for the whole chunk (Algorithm 1)
@@ -94,9 +87,6 @@ def _qk_kernel(q_ptr, ks_ptr, ka_ptr, kp_ptr, lg_ptr, mm_ptr,
         q6 = q0
         q7 = q0
 
-    t_start = chunk * CHUNK
-    t_end = tl.minimum(t_start + CHUNK, N)
-    n_full = (t_end - t_start) // BLOCK_T
     kb = kp_ptr + b.to(tl.int64) * stride_pb + kh.to(tl.int64) * stride_ph + offs_j[None, :]
     lb = lg_ptr + (b * H + kh * G).to(tl.int64) * N
     # running min / max kept elementwise (one reduction after the loop, not one a step)
@@ -109,7 +99,6 @@ def _qk_kernel(q_ptr, ks_ptr, ka_ptr, kp_ptr, lg_ptr, mm_ptr,
         lptrs = lb + offs_g[None, :].to(tl.int64) * N + offs_t[:, None]
         mn = tl.full((BLOCK_T, G_PAD), float("inf"), tl.float32)
         mx = tl.full((BLOCK_T, G_PAD), float("-inf"), tl.float32)
-    t_full = t_start + n_full * BLOCK_T
     for t0 in range(t_start, t_full, BLOCK_T):
         # the (always true) token mask keeps Triton's cp.async pipelining of this load
         packed = tl.load(kb + (t0 + offs_t)[:, None].to(tl.int64) * stride_pn,

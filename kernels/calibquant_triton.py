@@ -30,8 +30,9 @@ but it needs the head's min / max over all tokens before any exponential. Hence 
    ``out = scale_v * (sum p.code) / sum p + alpha_v``, cast to q's dtype.
 
 Files: this module is the host side (checks, chunk planning, launches, the entry points); the
-kernels are in ``calibquant_qk_triton`` (1), ``calibquant_pv_triton`` (2, 3) and the register
-unpacking they share in ``calibquant_unpack_triton``.
+kernels are in ``calibquant_qk_triton`` (1), ``calibquant_pv_triton`` (2, 3) and the device code
+they share (each program's batch, kv head, token chunk and lanes; the register unpacking) in
+``calibquant_unpack_triton``.
 
 Unpacking (the bit order of ``calibquant_ref``: element i of a byte at shift ``s_i = 8 - b(i+1)``),
 inline PTX, 4 bytes a call, one PRMT per two bytes and one AND per plane and fp16 pair:

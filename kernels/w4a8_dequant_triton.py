@@ -30,21 +30,22 @@ def _dequant(nibbles, scale, offset):
     return ((f - offset[:, None]) * scale[:, None]).to(tl.float8e4nv)
 
 
+def _nibble_asm(regs: str, magic: str, convert) -> str:
+    """Inline PTX that dequantizes 4 packed bytes ($2) into 4 low-plane ($0) and 4 high-plane ($1)
+    e4m3 bytes: declares ``regs``, splits the bytes into their low (ql) and high (qh) nibbles, sets
+    ``mg`` (the word PRMT takes the upper bytes from) to ``magic``, then for each of ql, qh emits
+    ``convert(q)`` (the PTX that leaves the 4 results of nibble register q in h0, h1 as e4m3x2)."""
+    head = (f"\n{{\n{regs}.reg .b16 h<2>;\nmov.b32 mg, {magic};\n"
+            "and.b32 ql, $2, 0x0F0F0F0F;\nshr.u32 qh, $2, 4;\nand.b32 qh, qh, 0x0F0F0F0F;\n")
+    return head + "".join(convert(q) + f"mov.b32 ${out}, {{h0, h1}};\n" for q, out in (("ql", 0), ("qh", 1))) + "}"
+
+
 # One call converts 4 packed bytes (8 nibbles) into 4 low-plane and 4 high-plane e4m3 bytes, with
 # the arithmetic of ``_dequant``: PRMT builds the fp32 words 2^23 + u (mantissa = the nibble, top
 # byte 0x4B), then sub.rn (2^23 + z), mul.rn (s), and cvt.rn.satfinite.e4m3x2 packs two results.
 # $0/$1: low/high outputs; $2: the 4 bytes; $3-$6: their scales; $7-$10: their offsets 2^23 + z.
-_DEQUANT_ASM = tl.constexpr("""
-{
-.reg .b32 ql, qh, mg, t<4>;
-.reg .f32 f<4>;
-.reg .b16 h<2>;
-mov.b32 mg, 0x4B000000;
-and.b32 ql, $2, 0x0F0F0F0F;
-shr.u32 qh, $2, 4;
-and.b32 qh, qh, 0x0F0F0F0F;
-""" + "".join(
-    f"""prmt.b32 t0, {q}, mg, 0x7440;
+_DEQUANT_ASM = tl.constexpr(_nibble_asm(".reg .b32 ql, qh, mg, t<4>;\n.reg .f32 f<4>;\n", "0x4B000000", lambda q: f"""\
+prmt.b32 t0, {q}, mg, 0x7440;
 prmt.b32 t1, {q}, mg, 0x7441;
 prmt.b32 t2, {q}, mg, 0x7442;
 prmt.b32 t3, {q}, mg, 0x7443;
@@ -62,8 +63,7 @@ mul.rn.f32 f2, f2, $5;
 mul.rn.f32 f3, f3, $6;
 cvt.rn.satfinite.e4m3x2.f32 h0, f1, f0;
 cvt.rn.satfinite.e4m3x2.f32 h1, f3, f2;
-mov.b32 ${out}, {{h0, h1}};
-""" for q, out in (("ql", 0), ("qh", 1))) + "}")
+"""))
 
 
 # The same in packed half arithmetic, two weights an instruction: PRMT puts two nibbles in the
@@ -71,16 +71,8 @@ mov.b32 ${out}, {{h0, h1}};
 # only for scales of at most 7 significant bits within [2^-14, 2^11] (then (u - z) * s has at most
 # 11 and is an fp16), which ``quantize_dpq`` produces; ``w4a8_gemm`` checks before using it.
 # $0/$1: low/high outputs; $2: the 4 bytes; $3-$4: scale pairs (fp16x2); $5-$6: (1024 + z) pairs.
-_DEQUANT_ASM_F16X2 = tl.constexpr("""
-{
-.reg .b32 ql, qh, mg, p<2>;
-.reg .b16 h<2>;
-mov.b32 mg, 0x64646464;
-and.b32 ql, $2, 0x0F0F0F0F;
-shr.u32 qh, $2, 4;
-and.b32 qh, qh, 0x0F0F0F0F;
-""" + "".join(
-    f"""prmt.b32 p0, {q}, mg, 0x4140;
+_DEQUANT_ASM_F16X2 = tl.constexpr(_nibble_asm(".reg .b32 ql, qh, mg, p<2>;\n", "0x64646464", lambda q: f"""\
+prmt.b32 p0, {q}, mg, 0x4140;
 prmt.b32 p1, {q}, mg, 0x4342;
 sub.rn.f16x2 p0, p0, $5;
 sub.rn.f16x2 p1, p1, $6;
@@ -88,8 +80,7 @@ mul.rn.f16x2 p0, p0, $3;
 mul.rn.f16x2 p1, p1, $4;
 cvt.rn.satfinite.e4m3x2.f16x2 h0, p0;
 cvt.rn.satfinite.e4m3x2.f16x2 h1, p1;
-mov.b32 ${out}, {{h0, h1}};
-""" for q, out in (("ql", 0), ("qh", 1))) + "}")
+"""))
 
 DEQ_TRITON, DEQ_F32, DEQ_F16X2 = 0, 1, 2  # the kernels' DEQ constexpr
 _DEQ_MODES = {"triton": DEQ_TRITON, "f32": DEQ_F32, "f16x2": DEQ_F16X2}

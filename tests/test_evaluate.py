@@ -354,3 +354,34 @@ def test_cli_compare_random_text_and_npz(tmp_path, corpus, capsys):
     assert data["outputs"][0]["max_abs"] == 1.0
     with pytest.raises(UserInputError, match="--text needs --tokenizer"):
         run_cli(["eval", "compare", ma, mb, "--text", str(text)], capsys)
+
+
+def _qdq_lm(w_codes: np.ndarray) -> onnx.ModelProto:
+    """logits = DQ(Q(emb[ids])) @ DQ(W): uint8 activations (zero point 128) x int8 weight codes,
+    the pattern onnxruntime's CPU provider fuses into MatMulIntegerToFloat."""
+    rng = np.random.default_rng(0)
+    ids = helper.make_tensor_value_info("input_ids", TensorProto.INT64, ["batch", "seq"])
+    out = helper.make_tensor_value_info("logits", TensorProto.FLOAT, ["batch", "seq", V])
+    inits = [numpy_helper.from_array(rng.normal(size=(V, 16)).astype(np.float32), "emb"),
+             numpy_helper.from_array(np.array(0.05, np.float32), "xs"), numpy_helper.from_array(np.array(128, np.uint8), "xz"),
+             numpy_helper.from_array(w_codes.astype(np.int8), "wq"), numpy_helper.from_array(np.array(0.01, np.float32), "ws"),
+             numpy_helper.from_array(np.array(0, np.int8), "wz")]
+    nodes = [helper.make_node("Gather", ["emb", "input_ids"], ["x"], axis=0),
+             helper.make_node("QuantizeLinear", ["x", "xs", "xz"], ["xq"]),
+             helper.make_node("DequantizeLinear", ["xq", "xs", "xz"], ["xd"]),
+             helper.make_node("DequantizeLinear", ["wq", "ws", "wz"], ["wd"]),
+             helper.make_node("MatMul", ["xd", "wd"], ["logits"], name="head")]
+    return make_model(nodes, [ids], [out], inits)
+
+
+@pytest.mark.parametrize("codes, at_risk", [(np.full((16, V), 100), ["head"]), (np.full((16, V), 64), [])])
+def test_cli_kernel_check_names_linears_onnxruntime_runs_at_risk(tmp_path, corpus, capsys, codes, at_risk):
+    """--kernel-check asks onnxruntime which linears it fused into uint8 x int8 kernels: adjacent
+    same-sign codes 100 + 100 > 128 can saturate VPMADDUBSW's int16, 64 + 64 cannot."""
+    text, tok = corpus
+    model = save(_qdq_lm(codes), tmp_path / "m.onnx")
+    code, out = run_cli(["eval", "ppl", model, "--text", str(text), "--tokenizer", str(tok), "--seq-len", "8",
+                         "--windows", "2", "--kernel-check", "--json"], capsys)
+    data = json.loads(out)
+    assert code == 0 and data["ort_u8s8_linears"] == 1 and data["ort_u8s8_at_risk"] == at_risk
+    assert "ppl_exact_qdq" in data

@@ -167,6 +167,11 @@ def run_ppl(args: argparse.Namespace) -> int:
         exact = run(True)
         gap = result["ppl"] / exact["ppl"] - 1.0
         result.update({"ppl_exact_qdq": exact["ppl"], "kernel_gap": gap, "kernel_gap_flagged": abs(gap) > KERNEL_GAP})
+        from edgeq.targets.u8s8_sites import ort_fused_u8s8
+
+        fused = ort_fused_u8s8(args.model)  # what this onnxruntime actually runs as uint8 x int8
+        result["ort_u8s8_linears"] = len(fused)
+        result["ort_u8s8_at_risk"] = sorted(name for name, v in fused.items() if not v["saturation_free"])
     if args.json:
         print(json.dumps(_json_safe(result)))
         return 0
@@ -179,6 +184,10 @@ def run_ppl(args: argparse.Namespace) -> int:
         print(f"ppl {result['ppl_exact_qdq']:.3f} with exact QDQ: kernel gap {result['kernel_gap']:+.2%}"
               + (f"  WARNING: above {KERNEL_GAP:.1%}, onnxruntime's integer kernels lose accuracy on this CPU"
                  if result["kernel_gap_flagged"] else ""))
+        risky = result["ort_u8s8_at_risk"]
+        print(f"onnxruntime runs {result['ort_u8s8_linears']} linears as uint8 x int8; "
+              + (f"{len(risky)} have int8 weights a VPMADDUBSW kernel (AVX2, AVX-512 without VNNI) can saturate, "
+                 f"e.g. {risky[0]}" if risky else "none can saturate on any CPU"))
     return 0
 
 

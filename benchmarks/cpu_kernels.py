@@ -108,8 +108,10 @@ def main(argv=None) -> int:
     results: dict = {"model": str(fp32), "calib_windows": a.calib_windows, "eval_windows": a.eval_windows,
                      "isa": isa_label(), "rows": rows}
     if a.latency_only:
-        earlier = json.loads(a.out.read_text())
-        results = {**earlier, "isa": isa_label()}
+        earlier = json.loads(a.out.read_text())  # its "machine" / "isa" are the perplexities' machine
+        from edgeq.evaluate.machine import machine_info
+
+        results = {**earlier, "latency_isa": isa_label(), "latency_machine": machine_info()}
         rows = results["rows"]
     else:
         results["fp32_ppl"] = round(perplexity(fp32, DATA / "test.txt", a.model_dir, windows=a.eval_windows)["ppl"], 3)

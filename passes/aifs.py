@@ -83,9 +83,8 @@ class AifsPass(Pass):
     summary_line = "reorder tokens visual-first (padding counted as visual) with an order-invariant causal mask"
 
     def run(self, graph: gs.Graph, ctx: PassContext) -> PassResult:
-        meta = ir.graph_metadata(graph)
         cfg: AifsConfig = self.config
-        found = _match(graph, cfg, meta)
+        found = _match(graph, cfg)
         if isinstance(found, str):
             return PassResult.skipped(Reason.STRUCTURE_NOT_FOUND, found)
         summary = _rewrite(graph, found)
@@ -99,12 +98,12 @@ class AifsPass(Pass):
 # ---------------------------------------------------------------------------------------------
 
 
-def _match(graph: gs.Graph, cfg: AifsConfig, meta: dict) -> dict | str:
+def _match(graph: gs.Graph, cfg: AifsConfig) -> dict | str:
     """The tensors and nodes the rewrite needs, or a reason why the pass does not apply."""
     if graph.opset < 13:
         return f"opset {graph.opset} < 13 (Unsqueeze/ReduceSum with axes inputs)"
     inputs = {t.name: t for t in graph.inputs}
-    span_names = span_input_names(meta)
+    span_names = span_input_names(ir.graph_metadata(graph))
     if len(span_names) != 2 or not all(n in inputs for n in span_names):
         return f"no visual span inputs {'/'.join(span_names)}"
     for name in (cfg.embeds_input, cfg.mask_input, cfg.position_input):

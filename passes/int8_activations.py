@@ -126,6 +126,18 @@ def _collect(index: ir.GraphIndex, q: gs.Node, outputs: set[str],
     group = _Group({}, [], [], [])
     nodes: set[int] = set()
     work = [q.outputs[0]]
+
+    def take(node: gs.Node, members: list[gs.Node]) -> None:
+        """Put ``node`` in the group once (producer or reader alike); a pass-through op also
+        brings every integer tensor it moves into the walk."""
+        if id(node) in nodes:
+            return
+        nodes.add(id(node))
+        members.append(node)
+        if node.op in _DATA_SLOTS:
+            work.extend(_data_inputs(node))
+            work.extend(node.outputs)
+
     while work:
         tensor = work.pop()
         if tensor.name in group.tensors:
@@ -142,27 +154,17 @@ def _collect(index: ir.GraphIndex, q: gs.Node, outputs: set[str],
             return None, "integer graph input"
         if id(producer) not in nodes:
             if producer.op == "QuantizeLinear":
-                nodes.add(id(producer))
-                group.quantizers.append(producer)
+                take(producer, group.quantizers)
             elif producer.op in _DATA_SLOTS:
-                nodes.add(id(producer))
-                group.movers.append(producer)
-                work += _data_inputs(producer)
-                work += producer.outputs
+                take(producer, group.movers)
             else:
                 return None, f"integers produced by {producer.op}"
         for reader in index.consumers(tensor.name):
             slots = [i for i, t in enumerate(reader.inputs) if t.name == tensor.name]
             if reader.op == "DequantizeLinear" and slots == [0]:
-                if id(reader) not in nodes:
-                    nodes.add(id(reader))
-                    group.dequantizers.append(reader)
+                take(reader, group.dequantizers)
             elif reader.op in _DATA_SLOTS and all(_is_data_slot(reader, i) for i in slots):
-                if id(reader) not in nodes:
-                    nodes.add(id(reader))
-                    group.movers.append(reader)
-                    work += _data_inputs(reader)
-                    work += reader.outputs
+                take(reader, group.movers)
             else:
                 return None, f"integers read by {reader.op}"
     # a DQ without a zero point reads whatever type its input has: the quantizers' (onnx typing)

@@ -31,10 +31,10 @@ import onnx_graphsurgeon as gs
 from edgeq import facts, ir
 from edgeq.calib.observers import PerChannelAbsMaxObserver
 from edgeq.errors import UserInputError
-from edgeq.passbase import Exactness, Pass, PassConfig, PassContext, PassResult
+from edgeq.passbase import Exactness, PassConfig, PassContext, PassResult
 from edgeq.registry import register_pass
 from edgeq.runtime_ops.online_hadamard import OP_TYPE, hadamard_matrix_for_fold
-from edgeq.passes.methods.side_branch import BRANCH_PRECISIONS, add_branch, quantize_branches
+from edgeq.passes.methods.side_branch import SideBranchPass, add_branch, check_branch, quantize_branches
 from edgeq.structure import analyze
 from edgeq.passes.methods.weights import LinearEditor
 
@@ -52,8 +52,7 @@ class MassiveSplitConfig(PassConfig):
             raise UserInputError(f"massive-split: ratio must be > 1, got {self.ratio}")
         if self.max_channels < 1:
             raise UserInputError(f"massive-split: max_channels must be >= 1, got {self.max_channels}")
-        if self.branch not in BRANCH_PRECISIONS:
-            raise UserInputError(f"massive-split: branch must be one of {', '.join(BRANCH_PRECISIONS)}, got '{self.branch}'")
+        check_branch("massive-split", self.branch)
         if not self.roles:
             raise UserInputError("massive-split: roles must name at least one linear role")
 
@@ -68,20 +67,13 @@ def massive_channels(absmax: np.ndarray, ratio: float, max_channels: int) -> np.
 
 
 @register_pass
-class MassiveSplitPass(Pass):
+class MassiveSplitPass(SideBranchPass):
     name = "massive-split"
     exactness = Exactness.FLOAT_EQUIV
     Config = MassiveSplitConfig
     establishes = facts.MASSIVE_SPLIT
     summary_line = "split massive-activation input channels (before any online Hadamard) into a GEMV branch"
-
-    @property
-    def output_exactness(self) -> Exactness:
-        return self.exactness if BRANCH_PRECISIONS[self.config.branch] is None else Exactness.LOSSY
-
-    @property
-    def needs_calibration(self) -> bool:  # type: ignore[override]
-        return True
+    needs_calibration = True  # the massive channels are found in calibration, whatever the branch's precision
 
     def run(self, graph: gs.Graph, ctx: PassContext) -> PassResult:
         cfg: MassiveSplitConfig = self.config

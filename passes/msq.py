@@ -85,10 +85,9 @@ class MsqPass(StaticQDQ):
     summary_line = "MQuant MSQ: qdq with a visual and a text static scale per activation site (after aifs: visual-first slices)"
 
     def run(self, graph: gs.Graph, ctx: PassContext) -> PassResult:
-        meta = ir.graph_metadata(graph)
         cfg: MsqConfig = self.config
         self._b = NodeBuilder(graph, ir.GraphIndex(graph), "msq")
-        self._graph, self._meta = graph, meta
+        self._graph = graph
         self._aifs = facts.AIFS.get(graph) or {}
         self._masks: dict[str, tuple[gs.Tensor, gs.Tensor]] = {}  # order -> (is_visual [B,S], [B,S,1])
         self._count = None
@@ -125,7 +124,7 @@ class MsqPass(StaticQDQ):
             self._count = b.op("Squeeze", "VisualCount", [count, b.const("axes_1", np.array([1], np.int64))], np.int64)
             is_visual = prefix_mask(b, mask, count)
         else:
-            span = span_input_names(self._meta)
+            span = span_input_names(ir.graph_metadata(self._graph))
             if len(span) != 2 or not all(n in inputs for n in span) or cfg.embeds_input not in inputs:
                 raise UserInputError(f"msq: the model has no visual span inputs ({'/'.join(span)}); per-modality "
                                      "scales need to know which tokens are visual (use qdq for text-only models)")

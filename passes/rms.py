@@ -25,10 +25,10 @@ from edgeq import facts, ir
 from edgeq.calib.observers import MinMaxObserver
 from edgeq.passes.methods.eq9 import eq9_columns
 from edgeq.errors import UserInputError
-from edgeq.passbase import Exactness, Pass, PassConfig, PassContext, PassResult
+from edgeq.passbase import Exactness, PassConfig, PassContext, PassResult
 from edgeq.registry import register_pass
 from edgeq.runtime_ops.online_hadamard import OP_TYPE, hadamard_matrix_for_fold
-from edgeq.passes.methods.side_branch import BRANCH_PRECISIONS, add_branch, quantize_branches
+from edgeq.passes.methods.side_branch import SideBranchPass, add_branch, check_branch, quantize_branches
 from edgeq.structure import analyze
 from edgeq.passes.methods.weights import LinearEditor
 
@@ -42,12 +42,11 @@ class RmsConfig(PassConfig):
     def __post_init__(self):
         if self.mode not in ("eq9", "all"):
             raise UserInputError(f"rms: mode must be eq9 or all, got '{self.mode}'")
-        if self.branch not in BRANCH_PRECISIONS:
-            raise UserInputError(f"rms: branch must be one of {', '.join(BRANCH_PRECISIONS)}, got '{self.branch}'")
+        check_branch("rms", self.branch)
 
 
 @register_pass
-class RmsPass(Pass):
+class RmsPass(SideBranchPass):
     name = "rms"
     exactness = Exactness.FLOAT_EQUIV
     Config = RmsConfig
@@ -55,22 +54,12 @@ class RmsPass(Pass):
     establishes = facts.RMS
     summary_line = "MQuant RMS: split rotated channel 0 of Eq. 9 layers into a GEMV branch"
 
-    @property
-    def output_exactness(self) -> Exactness:
-        return self.exactness if BRANCH_PRECISIONS[self.config.branch] is None else Exactness.LOSSY
-
-    @property
-    def needs_calibration(self) -> bool:  # type: ignore[override]
-        return BRANCH_PRECISIONS[self.config.branch] is not None
-
     def run(self, graph: gs.Graph, ctx: PassContext) -> PassResult:
         cfg: RmsConfig = self.config
-        s = analyze(graph)
         editor = LinearEditor(graph)
         index = editor.index
-        nodes = {n.name: n for n in graph.nodes}
         eq9, branches = {}, []
-        for lin in s.linears:
+        for lin in analyze(graph).linears:
             producer = index.producer(lin.input)
             if lin.quantized or producer is None or producer.op != OP_TYPE:
                 continue
@@ -80,12 +69,12 @@ class RmsPass(Pass):
             eq9[lin.node] = meeting
             if cfg.mode == "eq9" and meeting == 0:
                 continue
-            branches.append(_split(graph, index, editor, nodes[lin.node], lin, w_r))
+            branches.append(_split(graph, index, editor, editor.nodes[lin.node], lin, w_r))
         if not eq9:
             return PassResult(False, {"online_hadamard_linears": 0})
         if branches:
             ranges = {}
-            if BRANCH_PRECISIONS[cfg.branch] is not None:
+            if self.quantized_branch:
                 observers = ctx.require_calibrator(self.name).observe(
                     graph, {b["x"].name: MinMaxObserver for b in branches}, "rms:branch:minmax")
                 ranges = {name: obs.range() for name, obs in observers.items()}

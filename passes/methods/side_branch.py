@@ -3,7 +3,8 @@
 MQuant's RMS (channel 0 after the online Hadamard) and ``massive-split`` (massive-activation
 channels before it) both compute ``y = main(x) + x_c @ W_c`` where ``x_c`` are a few input
 channels and ``W_c`` their weight rows. The branch is added where the linear's output (after its
-bias) was, so everything downstream is untouched; its precision is the calling pass's choice.
+bias) was, so everything downstream is untouched; its precision is the calling pass's choice
+(config field ``branch``), and ``SideBranchPass`` derives what that choice means for the pass.
 """
 
 from __future__ import annotations
@@ -12,6 +13,8 @@ import numpy as np
 import onnx_graphsurgeon as gs
 
 from edgeq import facts, ir
+from edgeq.errors import UserInputError
+from edgeq.passbase import Exactness, Pass
 from edgeq.qdq_nodes import ensure_opset, insert_dequantize, insert_quantize, insert_weight_dequantize
 from edgeq.quant import QuantSpec
 
@@ -22,6 +25,34 @@ BRANCH_PRECISIONS = {
     "w8a8": ("int8", "uint8"),
     "w4a8": ("int4", "uint8"),
 }
+
+
+def check_branch(pass_name: str, branch: str) -> None:
+    """A config's check of its ``branch`` field (one of ``BRANCH_PRECISIONS``)."""
+    if branch not in BRANCH_PRECISIONS:
+        raise UserInputError(f"{pass_name}: branch must be one of {', '.join(BRANCH_PRECISIONS)}, got '{branch}'")
+
+
+class SideBranchPass(Pass):
+    """Not registered: the base of the passes that split channels into a side branch (``rms``,
+    ``massive-split``), whose config has a ``branch`` precision.
+
+    The split itself is float-equivalent (the class's ``exactness``); a quantized branch makes the
+    configured pass LOSSY (what ``describe()`` and ``edgeq passes`` report) and needs the branch
+    inputs' calibrated ranges. One definition, so the two passes cannot disagree on it.
+    """
+
+    @property
+    def quantized_branch(self) -> bool:
+        return BRANCH_PRECISIONS[self.config.branch] is not None
+
+    @property
+    def output_exactness(self) -> Exactness:
+        return Exactness.LOSSY if self.quantized_branch else self.exactness
+
+    @property
+    def needs_calibration(self) -> bool:  # type: ignore[override]
+        return self.quantized_branch
 
 
 def add_branch(graph: gs.Graph, index: ir.GraphIndex, node: gs.Node, lin, x_branch: gs.Variable,

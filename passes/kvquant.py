@@ -38,7 +38,7 @@ import onnx_graphsurgeon as gs
 from edgeq import facts
 from edgeq.errors import UserInputError
 from edgeq.passes.methods.kv_attention_sites import KVSite, find_kv_sites
-from edgeq.kv_cache import BITS, FIELDS, SCHEMES, VISUAL_PREFIX, VisualCacheSpec
+from edgeq.kv_cache import FIELDS, VISUAL_PREFIX, VisualCacheSpec
 from edgeq.passbase import Exactness, Pass, PassConfig, PassContext, PassResult
 from edgeq.registry import register_pass
 from edgeq.runtime_ops.domain import DOMAIN
@@ -62,13 +62,9 @@ class KvQuantConfig(PassConfig):
     visual_len: int = 0
 
     def __post_init__(self):
-        if self.bits not in BITS:
-            raise UserInputError(f"kvquant: bits must be one of {BITS}, got {self.bits}")
-        if self.scheme not in SCHEMES:
-            raise UserInputError(f"kvquant: scheme must be one of {', '.join(SCHEMES)}, got '{self.scheme}'")
         if self.query_tokens < 1 or self.max_samples < 1:
             raise UserInputError("kvquant: query_tokens and max_samples must be >= 1")
-        VisualCacheSpec(self.bits, self.scheme, self.k_clip, self.v_clip)  # validates the clip factors
+        VisualCacheSpec(self.bits, self.scheme, self.k_clip, self.v_clip)  # validates bits, scheme and clip factors
 
     @property
     def needs_data(self) -> bool:

@@ -124,13 +124,6 @@ def dequantize(q: np.ndarray, scale: np.ndarray, zp: np.ndarray) -> np.ndarray:
     return ((q.astype(np.float32) - zp.astype(np.float32)) * scale).astype(np.float32)
 
 
-def fake_quant(x: np.ndarray, scale, zp, spec: QuantSpec) -> np.ndarray:
-    """The numpy reference of a Q->DQ pair (per-tensor or already broadcast parameters)."""
-    scale = np.asarray(scale, np.float32)
-    zp = np.asarray(zp)
-    return dequantize(quantize(x, scale, zp, spec), scale, zp)
-
-
 def expand_blocks(param: np.ndarray, axis: int, block_size: int, length: int) -> np.ndarray:
     """Repeat block parameters along ``axis`` so they broadcast against the full tensor."""
     return np.repeat(param, block_size, axis=axis).take(np.arange(length), axis=axis)

@@ -59,11 +59,6 @@ class ResqConfig(PassConfig):
             raise UserInputError(f"resq: damp must be in [0, 1), got {self.damp}")
 
 
-def resq_layout(graph: gs.Graph) -> dict | None:
-    """What ``resq`` recorded (ranks, per-layer K/V tensors), or None if it has not run."""
-    return facts.RESQ.get(graph)
-
-
 @register_pass
 class ResqPass(Pass):
     name = "resq"

@@ -11,10 +11,11 @@ from toy import random_feeds
 
 from edgeq import ir
 from edgeq.calib.session import CalibrationSet, Calibrator
-from edgeq.passes.methods.dpq import DpqColumns, dpq_dequantize, gptq_then_fp8
+from edgeq.passes.methods.dpq import DpqColumns, gptq_then_fp8
 from edgeq.errors import UserInputError
 from edgeq.passes.methods.fp8 import DPQ_FP8_RANGE, power_of_two_scale, round_fp8
-from edgeq.passes.methods.gptq import column_order, gptq_quantize, layer_error
+from edgeq.passes.methods.gptq import column_order, gptq_quantize
+from references import dpq_dequantize, layer_error
 from edgeq.passbase import PassContext
 from edgeq.pipeline import Pipeline, sqnr_db
 from edgeq.quant import QuantSpec

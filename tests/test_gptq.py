@@ -11,7 +11,8 @@ from toy import random_feeds
 from edgeq import ir
 from edgeq.calib.session import CalibrationSet, Calibrator
 from edgeq.errors import UserInputError
-from edgeq.passes.methods.gptq import gptq_quantize, layer_error
+from edgeq.passes.methods.gptq import gptq_quantize
+from references import layer_error
 from edgeq.passbase import PassContext
 from edgeq.pipeline import Pipeline, PipelineOptions, sqnr_db
 from edgeq.quant import QuantSpec, dequantize_weight, quantize_weight

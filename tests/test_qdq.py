@@ -16,7 +16,8 @@ from edgeq.calib.session import CalibrationSet, Calibrator
 from edgeq.artifacts.encodings import collect_encodings
 from edgeq.passbase import PassContext
 from edgeq.pipeline import Pipeline, sqnr_db
-from edgeq.quant import QuantSpec, dequantize_weight, fake_quant
+from edgeq.quant import QuantSpec, dequantize_weight
+from references import fake_quant
 from edgeq.structure import find_linears
 from edgeq.passes.qdq import QDQConfig, QDQPass
 

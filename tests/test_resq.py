@@ -7,13 +7,14 @@ import onnx
 import pytest
 from toy import random_feeds
 
-from edgeq import ir
+from edgeq import facts, ir
 from edgeq.calib.dataset import build_calibration_set
 from edgeq.calib.session import CalibrationSet, Calibrator
 from edgeq.errors import UserInputError
-from edgeq.passes.methods.gptq import IntColumns, gptq_quantize, layer_error
+from edgeq.passes.methods.gptq import IntColumns, gptq_quantize
 from edgeq.passbase import FLOAT_EQUIV_RTOL, PassContext
-from edgeq.passes.resq import ResqConfig, ResqPass, resq_layout
+from edgeq.passes.resq import ResqConfig, ResqPass
+from references import layer_error
 from edgeq.passes.resq_qdq import ResqQDQConfig, ResqQDQPass
 from edgeq.pipeline import Pipeline, sqnr_db
 from edgeq.quant import QuantSpec, dequantize_weight, quantize_weight
@@ -47,7 +48,7 @@ def test_projections_are_float_equivalent(arch, basis, divisor, tiny_models, tmp
     out, records = Pipeline(_prefix() + [ResqPass(ResqConfig(basis=basis, rank_divisor=divisor))]).run(model, _ctx(model, tmp_path))
     summary = records[-1]["summary"]
     assert summary["attention_layers"] == 2 and summary["online"]["hadamard"] == 2
-    layout = resq_layout(ir.to_graph(out))
+    layout = facts.RESQ.get(ir.to_graph(out))
     assert layout["hidden_rank"] == (0 if basis == "hadamard" else 64 // divisor)
     assert all(layer["rank"] == max(16 // divisor, 1) for layer in layout["layers"])
     (got, *_) = ir.make_session(out).run(None, feeds)
@@ -61,7 +62,7 @@ def test_values_and_keys_are_projected(tiny_models, tmp_path):
     second moment of the projected keys is diagonal with ascending entries (up to damping)."""
     model = ir.load_model(tiny_models["llama"])
     out, _ = Pipeline(_prefix() + [ResqPass(ResqConfig(damp=0.0))]).run(model, _ctx(model, tmp_path))
-    layout = resq_layout(ir.to_graph(out))
+    layout = facts.RESQ.get(ir.to_graph(out))
     k_name = layout["layers"][0]["k"]
     probe = onnx.ModelProto()
     probe.CopyFrom(out)

@@ -184,10 +184,13 @@ def run_ppl(args: argparse.Namespace) -> int:
         print(f"ppl {result['ppl_exact_qdq']:.3f} with exact QDQ: kernel gap {result['kernel_gap']:+.2%}"
               + (f"  WARNING: above {KERNEL_GAP:.1%}, onnxruntime's integer kernels lose accuracy on this CPU"
                  if result["kernel_gap_flagged"] else ""))
+        from edgeq.evaluate.machine import saturating_cpu
+
         risky = result["ort_u8s8_at_risk"]
         print(f"onnxruntime runs {result['ort_u8s8_linears']} linears as uint8 x int8; "
               + (f"{len(risky)} have int8 weights a VPMADDUBSW kernel (AVX2, AVX-512 without VNNI) can saturate, "
-                 f"e.g. {risky[0]}" if risky else "none can saturate on any CPU"))
+                 f"e.g. {risky[0]}" + ("; this CPU's kernel is one" if saturating_cpu() else "; this CPU's kernel is not")
+                 if risky else "none can saturate on any CPU"))
     return 0
 
 

@@ -69,14 +69,6 @@ class DpqColumns:
         return scale * self.s8
 
 
-def dpq_dequantize(q: np.ndarray, scale: np.ndarray, zero_point: np.ndarray, s8: float, group_size: int) -> np.ndarray:
-    """The real weight ``[K, N]`` of stored integers: ``s8 * fp8((q - z) * scale / s8)`` with the
-    real-domain group ``scale`` [groups, N] (what the ONNX form DQ(INT4) -> Q/DQ(FP8, s8) computes)."""
-    rows = np.arange(q.shape[0]) // group_size
-    steps = (q.astype(np.float64) - zero_point.astype(np.float64)[rows]) * scale.astype(np.float64)[rows]
-    return (s8 * round_fp8(steps.astype(np.float32) / s8)).astype(np.float32)
-
-
 def gptq_then_fp8(res: GptqResult) -> tuple[np.ndarray, float]:
     """The ablation "GPTQ, then cast to FP8": (the weight the hardware then uses, its ``s8``)."""
     s8 = power_of_two_scale(float(np.max(np.abs(res.dequantized))))

@@ -255,9 +255,3 @@ def _gptq_subsets(w_kn: np.ndarray, hessian: np.ndarray, subsets: list[tuple[np.
     q_int, deq = _sweep(w, u, _blocks(perm, 0, block_size, False), quantize_column)
     q_int, deq = q_int[:, inv_perm], deq[:, inv_perm]
     return GptqResult(q_int.T.copy(), scale.astype(np.float32), zp, deq.T.astype(np.float32))
-
-
-def layer_error(x: np.ndarray, w_kn: np.ndarray, w_hat_kn: np.ndarray) -> float:
-    """Mean squared output error of a linear over inputs ``x`` [tokens, K] (tests, ablations)."""
-    diff = np.asarray(x, np.float64) @ (np.asarray(w_kn, np.float64) - np.asarray(w_hat_kn, np.float64))
-    return float(np.mean(diff ** 2))

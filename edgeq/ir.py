@@ -192,6 +192,22 @@ def subgraph_reads(graph: gs.Graph) -> set[str]:
     return {t.name for g, node in nodes_with_graphs(graph) if g is not graph for t in node.inputs}
 
 
+@dataclass(frozen=True)
+class Boundary:
+    """Tensors a retyping rewrite (int8 lowering) must leave alone: the graph's inputs and outputs
+    (its interface with the caller) and the names read inside If / Loop / Scan bodies (which
+    the rewrite does not visit, so it cannot retype their readers)."""
+
+    inputs: frozenset[str]
+    outputs: frozenset[str]
+    in_subgraphs: frozenset[str]
+
+    @classmethod
+    def of(cls, graph: gs.Graph) -> "Boundary":
+        return cls(frozenset(t.name for t in graph.inputs), frozenset(t.name for t in graph.outputs),
+                   frozenset(subgraph_reads(graph)))
+
+
 def drop_domain_import(graph: gs.Graph, domain: str) -> None:
     """Forget the opset import of ``domain`` (a lowering left no node of it)."""
     attrs = getattr(graph, "_edgeq_model_attrs", None)

@@ -105,8 +105,24 @@ class PassContext:
         return self.calibrator
 
 
+# class-line keyword -> the attribute the framework reads (``Pass.__init_subclass__``)
+_DECLARATIONS = {"name": "name", "exactness": "exactness", "config": "Config", "requires": "requires",
+                 "establishes": "establishes", "calibrates": "needs_calibration", "summary": "summary_line",
+                 "marks_when_not_applicable": "marks_when_not_applicable"}
+
+
 class Pass(abc.ABC):
-    """Subclass, set ``name``, ``exactness`` and ``Config``, implement ``run``."""
+    """Subclass with the declaration in the class line, implement ``run``::
+
+        @register_pass
+        class RotatePass(Pass, name="rotate", exactness=Exactness.FLOAT_EQUIV, config=RotateConfig,
+                         requires=("fuse-norms", "ln-to-rms"), establishes=facts.ROTATED, summary="..."):
+            def run(self, graph, ctx): ...
+
+    Keywords: ``name``, ``exactness``, ``config`` (a frozen ``PassConfig`` subclass), ``requires``,
+    ``establishes`` (an ``edgeq.facts`` marker), ``calibrates`` (needs calibration data),
+    ``marks_when_not_applicable``, ``summary`` (the line ``edgeq passes`` prints).
+    """
 
     name: ClassVar[str]
     exactness: ClassVar[Exactness]
@@ -121,6 +137,14 @@ class Pass(abc.ABC):
     # True when the marker is left even where the pass does not apply (with the reason), so its
     # absence means the pass never ran: passes requiring it are refused instead of skipped.
     marks_when_not_applicable: ClassVar[bool] = False
+
+    def __init_subclass__(cls, **declared: Any) -> None:
+        unknown = sorted(set(declared) - set(_DECLARATIONS))
+        if unknown:
+            raise TypeError(f"{cls.__name__}: unknown pass declaration(s) {unknown} (known: {sorted(_DECLARATIONS)})")
+        super().__init_subclass__()
+        for key, value in declared.items():
+            setattr(cls, _DECLARATIONS[key], value)
 
     def __init__(self, config: PassConfig | None = None):
         self.config = config if config is not None else self.Config()

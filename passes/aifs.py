@@ -75,13 +75,8 @@ class AifsConfig(PassConfig):
 
 
 @register_pass
-class AifsPass(Pass):
-    name = "aifs"
-    exactness = Exactness.FLOAT_EQUIV
-    Config = AifsConfig
-    establishes = facts.AIFS
-    summary_line = "reorder tokens visual-first (padding counted as visual) with an order-invariant causal mask"
-
+class AifsPass(Pass, name="aifs", exactness=Exactness.FLOAT_EQUIV, config=AifsConfig, establishes=facts.AIFS,
+               summary="reorder tokens visual-first (padding counted as visual) with an order-invariant causal mask"):
     def run(self, graph: gs.Graph, ctx: PassContext) -> PassResult:
         cfg: AifsConfig = self.config
         found = _match(graph, cfg)

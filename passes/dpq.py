@@ -67,11 +67,8 @@ class DpqConfig(GptqConfig):
 
 
 @register_pass
-class DpqPass(GptqRewrite):
-    name = "dpq"
-    Config = DpqConfig
-    summary_line = "DPQ W4A8: INT4 weights dequantized to FP8, static FP8 activations, two-level GPTQ + GAR"
-
+class DpqPass(GptqRewrite, name="dpq", config=DpqConfig,
+              summary="DPQ W4A8: INT4 weights dequantized to FP8, static FP8 activations, two-level GPTQ + GAR"):
     def spec(self, stored_nk: bool) -> QuantSpec:
         cfg: DpqConfig = self.config
         return QuantSpec(cfg.weight_dtype, cfg.weight_symmetric, axis=1 if stored_nk else 0, block_size=cfg.group_size)

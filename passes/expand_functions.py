@@ -29,11 +29,8 @@ from edgeq.runtime_ops.schema import get_schema
 
 
 @register_pass
-class ExpandFunctionsPass(Pass):
-    name = "expand-functions"
-    exactness = Exactness.EXACT
-    summary_line = "inline every edgeq custom op as its ONNX function body (standard ops only; target lowering)"
-
+class ExpandFunctionsPass(Pass, name="expand-functions", exactness=Exactness.EXACT,
+                          summary="inline every edgeq custom op as its ONNX function body (standard ops only; target lowering)"):
     def run(self, graph: gs.Graph, ctx: PassContext) -> PassResult:
         sites = [(g, n) for g, n in ir.nodes_with_graphs(graph) if n.domain == DOMAIN]
         nodes = [node for _, node in sites]

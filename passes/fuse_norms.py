@@ -24,11 +24,8 @@ from edgeq.passes.methods.weights import LinearEditor, is_weightless, norm_weigh
 
 
 @register_pass
-class FuseNormsPass(Pass):
-    name = "fuse-norms"
-    exactness = Exactness.FLOAT_EQUIV
-    summary_line = "fold norm scales/biases into the linears that read them; untie tied embeddings"
-
+class FuseNormsPass(Pass, name="fuse-norms", exactness=Exactness.FLOAT_EQUIV,
+                    summary="fold norm scales/biases into the linears that read them; untie tied embeddings"):
     def run(self, graph: gs.Graph, ctx: PassContext) -> PassResult:
         structure = analyze(graph)
         editor = LinearEditor(graph)

@@ -29,6 +29,8 @@ but ``encodings`` then calls it asymmetric (the signed midpoint is 0).
 
 from __future__ import annotations
 
+import collections
+
 from dataclasses import dataclass
 
 import numpy as np
@@ -66,18 +68,14 @@ class _Group:
 
 
 @register_pass
-class Int8ActivationsPass(Pass):
-    name = "int8-activations"
-    exactness = Exactness.EXACT
-    summary_line = "uint8/uint16 activations -> int8/int16, zero point and Clip bounds - 128 / - 32768 (exact; target lowering)"
-
+class Int8ActivationsPass(Pass, name="int8-activations", exactness=Exactness.EXACT,
+                          summary="uint8/uint16 activations -> int8/int16, zero point and Clip bounds - 128 / - 32768 (exact; target lowering)"):
     def run(self, graph: gs.Graph, ctx: PassContext) -> PassResult:
         index = ir.GraphIndex(graph)
-        outputs = {t.name for t in graph.outputs}
-        in_subgraphs = ir.subgraph_reads(graph)
-        skipped: dict[str, int] = {}
+        boundary = ir.Boundary.of(graph)
+        skipped = collections.Counter()  # by reason
         seen: set[str] = set()
-        shifted: dict[str, int] = {}
+        shifted = collections.Counter()  # by dtype change
         counts = {"quantizers": 0, "dequantizers": 0, "clips": 0}
         new_consts: dict[tuple, gs.Constant] = {}
         for node in list(graph.nodes):
@@ -87,20 +85,20 @@ class Int8ActivationsPass(Pass):
                 continue
             if read_constant(index, node.inputs[0]) is not None:
                 continue  # a weight quantized at run time: not an activation
-            group, reason = _collect(index, node, outputs, in_subgraphs)
+            group, reason = _collect(index, node, boundary)
             seen.update(group.tensors if group is not None else (node.outputs[0].name,))
             if group is None:
-                skipped[reason] = skipped.get(reason, 0) + 1
+                skipped[reason] += 1
                 continue
             dtype = _quantized_dtype(index, group.quantizers[0])
             _shift(index, group, dtype, new_consts)
             key = f"{dtype}->{_SIGNED[dtype][0]}"
-            shifted[key] = shifted.get(key, 0) + len(group.quantizers)
+            shifted[key] += len(group.quantizers)
             counts["quantizers"] += len(group.quantizers)
             counts["dequantizers"] += len(group.dequantizers)
             counts["clips"] += sum(n.op == "Clip" for n in group.movers)
-        summary = {"activations_shifted": shifted, **{f"{k}_rewritten": v for k, v in counts.items()},
-                   "skipped": skipped}
+        summary = {"activations_shifted": dict(shifted), **{f"{k}_rewritten": v for k, v in counts.items()},
+                   "skipped": dict(skipped)}
         return PassResult(bool(counts["quantizers"]), summary)
 
 
@@ -120,8 +118,7 @@ def _quantized_dtype(index: ir.GraphIndex, node: gs.Node) -> str | None:
     return np.dtype(dtype).name if dtype is not None else None
 
 
-def _collect(index: ir.GraphIndex, q: gs.Node, outputs: set[str],
-             in_subgraphs: set[str]) -> tuple[_Group | None, str]:
+def _collect(index: ir.GraphIndex, q: gs.Node, boundary: ir.Boundary) -> tuple[_Group | None, str]:
     """The closed group of integer tensors around ``q``'s output, or (None, why not)."""
     group = _Group({}, [], [], [])
     nodes: set[int] = set()
@@ -144,9 +141,9 @@ def _collect(index: ir.GraphIndex, q: gs.Node, outputs: set[str],
             continue
         if not isinstance(tensor, gs.Variable):
             return None, "integer constant"
-        if tensor.name in outputs:
+        if tensor.name in boundary.outputs:
             return None, "integer graph output"
-        if tensor.name in in_subgraphs:
+        if tensor.name in boundary.in_subgraphs:
             return None, "integers read in a subgraph"
         group.tensors[tensor.name] = tensor
         producer = index.producer(tensor.name)

@@ -24,6 +24,8 @@ weights are then allowed by a target (symmetry, granularity) is other lowering p
 
 from __future__ import annotations
 
+import collections
+
 
 import numpy as np
 import onnx_graphsurgeon as gs
@@ -38,18 +40,12 @@ _SHIFT = {"int4": 0, "int2": 0, "uint4": 8, "uint2": 2}
 
 
 @register_pass
-class Int8WeightsPass(Pass):
-    name = "int8-weights"
-    exactness = Exactness.EXACT
-    summary_line = "int4/uint4 (int2/uint2) weights behind DequantizeLinear -> int8, same values (exact; target lowering)"
-
+class Int8WeightsPass(Pass, name="int8-weights", exactness=Exactness.EXACT,
+                      summary="int4/uint4 (int2/uint2) weights behind DequantizeLinear -> int8, same values (exact; target lowering)"):
     def run(self, graph: gs.Graph, ctx: PassContext) -> PassResult:
         index = ir.GraphIndex(graph)
-        inputs = {t.name for t in graph.inputs}
-        outputs = {t.name for t in graph.outputs}
-        in_subgraphs = ir.subgraph_reads(graph)
-        widened: dict[str, int] = {}
-        skipped: dict[str, int] = {}
+        boundary = ir.Boundary.of(graph)
+        widened, skipped = collections.Counter(), collections.Counter()  # summary counts by kind / reason
         rewritten = 0
         seen: set[str] = set()
         new_zps: dict[tuple, gs.Constant] = {}
@@ -61,17 +57,17 @@ class Int8WeightsPass(Pass):
             if dtype is None:
                 continue
             seen.add(tensor.name)
-            if tensor.name in inputs:
+            if tensor.name in boundary.inputs:
                 reason = "weight is a graph input"
             else:
-                reason = _check(index, tensor, dtype, outputs, in_subgraphs)
+                reason = _check(index, tensor, dtype, boundary)
             if reason:
-                skipped[reason] = skipped.get(reason, 0) + 1
+                skipped[reason] += 1
                 continue
             rewritten += _widen(index, tensor, dtype, new_zps)
             key = f"{dtype}->int8"
-            widened[key] = widened.get(key, 0) + 1
-        summary = {"weights_widened": widened, "dequantizers_rewritten": rewritten, "skipped": skipped}
+            widened[key] += 1
+        summary = {"weights_widened": dict(widened), "dequantizers_rewritten": rewritten, "skipped": dict(skipped)}
         return PassResult(bool(rewritten), summary)
 
 
@@ -99,11 +95,11 @@ def _zero_point(node: gs.Node) -> gs.Tensor | None:
     return node.inputs[2] if len(node.inputs) > 2 and node.inputs[2].name else None
 
 
-def _check(index: ir.GraphIndex, tensor: gs.Tensor, dtype: str, outputs: set[str], in_subgraphs: set[str]) -> str:
+def _check(index: ir.GraphIndex, tensor: gs.Tensor, dtype: str, boundary: ir.Boundary) -> str:
     """Why the weight cannot be widened with all its readers ('' when it can)."""
-    if tensor.name in outputs:
+    if tensor.name in boundary.outputs:
         return "weight is a graph output"
-    if tensor.name in in_subgraphs:
+    if tensor.name in boundary.in_subgraphs:
         return "weight read in a subgraph"
     for reader in index.consumers(tensor.name):
         slots = [i for i, t in enumerate(reader.inputs) if t.name == tensor.name]

@@ -72,14 +72,9 @@ class KvQuantConfig(PassConfig):
 
 
 @register_pass
-class KvQuantPass(Pass):
-    name = "kvquant"
-    exactness = Exactness.LOSSY
-    Config = KvQuantConfig
-    needs_calibration = True
-    establishes = facts.KVQUANT
-    summary_line = "CalibQuant visual KV cache: packed 1/2-bit channel-wise codes, post-scaled attention, logit calibration"
-
+class KvQuantPass(Pass, name="kvquant", exactness=Exactness.LOSSY, config=KvQuantConfig, establishes=facts.KVQUANT,
+                  calibrates=True,
+                  summary="CalibQuant visual KV cache: packed 1/2-bit channel-wise codes, post-scaled attention, logit calibration"):
     def run(self, graph: gs.Graph, ctx: PassContext) -> PassResult:
         cfg: KvQuantConfig = self.config
         sites = find_kv_sites(graph)

@@ -27,11 +27,8 @@ from edgeq.passes.methods.weights import LinearEditor
 
 
 @register_pass
-class LnToRmsPass(Pass):
-    name = "ln-to-rms"
-    exactness = Exactness.FLOAT_EQUIV
-    summary_line = "LayerNorm -> RMSNorm by making every residual-stream writer zero-mean"
-
+class LnToRmsPass(Pass, name="ln-to-rms", exactness=Exactness.FLOAT_EQUIV,
+                  summary="LayerNorm -> RMSNorm by making every residual-stream writer zero-mean"):
     def run(self, graph: gs.Graph, ctx: PassContext) -> PassResult:
         try:
             stream = analyze_stream(graph)

@@ -67,12 +67,9 @@ def massive_channels(absmax: np.ndarray, ratio: float, max_channels: int) -> np.
 
 
 @register_pass
-class MassiveSplitPass(SideBranchPass):
-    name = "massive-split"
-    exactness = Exactness.FLOAT_EQUIV
-    Config = MassiveSplitConfig
-    establishes = facts.MASSIVE_SPLIT
-    summary_line = "split massive-activation input channels (before any online Hadamard) into a GEMV branch"
+class MassiveSplitPass(SideBranchPass, name="massive-split", exactness=Exactness.FLOAT_EQUIV,
+                       config=MassiveSplitConfig, establishes=facts.MASSIVE_SPLIT,
+                       summary="split massive-activation input channels (before any online Hadamard) into a GEMV branch"):
     needs_calibration = True  # the massive channels are found in calibration, whatever the branch's precision
 
     def run(self, graph: gs.Graph, ctx: PassContext) -> PassResult:

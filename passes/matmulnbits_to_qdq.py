@@ -189,11 +189,8 @@ def _fresh(names: set[str], base: str) -> str:
 
 
 @register_pass
-class MatMulNBitsToQDQPass(Pass):
-    name = "matmulnbits-to-qdq"
-    exactness = Exactness.FLOAT_EQUIV
-    summary_line = "com.microsoft::MatMulNBits -> int4/uint4 block DequantizeLinear + MatMul (target lowering)"
-
+class MatMulNBitsToQDQPass(Pass, name="matmulnbits-to-qdq", exactness=Exactness.FLOAT_EQUIV,
+                           summary="com.microsoft::MatMulNBits -> int4/uint4 block DequantizeLinear + MatMul (target lowering)"):
     def run(self, graph: gs.Graph, ctx: PassContext) -> PassResult:
         index = ir.GraphIndex(graph)
         sites = [(g, n) for g, n in ir.nodes_with_graphs(graph) if n.op == "MatMulNBits" and n.domain == DOMAIN]

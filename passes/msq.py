@@ -78,12 +78,8 @@ class _RescaledSite:
 
 
 @register_pass
-class MsqPass(StaticQDQ):
-    name = "msq"
-    Config = MsqConfig
-    establishes = facts.MSQ
-    summary_line = "MQuant MSQ: qdq with a visual and a text static scale per activation site (after aifs: visual-first slices)"
-
+class MsqPass(StaticQDQ, name="msq", config=MsqConfig, establishes=facts.MSQ,
+              summary="MQuant MSQ: qdq with a visual and a text static scale per activation site (after aifs: visual-first slices)"):
     def run(self, graph: gs.Graph, ctx: PassContext) -> PassResult:
         cfg: MsqConfig = self.config
         self._b = NodeBuilder(graph, ir.GraphIndex(graph), "msq")

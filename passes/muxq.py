@@ -97,14 +97,9 @@ def channel_exponents(absmax: np.ndarray, chans: np.ndarray, cfg: MuxqConfig) ->
 
 
 @register_pass
-class MuxqPass(Pass):
-    name = "muxq"
-    exactness = Exactness.FLOAT_EQUIV
-    Config = MuxqConfig
-    establishes = facts.MUXQ
-    needs_calibration = True
-    summary_line = "MUXQ: outlier input channels into Body/Aux (one uniform INT8 GEMM); llm-int8 comparator"
-
+class MuxqPass(Pass, name="muxq", exactness=Exactness.FLOAT_EQUIV, config=MuxqConfig, establishes=facts.MUXQ,
+               calibrates=True,
+               summary="MUXQ: outlier input channels into Body/Aux (one uniform INT8 GEMM); llm-int8 comparator"):
     def run(self, graph: gs.Graph, ctx: PassContext) -> PassResult:
         cfg: MuxqConfig = self.config
         structure = analyze(graph)

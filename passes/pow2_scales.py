@@ -63,11 +63,8 @@ class _ScaleStats:
 
 
 @register_pass
-class Pow2ScalesPass(Pass):
-    name = "pow2-scales"
-    exactness = Exactness.LOSSY
-    summary_line = "every Q/DQ scale -> 2^ceil(log2 s); weights requantized, activation zero points moved (target lowering)"
-
+class Pow2ScalesPass(Pass, name="pow2-scales", exactness=Exactness.LOSSY,
+                     summary="every Q/DQ scale -> 2^ceil(log2 s); weights requantized, activation zero points moved (target lowering)"):
     def run(self, graph: gs.Graph, ctx: PassContext) -> PassResult:
         index = ir.GraphIndex(graph)
         stats, meter = _ScaleStats(), ErrorMeter()

@@ -60,12 +60,8 @@ class ResqConfig(PassConfig):
 
 
 @register_pass
-class ResqPass(Pass):
-    name = "resq"
-    exactness = Exactness.FLOAT_EQUIV
-    Config = ResqConfig
-    requires = ("fuse-norms", "ln-to-rms")
-    establishes = facts.RESQ
+class ResqPass(Pass, name="resq", exactness=Exactness.FLOAT_EQUIV, config=ResqConfig,
+               requires=("fuse-norms", "ln-to-rms"), establishes=facts.RESQ):
     marks_when_not_applicable = True  # resq-qdq reports resq's reason instead of asking for resq
     summary_line = "ResQ projections: PCA bases (U_A stream, U_B values, U_C keys online) + online Hadamard (U_D)"
 

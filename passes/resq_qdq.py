@@ -106,14 +106,9 @@ def _act_spec(bits: int) -> QuantSpec:
 
 
 @register_pass
-class ResqQDQPass(Pass):
-    name = "resq-qdq"
-    exactness = Exactness.LOSSY
-    Config = ResqQDQConfig
-    requires = ("fuse-norms", "ln-to-rms", "resq")
-    establishes = facts.RESQ_QDQ
-    summary_line = "ResQ mixed precision: SubspaceQDQ activations (4-bit low / 8-bit high subspace), 4/8-bit GPTQ weight rows, K/V"
-
+class ResqQDQPass(Pass, name="resq-qdq", exactness=Exactness.LOSSY, config=ResqQDQConfig,
+                  requires=("fuse-norms", "ln-to-rms", "resq"), establishes=facts.RESQ_QDQ,
+                  summary="ResQ mixed precision: SubspaceQDQ activations (4-bit low / 8-bit high subspace), 4/8-bit GPTQ weight rows, K/V"):
     @property
     def needs_calibration(self) -> bool:  # type: ignore[override]
         return self.config.weights == "gptq" or self.config.activations == "static"

@@ -46,14 +46,9 @@ class RmsConfig(PassConfig):
 
 
 @register_pass
-class RmsPass(SideBranchPass):
-    name = "rms"
-    exactness = Exactness.FLOAT_EQUIV
-    Config = RmsConfig
-    requires = ("fuse-norms", "ln-to-rms", "rotate")
-    establishes = facts.RMS
-    summary_line = "MQuant RMS: split rotated channel 0 of Eq. 9 layers into a GEMV branch"
-
+class RmsPass(SideBranchPass, name="rms", exactness=Exactness.FLOAT_EQUIV, config=RmsConfig,
+              requires=("fuse-norms", "ln-to-rms", "rotate"), establishes=facts.RMS,
+              summary="MQuant RMS: split rotated channel 0 of Eq. 9 layers into a GEMV branch"):
     def run(self, graph: gs.Graph, ctx: PassContext) -> PassResult:
         cfg: RmsConfig = self.config
         editor = LinearEditor(graph)

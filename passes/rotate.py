@@ -39,14 +39,9 @@ class RotateConfig(PassConfig):
 
 
 @register_pass
-class RotatePass(Pass):
-    name = "rotate"
-    exactness = Exactness.FLOAT_EQUIV
-    Config = RotateConfig
-    requires = ("fuse-norms", "ln-to-rms")
-    establishes = facts.ROTATED
-    summary_line = "randomized-Hadamard residual rotation (offline) + online Hadamard before down_proj/fc2"
-
+class RotatePass(Pass, name="rotate", exactness=Exactness.FLOAT_EQUIV, config=RotateConfig,
+                 requires=("fuse-norms", "ln-to-rms"), establishes=facts.ROTATED,
+                 summary="randomized-Hadamard residual rotation (offline) + online Hadamard before down_proj/fc2"):
     def run(self, graph: gs.Graph, ctx: PassContext) -> PassResult:
         cfg: RotateConfig = self.config
         try:

@@ -31,11 +31,8 @@ _SIGNED = {"uint8": "int8", "uint4": "int4", "uint16": "int16", "int8": "int8", 
 
 
 @register_pass
-class SymmetricWeightsPass(Pass):
-    name = "symmetric-weights"
-    exactness = Exactness.LOSSY
-    summary_line = "integer weights -> signed symmetric (uint shifted exactly, asymmetric requantized; target lowering)"
-
+class SymmetricWeightsPass(Pass, name="symmetric-weights", exactness=Exactness.LOSSY,
+                           summary="integer weights -> signed symmetric (uint shifted exactly, asymmetric requantized; target lowering)"):
     def run(self, graph: gs.Graph, ctx: PassContext) -> PassResult:
         index = ir.GraphIndex(graph)
         meter = ErrorMeter()

@@ -31,11 +31,8 @@ from edgeq.targets.u8s8_sites import u8s8_weights
 
 
 @register_pass
-class U8S8SafeWeightsPass(Pass):
-    name = "u8s8-safe-weights"
-    exactness = Exactness.LOSSY
-    summary_line = "requantize int8 weights of uint8 x int8 linears that could saturate CPUs without VNNI onto the pair-bounded grid"
-
+class U8S8SafeWeightsPass(Pass, name="u8s8-safe-weights", exactness=Exactness.LOSSY,
+                          summary="requantize int8 weights of uint8 x int8 linears that could saturate CPUs without VNNI onto the pair-bounded grid"):
     def run(self, graph: gs.Graph, ctx: PassContext) -> PassResult:
         index = ir.GraphIndex(graph)
         sites = u8s8_weights(graph, index)

@@ -329,8 +329,11 @@ def graph_fingerprint(graph: gs.Graph, memo: dict | None = None) -> str:
     h = hashlib.sha256()
     _hash_graph(graph, h, memo if memo is not None else {})
     h.update(f"opset:{graph.opset}".encode())
-    for imp in getattr(graph, "import_domains", None) or ():
-        h.update(f"{imp.domain}:{imp.version}".encode())
+    # the custom domains the nodes use, not graph.import_domains: exporting a graph (which a
+    # calibration miss does and a cache hit does not) registers domains there as a side effect,
+    # and a key that depends on it misses on the next warm compile
+    for domain in sorted({node.domain or "" for g, node in nodes_with_graphs(graph)}):
+        h.update(f"domain:{domain}".encode())
     return h.hexdigest()[:32]
 
 

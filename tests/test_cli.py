@@ -312,3 +312,26 @@ def test_every_help_renders(capsys):
             main([*path, "--help"])
         assert exc.value.code == 0, path
         assert "usage:" in capsys.readouterr().out
+
+
+def test_warm_compile_hits_every_calibration(tmp_path, capsys, monkeypatch):
+    """A second compile of the same model, recipe and data runs no calibration at all, for a
+    recipe that calibrates several times on graphs holding edgeq custom ops (mquant-w8a8:
+    massive-split, rms, qdq after rotate's OnlineHadamard). The key once depended on whether the
+    previous calibration had exported the graph (a side effect on its domain imports), so a warm
+    compile missed every calibration that followed a hit."""
+    from edgeq.models.tiny import export_tiny
+
+    monkeypatch.setenv("EDGEQ_CACHE_DIR", str(tmp_path / "cache"))
+    tiny = export_tiny("llama", tmp_path / "tiny")
+    rng = np.random.default_rng(0)
+    np.savez(tmp_path / "calib.npz", input_ids=rng.integers(0, 256, (2, 16)), attention_mask=np.ones((2, 16), np.int64),
+             position_ids=np.tile(np.arange(16), (2, 1)))
+    args = ["compile", tiny / "model.onnx", "--recipe", "mquant-w8a8", "--calib", tmp_path / "calib.npz"]
+    runs = []
+    for out in ("cold", "warm"):
+        code, err = _run(capsys, *args, "-o", tmp_path / out)
+        assert code == 0, err
+        runs.append(json.loads((tmp_path / out / "report.json").read_text())["calibration"])
+    assert runs[0]["onnxruntime_runs"] >= 3 and runs[0]["cache_hits"] == 0
+    assert (runs[1]["onnxruntime_runs"], runs[1]["cache_hits"]) == (0, runs[0]["onnxruntime_runs"])

@@ -28,7 +28,7 @@ from edgeq import facts
 from edgeq.passbase import Exactness, Pass, PassConfig, PassContext, PassResult, Reason
 from edgeq.registry import register_pass
 from edgeq.runtime_ops.hadamard import randomized_hadamard
-from edgeq.passes.methods.rotation import fold_online_rotations, rotate_stream, set_writer_weights
+from edgeq.passes.methods.rotation import fold_online_rotations, rotate_post_norms, rotate_stream, set_writer_weights
 from edgeq.passes.methods.stream import NotApplicable, analyze_stream, require_weightless_rms
 from edgeq.passes.methods.weights import LinearEditor
 
@@ -60,11 +60,15 @@ class RotatePass(Pass):
         kind = "randomized-hadamard" if is_hadamard else "dense-random-orthogonal"
         writers_w = rotate_stream(graph, stream, editor, q)
         online = fold_online_rotations(graph, stream, editor, writers_w, cfg.seed) if cfg.online_hadamard else {}
+        post_norms = rotate_post_norms(graph, stream, editor, q, "rotate")
         set_writer_weights(stream, editor, writers_w)
         facts.ROTATED.set(graph, seed=cfg.seed, kind=kind)
-        return PassResult(True, {
+        summary = {
             "hidden": d, "rotation": kind, "readers": len(stream.readers), "writers": len(stream.writers),
             "stream_sources": [s["kind"] for s in stream.sources],
             "online": {"hadamard": sum(v == "hadamard" for v in online.values()),
                        "dense_fallback": sorted(k for k, v in online.items() if v != "hadamard")},
-        })
+        }
+        if stream.post_norms:
+            summary["post_norms"] = post_norms
+        return PassResult(True, summary)

@@ -88,16 +88,18 @@ def _config_kwargs(arch: str) -> dict:
 
 
 def _perturb_defaults(model) -> None:
-    """Draw norm scales around 1 and every bias around 0 instead of exactly 1 and 0."""
+    """Draw norm scales around 1 and every bias around 0 instead of exactly 1 and 0. Gemma's
+    RMSNorm scales by ``1 + w`` (its weights start at 0), so there ``w`` is drawn around 0."""
     import torch
 
+    offset = 0.0 if model.config.model_type.startswith("gemma") else 1.0
     with torch.no_grad():
         for name, param in model.named_parameters():
             leaf = name.rsplit(".", 1)[-1]
             if leaf == "bias":
                 param.normal_(0.0, 0.02)
             elif "norm" in name.lower() or name.endswith(("ln_1.weight", "ln_2.weight", "ln_f.weight")):
-                param.normal_(1.0, 0.1)
+                param.normal_(offset, 0.1)
 
 
 def build_tiny(arch: str, seed: int = 0):

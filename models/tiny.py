@@ -102,8 +102,9 @@ def _perturb_defaults(model) -> None:
                 param.normal_(offset, 0.1)
 
 
-def build_tiny(arch: str, seed: int = 0):
-    """The seeded random transformers model for ``arch``, in eval mode."""
+def build_tiny(arch: str, seed: int = 0, tie_word_embeddings: bool | None = None):
+    """The seeded random transformers model for ``arch``, in eval mode; ``tie_word_embeddings``
+    overrides whether the head shares the embedding table (default: as the family ships it)."""
     if arch not in _SPECS:
         raise UserInputError(f"unknown tiny architecture '{arch}' (choose from {', '.join(TINY_ARCHS)})")
     require_export_deps()
@@ -111,7 +112,10 @@ def build_tiny(arch: str, seed: int = 0):
     import transformers
 
     config_cls, model_cls, _ = _SPECS[arch]
-    config = getattr(transformers, config_cls)(**_config_kwargs(arch))
+    kwargs = _config_kwargs(arch)
+    if tie_word_embeddings is not None:
+        kwargs["tie_word_embeddings"] = tie_word_embeddings
+    config = getattr(transformers, config_cls)(**kwargs)
     torch.manual_seed(seed)
     model = getattr(transformers, model_cls)(config).to(torch.float32).eval()
     _perturb_defaults(model)

@@ -5,12 +5,20 @@ the stream is rewritten and nothing but norms, residual adds and elementwise cas
 ``analyze_stream`` collects exactly that or raises ``NotApplicable`` with the reason (e.g. BERT's
 post-LN stream, where norm outputs feed the residual adds).
 
-- readers: linears reading a norm's output (through reshapes and token selection);
-- writers: linears whose output (through bias Add / reshapes) is a residual add's branch;
+- norms: the stream norms, whose input is the residual stream (per-head q/k norms and other norms
+  inside a block are not);
+- readers: linears reading a stream norm's output (through reshapes and token selection);
+- writers: linears whose output (through bias Add / reshapes) is a residual add's branch (both
+  blocks' output linears of a parallel block, whose outputs are summed into one add);
+- post_norms: norms on a block's write path (Gemma's sandwich norms) with the linear feeding them;
 - sources: what writes the stream before the first block: embedding Gathers, graph inputs
   (embeddings computed outside the graph), constants added,
-  concatenated or expanded into it (position embeddings, class tokens), a patch-embedding Conv;
+  concatenated or expanded into it (position embeddings, class tokens), a patch-embedding Conv,
+  seen through scalar scalings (Gemma's sqrt(hidden));
 - mlp_outputs: each MLP block's output linear (down_proj / fc2), where the online Hadamard goes.
+
+The stream itself may pass through casts and Reshapes that keep the hidden axis last (OPT
+flattens it to ``[b * s, h]`` around the MLP): those move whole hidden vectors.
 """
 
 from __future__ import annotations

@@ -2,7 +2,9 @@
 
 Exit codes: 0 success; 2 bad input (one line on stderr, nothing written); 1 internal error (the
 failing pass named); 3 a model outside a target profile (``check``, ``compile --target``: the
-violations on stdout, nothing written). Subcommand groups owned by other modules register
+violations on stdout, nothing written); 4 ``compile``: a pass the recipe marks essential did not
+apply to the model (one line naming it, nothing written; ``--allow-partial`` writes it anyway
+with a warning per pass). Subcommand groups owned by other modules register
 themselves through ``register(subparsers)`` (``edgeq.evaluate.cli``, ``edgeq.models.cli``,
 ``edgeq.targets.cli``).
 """
@@ -51,6 +53,10 @@ def _add_compile(sub) -> None:
     p.add_argument("--no-cache", action="store_true", help="do not read or write the calibration cache")
     p.add_argument("--target", help="target profile (see `edgeq targets`) or a profile .toml: run its lowering passes "
                                     "after the recipe's, then fail (exit 3, nothing written) if the model is still outside it")
+    p.add_argument("--allow-partial", action="store_true",
+                   help="write the model even when a pass the recipe marks essential (e.g. rotate for mquant-*) did not "
+                        "apply to it, with a warning per such pass; without it compile stops with exit 4 and writes "
+                        "nothing, since the result would be a silently weaker recipe")
     p.set_defaults(func=_run_compile)
 
 
@@ -63,7 +69,7 @@ def _run_compile(args) -> int:
         model=args.model, out_dir=args.out, recipe=args.recipe or DEFAULT_RECIPE, calib=args.calib,
         tokenizer=args.tokenizer, calib_windows=args.calib_windows, seq_len=args.seq_len,
         dump_each=args.dump_each, verify=args.verify, check_numerics=args.check_numerics,
-        use_cache=not args.no_cache, target=args.target,
+        use_cache=not args.no_cache, target=args.target, allow_partial=args.allow_partial,
     )
     try:
         report = compile_model(req)
@@ -77,6 +83,9 @@ def _run_compile(args) -> int:
         print(f"  {rec['name']:<17} {rec['seconds']:8.2f} s  {state}  {json.dumps(rec['summary'])[:160]}")
         for out, d in rec.get("numerics", {}).items():
             print(f"    drift {out}: max_abs {d.get('max_abs', 0):.4g}  sqnr {d.get('sqnr_db', 0):.1f} dB")
+    for miss in report.get("partial", []):
+        print(f"edgeq: warning: essential pass '{miss['pass']}' did not apply ({miss['reason']}: {miss['detail']}); "
+              f"the model was written without it (--allow-partial)", file=sys.stderr)
     if target:
         print(f"  target {target['name']}: {len(target['lowering'])} lowering pass(es), clean")
     print(f"wrote {args.out}/model.onnx in {report['seconds_total']:.1f} s (peak RSS {report['peak_rss_mb']:.0f} MB, "

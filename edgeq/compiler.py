@@ -49,6 +49,7 @@ class CompileRequest:
     check_numerics: bool = False
     use_cache: bool = True
     target: str | None = None
+    allow_partial: bool = False  # write the model even when an essential pass did not apply
 
 
 @dataclass
@@ -113,7 +114,9 @@ def run_plan(plan: CompilePlan) -> tuple[onnx.ModelProto, dict, dict, dict | Non
     stage, encodings, target summary)."""
     req = plan.req
     ctx = PassContext(calibrator=plan.calibrator, int8_weights=plan.int8_weights)
-    options = PipelineOptions(req.dump_each, req.verify, req.check_numerics)
+    essential = frozenset(i for i, spec in enumerate(plan.recipe.passes) if spec.essential)
+    options = PipelineOptions(req.dump_each, req.verify, req.check_numerics, essential=essential,
+                              allow_partial=req.allow_partial, recipe=plan.recipe.name)
     model, records = Pipeline(plan.passes, options).run(plan.model, ctx, plan.sample, consume=True)
     plan.model = None  # consumed: the weights are not held twice
     n_recipe, n_lowering = plan.counts
@@ -154,6 +157,9 @@ def write_plan(plan: CompilePlan, model: onnx.ModelProto, stages: dict, encoding
         "passes": stages["recipe"],
         "calibration": calibration,
     }
+    partial = [{"pass": rec["name"], **rec["not_applicable"]} for rec in stages["recipe"] if rec.get("essential_not_applied")]
+    if partial:  # only with --allow-partial: the recipe did not do its job on this model
+        report["partial"] = partial
     if target is not None:
         report["target"] = target
     u8s8 = {"int8_weight_range": plan.int8_weights, "guard": stages["guard"][0] if stages["guard"] else None}

@@ -7,7 +7,9 @@ Every pass is timed. Optional instruments, each after every pass:
   against the input model's (max abs error, SQNR in dB).
 A pass that raises, or whose output fails verification, becomes a ``PassFailure`` naming it
 (exit 1); a ``UserInputError`` from a pass passes through unchanged (exit 2). The pass lifecycle
-(``Pass.establishes`` markers, ``Pass.requires``) is enforced here: see ``edgeq.passbase``.
+(``Pass.establishes`` markers, ``Pass.requires``) is enforced here: see ``edgeq.passbase``; so is
+the recipe's ``essential`` mark: an essential pass that does not apply stops the run at once
+(``EssentialPassNotApplied``, exit 4) unless ``allow_partial``, which records it and goes on.
 """
 
 from __future__ import annotations
@@ -22,9 +24,9 @@ import numpy as np
 import onnx
 
 from edgeq import ir
-from edgeq.errors import EdgeqError, PassFailure, UserInputError
+from edgeq.errors import EdgeqError, EssentialPassNotApplied, PassFailure, UserInputError
 from edgeq.evaluate.compare import sqnr_db  # noqa: F401  (re-exported: the one SQNR)
-from edgeq.passbase import Pass, PassContext, PassResult, Reason
+from edgeq.passbase import NotApplicable, Pass, PassContext, PassResult, Reason
 from edgeq.registry import get_pass
 
 
@@ -33,6 +35,9 @@ class PipelineOptions:
     dump_each: Path | None = None
     verify: bool = False
     check_numerics: bool = False
+    essential: frozenset[int] = frozenset()  # positions of the passes the recipe cannot do without
+    allow_partial: bool = False  # record an essential pass that did not apply instead of stopping
+    recipe: str = ""  # named in the essential-pass error
 
 
 def output_drift(ref: list[np.ndarray], out: list[np.ndarray], names: list[str]) -> dict[str, dict[str, float]]:
@@ -102,8 +107,23 @@ class Pipeline:
                     record["numerics"] = output_drift(reference, out, out_names)
             if result.not_applicable is not None:
                 record["not_applicable"] = result.not_applicable.to_dict()
+            if i in opts.essential:
+                self._require_applied(p, result, record)
             records.append(record)
         return ir.to_model(graph), records
+
+    def _require_applied(self, p: Pass, result: PassResult, record: dict) -> None:
+        """An essential pass must have changed the graph (or found its work already done); else stop
+        here, before the passes after it run on a model the recipe cannot serve."""
+        missed = result.not_applicable
+        if missed is None and not result.modified:
+            missed = NotApplicable(Reason.NO_SITES, "it found nothing to rewrite and left the graph unchanged")
+        if missed is None or missed.reason is Reason.ALREADY_APPLIED:
+            return
+        if not self.options.allow_partial:
+            raise EssentialPassNotApplied(self.options.recipe, p.name, missed.reason.value, missed.detail)
+        record["not_applicable"] = missed.to_dict()
+        record["essential_not_applied"] = True
 
     @staticmethod
     def _run_pass(p: Pass, graph, ctx: PassContext) -> PassResult:

@@ -10,6 +10,12 @@ A recipe names a pipeline of passes with their configs and the calibration defau
     name = "qdq"
     activation_dtype = "int8"
 
+A pass the recipe's accuracy depends on is marked ``essential = true`` (rotate for MQuant and
+QuaRot, resq for ResQ, the quantizer itself): when it does not apply to a graph (its structure is
+not there, or a pass it builds on did not apply), ``compile`` stops with exit 4 and names it,
+instead of writing a silently degraded model (``--allow-partial`` writes it anyway, with a warning
+per pass). ``essential`` is the recipe's word about the pass, not part of the pass's config.
+
 Unknown top-level keys, unknown calibration keys, unknown passes and unknown pass-config keys are
 all errors (a typo must never silently fall back to a default), and so is a pass listed before a
 pass it ``requires``. Built-in recipes live in
@@ -43,6 +49,7 @@ class CalibrationSettings:
 class PassSpec:
     name: str
     config: PassConfig
+    essential: bool = False  # the recipe is broken without it: compile refuses when it does not apply
 
     def build(self) -> Pass:
         return get_pass(self.name)(self.config)
@@ -82,12 +89,15 @@ def parse_recipe(text: str, name: str, source: str = "recipe") -> Recipe:
             raise UserInputError(f"{source}: [[pass]] #{i + 1} has no 'name'")
         entry = dict(entry)
         pass_cls = get_pass(entry.pop("name"))
+        essential = entry.pop("essential", False)
+        if not isinstance(essential, bool):
+            raise UserInputError(f"{source}: pass '{pass_cls.name}' essential must be true or false, got {essential!r}")
         config = _build_dataclass(pass_cls.Config, entry, f"{source} pass '{pass_cls.name}'")
         missing = [r for r in pass_cls.requires if r not in {spec.name for spec in specs}]
         if missing:
             raise UserInputError(f"{source}: pass '{pass_cls.name}' needs {', '.join(repr(m) for m in missing)} "
                                  f"earlier in the recipe")
-        specs.append(PassSpec(pass_cls.name, config))
+        specs.append(PassSpec(pass_cls.name, config, essential))
     return Recipe(name, str(data.get("description", "")), calibration, tuple(specs),
                   sha256=hashlib.sha256(text.encode()).hexdigest())
 

@@ -37,6 +37,10 @@ class LnToRmsPass(Pass, name="ln-to-rms", exactness=Exactness.FLOAT_EQUIV,
         layer_norms = [n for n in stream.norms if n.kind == "layer"]
         if not layer_norms:
             return PassResult(False, {"layer_norms": 0})
+        if stream.post_norms:
+            # a post-sublayer norm's output (norm(y) * g + b) writes the stream and is not zero-mean
+            return PassResult(False, {"not_applicable": f"post-sublayer norm {stream.post_norms[0].norm.name} writes "
+                                                        "the residual stream; its output cannot be made zero-mean"})
         editor = LinearEditor(graph)
         index = editor.index
         for lin in stream.writers:

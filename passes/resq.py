@@ -32,7 +32,7 @@ from edgeq.passes.methods.attention_tensors import AttentionNotFound, AttentionT
 from edgeq.calib.observers import HessianObserver, PerChannelAbsMaxObserver
 from edgeq.errors import UserInputError
 from edgeq.passbase import Exactness, Pass, PassConfig, PassContext, PassResult, Reason
-from edgeq.passes.methods.rotation import fold_online_rotations, rotate_stream, set_writer_weights
+from edgeq.passes.methods.rotation import fold_online_rotations, rotate_post_norms, rotate_stream, set_writer_weights
 from edgeq.registry import register_pass
 from edgeq.passes.methods.resq import SubspaceBasis, linf_basis, subspace_basis
 from edgeq.runtime_ops.hadamard import randomized_hadamard
@@ -91,13 +91,14 @@ class ResqPass(Pass, name="resq", exactness=Exactness.FLOAT_EQUIV, config=ResqCo
         editor = LinearEditor(graph)
         writers_w = rotate_stream(graph, stream, editor, u_a.u)
         online = fold_online_rotations(graph, stream, editor, writers_w, cfg.seed)
+        post_norms = rotate_post_norms(graph, stream, editor, u_a.u, "U_A")
         layers, energies = [], {"U_B": [], "U_C": []}
         readers = {lin.node: lin for lin in stream.readers}
         for att in attention:
             r_h = max(att.head_dim // cfg.rank_divisor, 1)
             u_b = [self._basis(_head_block(stats.get(f"v{att.layer}"), h, att.head_dim), att.head_dim, r_h,
                                cfg.seed + 10 + 4 * att.layer + 2 * h) for h in range(att.kv_heads)]
-            self._fold_values(editor, readers[att.v_proj], att, u_b, writers_w)
+            self._fold_values(editor, stream, readers[att.v_proj], att, u_b, writers_w)
             u_c = self._basis(stats.get(f"k{att.layer}"), att.head_dim, r_h, cfg.seed + 1000 + att.layer)
             k_site = self._project_online(graph, att, u_c.u)
             layers.append({"layer": att.layer, "k": k_site, "v": att.v, "o_proj": att.o_proj, "heads": att.heads,
@@ -117,6 +118,8 @@ class ResqPass(Pass, name="resq", exactness=Exactness.FLOAT_EQUIV, config=ResqCo
         if cfg.basis == "pca":
             summary["high_energy_fraction"] = {"U_A": round(u_a.high_energy_fraction, 4),
                                                **{k: round(float(np.mean(v)), 4) for k, v in energies.items() if v}}
+        if stream.post_norms:
+            summary["post_norms"] = post_norms
         if skipped:
             summary["attention_skipped"] = skipped
         return PassResult(True, summary)
@@ -156,7 +159,7 @@ class ResqPass(Pass, name="resq", exactness=Exactness.FLOAT_EQUIV, config=ResqCo
 
     # -- rewrites -------------------------------------------------------------------------------
     @staticmethod
-    def _fold_values(editor: LinearEditor, v_lin, att: AttentionTensors, u_b: list[SubspaceBasis],
+    def _fold_values(editor: LinearEditor, stream, v_lin, att: AttentionTensors, u_b: list[SubspaceBasis],
                      writers_w: dict[str, np.ndarray]) -> None:
         """v_proj columns of KV head h times U_B[h]; o_proj rows of query head j times U_B[j // rep]^T."""
         d = att.head_dim
@@ -169,7 +172,9 @@ class ResqPass(Pass, name="resq", exactness=Exactness.FLOAT_EQUIV, config=ResqCo
         if bias is not None:
             editor.set_bias(v_lin, bias @ block)
         rep = att.heads // att.kv_heads
-        w_o = writers_w[att.o_proj]
+        w_o = writers_w.get(att.o_proj)
+        if w_o is None:  # o_proj feeds a post-sublayer norm (Gemma): its output is not rotated
+            w_o = editor.weight(next(p.writer for p in stream.post_norms if p.writer.node == att.o_proj))
         rows = np.zeros((att.heads * d, att.heads * d))
         for j in range(att.heads):
             rows[j * d:(j + 1) * d, j * d:(j + 1) * d] = u_b[j // rep].u.T

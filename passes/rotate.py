@@ -13,9 +13,31 @@ The online part: ``x -> OnlineHadamard(x)`` (an ``edgeq`` custom op with a Krone
 function body) before each MLP output linear, whose weight absorbs ``H^T``. Where no Kronecker
 construction exists, a dense random orthogonal MatMul is inserted instead and reported.
 
-The pass refuses to guess: if anything other than norms, residual adds and elementwise casts reads
-the residual stream, or a block output is not written by a linear, it leaves the graph unchanged
-and says why in its summary (e.g. BERT's post-LN stream).
+Post-sublayer norms (Gemma 2/3's sandwich norms: ``h + norm(o_proj(...))``, the norm on the write
+path, before the residual add). ``RMSNorm(y Q) = RMSNorm(y) Q`` still holds, but the norm's scale
+does not commute with Q: ``(RMSNorm(y) * g) Q != RMSNorm(y Q) * g``, and the scale cannot move into
+the residual add. So the writer feeding the norm (o_proj, down_proj) keeps its output unrotated
+and Q is applied after the norm, online. With ``Q = diag(s) H / sqrt(d)`` (``randomized_hadamard``:
+seeded signs s, the normalized Hadamard H that ``OnlineHadamard`` computes),
+
+    (RMSNorm(y) * g) @ Q  ==  (RMSNorm(y) * (g * s)) @ (H / sqrt(d))
+
+so the sign vector folds into the norm's scale (and bias, for a LayerNorm) and one
+``OnlineHadamard`` after the norm puts the branch into the rotated stream before the add (a dense
+``@ Q`` MatMul, kept in float, where no Hadamard of that size exists). Cost: one online Hadamard
+(O(d log d) a token) per post-norm, i.e. 2 a layer on Gemma, on top of the one before down_proj.
+
+Other structure the stream analysis accepts (``edgeq.passes.methods.stream``): norms inside a block
+(Qwen3's and Gemma 3's per-head q/k norms read a projection's output, not the stream) are left
+alone; a scalar Mul on the stream source (Gemma's embedding times sqrt(hidden)) commutes with Q; a
+Reshape that keeps the hidden axis last (OPT's ``[b, s, h] -> [b * s, h]``) is position-wise;
+parallel blocks (Phi-2: attention and MLP read one norm, their two outputs are summed into one
+residual add) are two readers' groups and two writers of the same add.
+
+The pass refuses to guess: if anything other than norms, residual adds, casts and position-wise
+reshapes reads the residual stream, or a block output is not written by a linear (or a linear and
+a post-sublayer norm), it leaves the graph unchanged and says why in its summary (e.g. BERT's
+post-LN stream, where the norm output is itself the stream).
 """
 
 from __future__ import annotations
@@ -28,7 +50,7 @@ from edgeq import facts
 from edgeq.passbase import Exactness, Pass, PassConfig, PassContext, PassResult, Reason
 from edgeq.registry import register_pass
 from edgeq.runtime_ops.hadamard import randomized_hadamard
-from edgeq.passes.methods.rotation import fold_online_rotations, rotate_stream, set_writer_weights
+from edgeq.passes.methods.rotation import fold_online_rotations, rotate_post_norms, rotate_stream, set_writer_weights
 from edgeq.passes.methods.stream import NotApplicable, analyze_stream, require_weightless_rms
 from edgeq.passes.methods.weights import LinearEditor
 
@@ -55,11 +77,15 @@ class RotatePass(Pass, name="rotate", exactness=Exactness.FLOAT_EQUIV, config=Ro
         kind = "randomized-hadamard" if is_hadamard else "dense-random-orthogonal"
         writers_w = rotate_stream(graph, stream, editor, q)
         online = fold_online_rotations(graph, stream, editor, writers_w, cfg.seed) if cfg.online_hadamard else {}
+        post_norms = rotate_post_norms(graph, stream, editor, q, "rotate")
         set_writer_weights(stream, editor, writers_w)
         facts.ROTATED.set(graph, seed=cfg.seed, kind=kind)
-        return PassResult(True, {
+        summary = {
             "hidden": d, "rotation": kind, "readers": len(stream.readers), "writers": len(stream.writers),
             "stream_sources": [s["kind"] for s in stream.sources],
             "online": {"hadamard": sum(v == "hadamard" for v in online.values()),
                        "dense_fallback": sorted(k for k, v in online.items() if v != "hadamard")},
-        })
+        }
+        if stream.post_norms:
+            summary["post_norms"] = post_norms
+        return PassResult(True, summary)

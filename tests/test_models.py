@@ -70,9 +70,13 @@ def test_tiny_export_runs_and_matches_torch(tiny_models, arch):
     np.testing.assert_allclose(logits, reference.numpy(), rtol=1e-4, atol=1e-4)
 
 
-# Linears with a constant weight: per layer (q, k, v, o, gate, up, down) for llama/qwen2, the
-# fused (qkv, proj, fc, proj) Conv1D for gpt2, (q, k, v, o, in, out) for bert/vit; plus the heads.
-_CONST_LINEARS = {"llama": 2 * 7 + 1, "qwen2": 2 * 7 + 1, "gpt2": 2 * 4 + 1, "bert": 2 * 6 + 2, "vit": 2 * 6 + 1}
+# Linears with a constant weight: per layer (q, k, v, o, gate, up, down) for llama/qwen2/qwen3/gemma,
+# (qkv, o, gate_up, down) for phi3, the fused (qkv, proj, fc, proj) Conv1D for gpt2, (q, k, v, o,
+# in, out) for opt/phi/bert/vit; plus the heads.
+_CONST_LINEARS = {"llama": 2 * 7 + 1, "qwen2": 2 * 7 + 1, "qwen3": 2 * 7 + 1, "gemma2": 2 * 7 + 1,
+                  "gemma3": 2 * 7 + 1, "phi3": 2 * 4 + 1, "gpt2": 2 * 4 + 1, "opt": 2 * 6 + 1, "phi": 2 * 6 + 1,
+                  "bert": 2 * 6 + 2, "vit": 2 * 6 + 1}
+_RMS_ARCHS = ("llama", "qwen2", "qwen3", "gemma2", "gemma3", "phi3")
 
 
 @pytest.mark.parametrize("arch", TINY_ARCHS)
@@ -88,7 +92,7 @@ def test_tiny_export_has_typical_structure(tiny_models, arch):
         n for n in model.graph.node if n.op_type in ("MatMul", "Gemm") and n.input[1] in weights
     ]
     assert len(const_linears) == _CONST_LINEARS[arch], ops
-    if arch in ("llama", "qwen2"):
+    if arch in _RMS_ARCHS:
         assert ops["Pow"] and ops["ReduceMean"] and ops["Sqrt"], "RMSNorm should be decomposed"
     else:
         assert ops["LayerNormalization"] or ops["ReduceMean"], "LayerNorm missing"

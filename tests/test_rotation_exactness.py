@@ -13,12 +13,13 @@ from edgeq.passbase import FLOAT_EQUIV_RTOL, PassContext
 from edgeq.pipeline import Pipeline
 from edgeq.registry import get_pass
 from edgeq.structure import analyze
+from edgeq.passes.methods.stream import analyze_stream
 from edgeq.passes.methods.weights import is_weightless
 
 CHAIN = ["fuse-norms", "ln-to-rms", "rotate"]
 # Architectures whose residual stream the rotation family can rewrite; BERT is post-LN (the norm
 # output is itself the stream), which the passes detect and leave alone.
-ROTATABLE = ("llama", "qwen2", "gpt2", "vit")
+ROTATABLE = ("llama", "qwen2", "qwen3", "gemma2", "gemma3", "phi3", "gpt2", "opt", "phi", "vit")
 
 
 def _outputs(model, feeds):
@@ -40,9 +41,12 @@ def test_chain_is_float_equivalent(arch, tiny_models):
         graph = ir.to_graph(out)
         s = analyze(graph)
         index = ir.GraphIndex(graph)
-        assert all(n.kind == "rms" and is_weightless(index, n) for n in s.norms)
+        stream = analyze_stream(graph)  # the rotated graph's stream is still recognised
+        assert stream.norms and all(n.kind == "rms" and is_weightless(index, n) for n in stream.norms)
         n_online = sum(1 for node in graph.nodes if node.op == "OnlineHadamard")
-        assert n_online == len(s.mlp_blocks)
+        # one before each MLP output linear, one after each post-sublayer norm (Gemma: 2 a layer)
+        assert n_online == len(s.mlp_blocks) + len(stream.post_norms)
+        assert len(stream.post_norms) == (2 * s.num_layers if arch.startswith("gemma") else 0)
     else:
         assert not rotate["modified"] and "not_applicable" in rotate["summary"]
 

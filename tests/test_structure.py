@@ -45,6 +45,18 @@ TINY_EXPECTED = {
                    "down_proj": 2, "lm_head": 1}, {("rms", False): 5}, 2, 2, 4, False),
     "qwen2": (15, {"q_proj": 2, "k_proj": 2, "v_proj": 2, "o_proj": 2, "gate_proj": 2, "up_proj": 2,
                    "down_proj": 2, "lm_head": 1}, {("rms", False): 5}, 2, 2, 4, False),
+    "qwen3": (15, {"q_proj": 2, "k_proj": 2, "v_proj": 2, "o_proj": 2, "gate_proj": 2, "up_proj": 2,
+                   "down_proj": 2, "lm_head": 1}, {("rms", False): 9}, 2, 2, 4, False),  # + per-head q/k norms
+    "gemma2": (15, {"q_proj": 2, "k_proj": 2, "v_proj": 2, "o_proj": 2, "gate_proj": 2, "up_proj": 2,
+                    "down_proj": 2, "lm_head": 1}, {("rms", False): 9}, 2, 2, 4, True),  # sandwich norms
+    "gemma3": (15, {"q_proj": 2, "k_proj": 2, "v_proj": 2, "o_proj": 2, "gate_proj": 2, "up_proj": 2,
+                    "down_proj": 2, "lm_head": 1}, {("rms", False): 13}, 2, 2, 4, True),  # sandwich + q/k norms
+    "phi3": (9, {"qkv": 2, "o_proj": 2, "gate_up_proj": 2, "down_proj": 2, "lm_head": 1}, {("rms", False): 5},
+             2, 2, 4, False),
+    "opt": (13, {"q_proj": 2, "k_proj": 2, "v_proj": 2, "o_proj": 2, "fc1": 2, "fc2": 2, "lm_head": 1},
+            {("layer", True): 5}, 2, 2, 4, False),
+    "phi": (13, {"q_proj": 2, "k_proj": 2, "v_proj": 2, "o_proj": 2, "fc1": 2, "fc2": 2, "lm_head": 1},
+            {("layer", True): 3}, 2, 2, 4, False),  # parallel block: one norm, one add of two branches
     "gpt2": (9, {"qkv": 2, "o_proj": 2, "fc1": 2, "fc2": 2, "lm_head": 1}, {("layer", True): 5}, 2, 2, 4, True),
     "bert": (14, {"q_proj": 2, "k_proj": 2, "v_proj": 2, "o_proj": 2, "fc1": 2, "fc2": 2, "linear": 1,
                   "lm_head": 1}, {("layer", True): 6}, 2, 2, 4, True),
@@ -85,7 +97,7 @@ def test_tiny_blocks_are_consistent(tiny_structures, arch):
     by_node = _by_node(s.linears)
     for block in s.blocks:
         assert block.norm is not None, block
-        assert block.norm.kind == ("rms" if arch in ("llama", "qwen2") else "layer")
+        assert block.norm.kind == ("rms" if arch in ("llama", "qwen2", "qwen3", "gemma2", "gemma3", "phi3") else "layer")
         for name in block.linears:
             assert by_node[name].block == block.name and by_node[name].layer == block.layer
         if block.kind == "attention":
@@ -98,7 +110,9 @@ def test_tiny_blocks_are_consistent(tiny_structures, arch):
 
 
 @pytest.mark.parametrize("arch,activation,gated", [
-    ("llama", "silu", True), ("qwen2", "silu", True), ("gpt2", "gelu_tanh", False),
+    ("llama", "silu", True), ("qwen2", "silu", True), ("qwen3", "silu", True), ("gemma2", "gelu_tanh", True),
+    ("gemma3", "gelu_tanh", True), ("phi3", "silu", True), ("opt", "relu", False), ("phi", "gelu_tanh", False),
+    ("gpt2", "gelu_tanh", False),
     ("bert", "gelu", False), ("vit", "gelu", False)])
 def test_tiny_mlp_activation(tiny_structures, arch, activation, gated):
     _, s = tiny_structures[arch]

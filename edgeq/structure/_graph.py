@@ -194,7 +194,9 @@ def trace_back(walker: Walker, tensor: gs.Tensor, ops: frozenset[str] = PASS_THR
 
 
 def reaches_graph_output(walker: Walker, tensor: gs.Tensor) -> bool:
-    """Whether ``tensor`` is a graph output or becomes one through pass-through ops only."""
+    """Whether ``tensor`` is a graph output or becomes one through pass-through ops only, or
+    through logit soft-capping (``tanh(x / c) * c``: Tanh and Mul/Div by a scalar constant, as
+    Gemma 2 caps its logits)."""
     walk = BreadthFirst(tensor)
     for t in walk:
         if t.name in walker.graph_outputs:
@@ -202,4 +204,16 @@ def reaches_graph_output(walker: Walker, tensor: gs.Tensor) -> bool:
         for user in walker.consumers(t.name):
             if user.op in PASS_THROUGH and user.inputs and user.inputs[0].name == t.name:
                 walk.push(user.outputs[:1])
+            elif _softcap_step(walker, user, t):
+                walk.push(user.outputs[:1])
     return False
+
+
+def _softcap_step(walker: Walker, node: gs.Node, tensor: gs.Tensor) -> bool:
+    """Tanh of ``tensor``, or ``tensor`` times / divided by a scalar constant."""
+    if node.op == "Tanh":
+        return True
+    if node.op not in ("Mul", "Div") or len(node.inputs) != 2 or node.inputs[0].name != tensor.name:
+        return node.op == "Mul" and len(node.inputs) == 2 and node.inputs[1].name == tensor.name \
+            and walker.scalar(node.inputs[0]) is not None
+    return walker.scalar(node.inputs[1]) is not None

@@ -42,6 +42,8 @@ _ACTIVATIONS = frozenset({"Sigmoid", "Tanh", "Erf", "Relu", "Gelu", "FastGelu", 
                           "Softplus", "Mish"})
 # Inside an MLP around the activation: gating Mul, bias Add, decomposed GELU arithmetic.
 _MLP_OPS = PASS_THROUGH | frozenset({"Add", "Sub", "Mul", "Div", "Pow", "Sqrt", "Neg"})
+# A fused gate_up projection is split into its gate and up halves (Phi-3: two Slices).
+_SPLIT_OPS = frozenset({"Slice", "Split"})
 
 _SIDE_ROLES = {
     frozenset("q"): "q_proj", frozenset("k"): "k_proj", frozenset("v"): "v_proj",
@@ -80,7 +82,13 @@ class Block:
 @dataclass(frozen=True)
 class ResidualAdd:
     """An add of a block's output (``branch``) into the residual ``stream``. ``fused`` marks a
-    Skip*LayerNormalization doing the add; its ``output`` is the optional sum output or None."""
+    Skip*LayerNormalization doing the add; its ``output`` is the optional sum output or None.
+
+    ``post_norm``: the block output goes through this norm before the add (Gemma's sandwich
+    post_attention_layernorm / post_feedforward_layernorm); ``branch`` is then the tensor the add
+    reads (the norm's output). ``parallel``: the add reads the sum of two blocks' outputs (Phi-2's
+    ``h + attn(LN(h)) + mlp(LN(h))``), computed by that Add node; the add then has one record per
+    block, each with ``branch`` the block's output as the sum reads it."""
 
     node: str
     stream: str
@@ -89,6 +97,8 @@ class ResidualAdd:
     block: str
     kind: str
     fused: bool = False
+    post_norm: Norm | None = None
+    parallel: str | None = None
 
 
 @dataclass
@@ -200,26 +210,38 @@ def _find_pv(w: Walker, softmax: gs.Node, look: _Lookup) -> gs.Node | None:
 
 def _mlp_sources(w: Walker, down: Linear, look: _Lookup):
     """Upstream linears of ``down`` with, per linear, whether some path crossed an activation;
-    also the activation's name."""
+    the linears whose output is split (Slice/Split) into a half that crosses the activation and
+    one that does not (a fused gate_up projection, Phi-3); and the activation's name."""
     crossed: dict[str, bool] = {}
+    via: dict[tuple[str, bool], set[str | None]] = {}  # (linear, through) -> split outputs on the way
     acts: set[str] = set()
-    walk = BreadthFirst((down.input, False), key=lambda item: item)  # (tensor name, crossed an activation)
-    for name, through in walk:
+    # (tensor name, crossed an activation, the split output passed on the way)
+    walk = BreadthFirst((down.input, False, None), key=lambda item: item)
+    for name, through, split in walk:
         lin = look.by_output.get(name)
         if lin is not None:
             crossed[lin.node] = crossed.get(lin.node, False) or through
+            via.setdefault((lin.node, through), set()).add(split)
             continue
         node = w.producer(name)
         if node is None:
             continue
         if node.op in _ACTIVATIONS:
             acts.add(_silu_or(w, node))
-            walk.push((t.name, True) for t in data_inputs(w, node)[:1])
+            walk.push((t.name, True, split) for t in data_inputs(w, node)[:1])
+        elif node.op in _SPLIT_OPS:
+            walk.push((t.name, through, name) for t in data_inputs(w, node))
         elif node.op in _MLP_OPS:
-            if node.op == "Pow":
-                acts.add("Pow")
-            walk.push((t.name, through) for t in data_inputs(w, node))
-    return crossed, acts
+            if node.op == "Pow" or (node.op == "Mul" and node.inputs[0].name == node.inputs[1].name):
+                acts.add("Pow")  # x^3 of the tanh GELU, as Pow or as Mul(x, x)
+            walk.push((t.name, through, split) for t in data_inputs(w, node))
+    fused = set()
+    for lin, through in crossed.items():
+        gate = via.get((lin, True), set()) - {None}
+        up = via.get((lin, False), set()) - {None}
+        if through and gate and up - gate:
+            fused.add(lin)
+    return crossed, fused, acts
 
 
 def _silu_or(w: Walker, node: gs.Node) -> str:
@@ -245,13 +267,14 @@ def _activation_name(acts: set[str]) -> str:
 
 
 def _mlp(w: Walker, down: Linear, look: _Lookup) -> _Draft | None:
-    crossed, acts = _mlp_sources(w, down, look)
+    crossed, fused, acts = _mlp_sources(w, down, look)
     if not any(crossed.values()):
         return None
-    activated = [n for n, c in crossed.items() if c]
+    activated = [n for n, c in crossed.items() if c and n not in fused]
     plain = [n for n, c in crossed.items() if not c]
-    gated = bool(plain)
-    roles = {n: ("gate_proj" if gated else "fc1") for n in activated}
+    gated = bool(plain) or bool(fused)
+    roles = {n: "gate_up_proj" for n in crossed if n in fused}
+    roles.update({n: ("gate_proj" if gated else "fc1") for n in activated})
     roles.update({n: "up_proj" for n in plain})
     roles[down.node] = "down_proj" if gated else "fc2"
     return _Draft("mlp", look.nodes[down.node], roles, down.node, dict(activation=_activation_name(acts), gated=gated))
@@ -340,30 +363,48 @@ def _name_hint(lin: Linear) -> Linear:
 
 def find_residual_adds(w: Walker, blocks: list[Block], norms: list[Norm]) -> list[ResidualAdd]:
     """Adds of two activations where exactly one side is a block's output (traced back through
-    Reshape/Cast-like ops); fused Skip norms count when one of their inputs is."""
+    Reshape/Cast-like ops), a block output after a post-sublayer norm, or the sum of two blocks'
+    outputs (a parallel block); fused Skip norms count when one of their inputs is."""
     outputs = {b.output: b for b in blocks if b.output}
+    norm_by_output = {n.output: n for n in norms}
     found = []
     for node in w.graph.nodes:
         if node.op == "Add" and len(node.inputs) == 2 and not any(w.is_const(t) for t in node.inputs):
-            add = _residual(w, node.name, node.inputs, node.outputs[0].name, outputs, False)
-            if add is not None:
-                found.append(add)
+            found += _residual(w, node.name, node.inputs, node.outputs[0].name, outputs, norm_by_output, False)
     for norm in norms:
         if norm.skip is not None:
             tensors = [w.index.tensors[norm.input], w.index.tensors[norm.skip]]
             node = next(n for n in w.consumers(norm.input) if n.name == norm.name)
             total = node.outputs[3].name if len(node.outputs) > 3 and node.outputs[3].name else None
-            add = _residual(w, norm.name, tensors, total, outputs, True)
-            if add is not None:
-                found.append(add)
+            found += _residual(w, norm.name, tensors, total, outputs, {}, True)
     return found
 
 
-def _residual(w, name, tensors, output, block_outputs, fused) -> ResidualAdd | None:
-    hits = [block_outputs.get(trace_back(w, t).name) for t in tensors]
-    if sum(h is not None for h in hits) != 1:
-        return None
-    i = 0 if hits[0] is not None else 1
-    block = hits[i]
-    return ResidualAdd(node=name, stream=tensors[1 - i].name, branch=tensors[i].name, output=output,
-                       block=block.name, kind=block.kind, fused=fused)
+def _branch(w: Walker, tensor: gs.Tensor, block_outputs: dict, norm_by_output: dict) -> list[tuple]:
+    """What block output(s) ``tensor`` carries: ``[(block, branch tensor, post norm, parallel add)]``,
+    empty when it is none of: a block output, a block output after a norm, a sum of two blocks."""
+    origin = trace_back(w, tensor)
+    block = block_outputs.get(origin.name)
+    if block is not None:
+        return [(block, tensor.name, None, None)]
+    norm = norm_by_output.get(origin.name)
+    if norm is not None and norm.skip is None:
+        block = block_outputs.get(trace_back(w, w.index.tensors[norm.input]).name)
+        return [(block, tensor.name, norm, None)] if block is not None else []
+    node = w.producer(origin.name)
+    if node is None or node.op != "Add" or len(node.inputs) != 2 or any(w.is_const(t) for t in node.inputs):
+        return []
+    hits = [block_outputs.get(trace_back(w, t).name) for t in node.inputs]
+    if hits[0] is None or hits[1] is None or hits[0] is hits[1]:
+        return []
+    return [(b, t.name, None, node.name) for b, t in zip(hits, node.inputs)]
+
+
+def _residual(w, name, tensors, output, block_outputs, norm_by_output, fused) -> list[ResidualAdd]:
+    hits = [_branch(w, t, block_outputs, norm_by_output) for t in tensors]
+    if sum(bool(h) for h in hits) != 1:
+        return []
+    i = 0 if hits[0] else 1
+    return [ResidualAdd(node=name, stream=tensors[1 - i].name, branch=branch, output=output, block=block.name,
+                        kind=block.kind, fused=fused, post_norm=norm, parallel=parallel)
+            for block, branch, norm, parallel in hits[i]]

@@ -7,7 +7,8 @@ have no linear of their own, so they are found by walking back from the score Ma
 and the probability MatMul (``p @ v``) that structure analysis already located:
 
 - queries: back from the score MatMul's A input through scalar scalings to the RoPE output (an
-  Add) or, without RoPE, to the head-split Transpose;
+  Add, or with partial RoPE the Concat of the rotated part and the rest along head_dim) or,
+  without RoPE, to the head-split Transpose;
 - keys: the same from its B input, also through the ``k^T`` Transpose and GQA's repeat_kv
   (Unsqueeze, Expand, Reshape), so the tensor is the one before the head repetition;
 - values: back from the probability MatMul's B input through repeat_kv to the head-split
@@ -69,6 +70,9 @@ def _walk_back(index: ir.GraphIndex, tensor: gs.Tensor, through_repeat: bool, th
             raise AttentionNotFound(f"{tensor.name} has no producer")
         if node.op == "Add":
             return tensor
+        if node.op == "Concat" and int(node.attrs.get("axis", 0)) in (-1, 3) and any(
+                (p := index.producer(t.name)) is not None and p.op == "Add" for t in node.inputs):
+            return tensor  # partial RoPE (Phi-2): the rotated part (an Add) and the rest, joined on head_dim
         if node.op == "Transpose":
             perm = list(node.attrs.get("perm", []))
             if perm == _HEAD_SPLIT:

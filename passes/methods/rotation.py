@@ -9,7 +9,7 @@ from __future__ import annotations
 import numpy as np
 import onnx_graphsurgeon as gs
 
-from edgeq import ir
+from edgeq import facts, ir
 from edgeq.passes.methods.stream import transform_stream_input
 from edgeq.passes.methods.weights import LinearEditor
 from edgeq.runtime_ops.hadamard import is_hadamard_size, randomized_hadamard
@@ -43,9 +43,82 @@ def fold_online_rotations(graph: gs.Graph, stream, editor: LinearEditor, writers
 
 
 def set_writer_weights(stream, editor: LinearEditor, writers_w: dict[str, np.ndarray]) -> None:
-    """Store the rewritten weights of every stream writer and MLP output linear."""
-    for lin in {**{w.node: w for w in stream.writers}, **{m.node: m for m in stream.mlp_outputs}}.values():
-        editor.set_weight(lin, writers_w[lin.node])
+    """Store the rewritten weights of every stream writer and MLP output linear (and of the
+    linears feeding post-sublayer norms, where a caller folded something into them)."""
+    linears = {**{w.node: w for w in stream.writers}, **{m.node: m for m in stream.mlp_outputs},
+               **{p.writer.node: p.writer for p in stream.post_norms}}
+    for node, lin in linears.items():
+        if node in writers_w:
+            editor.set_weight(lin, writers_w[node])
+
+
+def hadamard_signs(q: np.ndarray) -> np.ndarray | None:
+    """``s`` when ``q == diag(s) @ H`` for the normalized Hadamard H the OnlineHadamard op
+    computes (``randomized_hadamard``'s form: H's first column is all ones, so
+    ``s = q[:, 0] * sqrt(n)``), else None."""
+    n = q.shape[0]
+    if not is_hadamard_size(n):
+        return None
+    s = np.sign(q[:, 0])
+    if np.any(s == 0) or not np.allclose(s[:, None] * hadamard_matrix_for_fold(n), q, rtol=0, atol=1e-12):
+        return None
+    return s
+
+
+def rotate_post_norms(graph: gs.Graph, stream, editor: LinearEditor, q: np.ndarray, tag: str) -> dict[str, int]:
+    """Enter each post-sublayer norm's output into the rotated stream: the residual add reads
+    ``norm(y) @ q`` instead of ``norm(y)``.
+
+    ``RMSNorm(y) * g`` does not commute with q, so the writer feeding the norm keeps its output
+    unrotated and q is applied after the norm. For ``q = diag(s) H`` (a randomized Hadamard),
+    ``(RMSNorm(y) * g) @ q == (RMSNorm(y) * (g * s)) @ H``: the sign vector folds into the norm's
+    scale (and bias) and an ``edgeq.OnlineHadamard`` computes ``@ H`` (one per post-norm);
+    otherwise (no Hadamard of this size, or a PCA basis) a dense ``@ q`` MatMul, kept in float.
+    Returns how many of each were inserted."""
+    signs = hadamard_signs(q)
+    index = editor.index
+    nodes = {n.name: n for n in graph.nodes}
+    counts = {"hadamard": 0, "dense": 0}
+    for post in stream.post_norms:
+        add = nodes[post.add]
+        branch = index.tensors[post.branch]
+        name = f"{post.norm.name}_{tag}"
+        if signs is not None:
+            _scale_norm(graph, index, nodes, post.norm, signs, name)
+            rotated = insert_online_hadamard(graph, branch, stream.hidden, f"{name}_online_hadamard")
+            counts["hadamard"] += 1
+        else:
+            const = gs.Constant(ir.unique_name(index, f"{name}_matrix"), q.astype(np.float32))
+            rotated = gs.Variable(ir.unique_name(index, f"{name}_rotated"), dtype=branch.dtype)
+            graph.nodes.append(gs.Node("MatMul", f"{name}_online_rotation", inputs=[branch, const], outputs=[rotated]))
+            facts.KEEP_FLOAT.add(graph, [f"{name}_online_rotation"])  # an online rotation, not a layer
+            counts["dense"] += 1
+        for i, t in enumerate(add.inputs):
+            if t.name == post.branch:
+                add.inputs[i] = rotated
+    return counts
+
+
+def _scale_norm(graph: gs.Graph, index: ir.GraphIndex, nodes: dict, norm, signs: np.ndarray, name: str) -> None:
+    """Multiply a norm's output by ``signs`` (exactly: sign flips) through its scale and bias, or
+    with a Mul after it when it has no scale."""
+    for const_name, node_name, label in ((norm.scale, norm.scale_node, "scale"), (norm.bias, norm.bias_node, "bias")):
+        if const_name is None:
+            if label == "scale":
+                out = index.tensors[norm.output]
+                signed = gs.Variable(ir.unique_name(index, f"{name}_signed"), dtype=out.dtype)
+                for reader in list(out.outputs):
+                    for i, t in enumerate(reader.inputs):
+                        if t is out:
+                            reader.inputs[i] = signed
+                sign_const = gs.Constant(ir.unique_name(index, f"{name}_signs"), signs.astype(np.float32))
+                graph.nodes.append(gs.Node("Mul", f"{name}_signs", inputs=[out, sign_const], outputs=[signed]))
+            continue
+        node = nodes[node_name]
+        i = next(k for k, t in enumerate(node.inputs) if t.name == const_name)
+        value = np.asarray(index.constant_value(node.inputs[i]))
+        flipped = (np.broadcast_to(value, signs.shape) * signs).astype(value.dtype)
+        node.inputs[i] = gs.Constant(ir.unique_name(index, f"{name}_signed_{label}"), flipped)
 
 
 def rotate_stream(graph: gs.Graph, stream, editor: LinearEditor, q: np.ndarray) -> dict[str, np.ndarray]:

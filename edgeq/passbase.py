@@ -114,14 +114,15 @@ _DECLARATIONS = {"name": "name", "exactness": "exactness", "config": "Config", "
 class Pass(abc.ABC):
     """Subclass with the declaration in the class line, implement ``run``::
 
-        @register_pass
         class RotatePass(Pass, name="rotate", exactness=Exactness.FLOAT_EQUIV, config=RotateConfig,
                          requires=("fuse-norms", "ln-to-rms"), establishes=facts.ROTATED, summary="..."):
             def run(self, graph, ctx): ...
 
     Keywords: ``name``, ``exactness``, ``config`` (a frozen ``PassConfig`` subclass), ``requires``,
     ``establishes`` (an ``edgeq.facts`` marker), ``calibrates`` (needs calibration data),
-    ``marks_when_not_applicable``, ``summary`` (the line ``edgeq passes`` prints).
+    ``marks_when_not_applicable``, ``summary`` (the line ``edgeq passes`` prints). A class that
+    declares a ``name`` is registered (``edgeq.registry``) when it is created; abstract bases that
+    share code between passes (``StaticQDQ``, ``GptqRewrite``) declare none.
     """
 
     name: ClassVar[str]
@@ -145,6 +146,10 @@ class Pass(abc.ABC):
         super().__init_subclass__()
         for key, value in declared.items():
             setattr(cls, _DECLARATIONS[key], value)
+        if "name" in declared:  # the declaration is the registration: one registry, no decorator to forget
+            from edgeq.registry import register_pass
+
+            register_pass(cls)
 
     def __init__(self, config: PassConfig | None = None):
         self.config = config if config is not None else self.Config()

@@ -1,4 +1,5 @@
-"""The one registry of passes. Pass modules register with ``@register_pass``; the first lookup
+"""The one registry of passes. A ``Pass`` subclass that declares a name registers itself when it is
+created (``Pass.__init_subclass__``; ``register_pass`` is the explicit form); the first lookup
 imports every module in ``passes/`` (found by listing the folder, not by a hand-kept list: a new
 pass is a new file). ``passes/methods/`` holds method code, not passes, and is not scanned."""
 
@@ -7,8 +8,12 @@ from __future__ import annotations
 import importlib
 import pkgutil
 
+from typing import TYPE_CHECKING
+
 from edgeq.errors import UserInputError
-from edgeq.passbase import Pass
+
+if TYPE_CHECKING:  # passbase registers its subclasses here when they are created
+    from edgeq.passbase import Pass
 
 _PASSES: dict[str, type[Pass]] = {}
 _loaded = False

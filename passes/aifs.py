@@ -53,7 +53,6 @@ from edgeq import facts, ir
 from edgeq.graph_builder import NodeBuilder
 from edgeq.modality_mask import span_input_names, visual_block_mask
 from edgeq.passbase import Exactness, Pass, PassConfig, PassContext, PassResult, Reason
-from edgeq.registry import register_pass
 from edgeq.structure import BreadthFirst
 
 # value "span=START,LEN;visual_count=TENSOR;original_order=T1,T2": MSQ reads the count, and knows
@@ -74,7 +73,6 @@ class AifsConfig(PassConfig):
     position_input: str = "position_ids"
 
 
-@register_pass
 class AifsPass(Pass, name="aifs", exactness=Exactness.FLOAT_EQUIV, config=AifsConfig, establishes=facts.AIFS,
                summary="reorder tokens visual-first (padding counted as visual) with an order-invariant causal mask"):
     def run(self, graph: gs.Graph, ctx: PassContext) -> PassResult:

@@ -38,7 +38,6 @@ from edgeq.passes.methods.gptq import ColumnQuantizer, GptqResult, IntColumns
 from edgeq.passbase import PassContext
 from edgeq.qdq_nodes import insert_fp8_qdq
 from edgeq.quant import QuantSpec
-from edgeq.registry import register_pass
 from edgeq.structure.linears import Linear
 from edgeq.passes.methods.gptq_rewrite import GptqConfig, GptqRewrite
 
@@ -66,7 +65,6 @@ class DpqConfig(GptqConfig):
         super().__post_init__()
 
 
-@register_pass
 class DpqPass(GptqRewrite, name="dpq", config=DpqConfig,
               summary="DPQ W4A8: INT4 weights dequantized to FP8, static FP8 activations, two-level GPTQ + GAR"):
     def spec(self, stored_nk: bool) -> QuantSpec:

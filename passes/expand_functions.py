@@ -23,12 +23,10 @@ from onnx_graphsurgeon.exporters.onnx_exporter import OnnxExporter
 
 from edgeq import ir
 from edgeq.passbase import Exactness, Pass, PassContext, PassResult
-from edgeq.registry import register_pass
 from edgeq.runtime_ops.domain import DOMAIN, DOMAIN_VERSION
 from edgeq.runtime_ops.schema import get_schema
 
 
-@register_pass
 class ExpandFunctionsPass(Pass, name="expand-functions", exactness=Exactness.EXACT,
                           summary="inline every edgeq custom op as its ONNX function body (standard ops only; target lowering)"):
     def run(self, graph: gs.Graph, ctx: PassContext) -> PassResult:

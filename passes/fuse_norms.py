@@ -18,12 +18,10 @@ import onnx_graphsurgeon as gs
 
 from edgeq import ir
 from edgeq.passbase import Exactness, Pass, PassContext, PassResult
-from edgeq.registry import register_pass
 from edgeq.structure import Norm, analyze
 from edgeq.passes.methods.weights import LinearEditor, is_weightless, norm_weights, position_wise_readers
 
 
-@register_pass
 class FuseNormsPass(Pass, name="fuse-norms", exactness=Exactness.FLOAT_EQUIV,
                     summary="fold norm scales/biases into the linears that read them; untie tied embeddings"):
     def run(self, graph: gs.Graph, ctx: PassContext) -> PassResult:

@@ -8,11 +8,9 @@ over the sweep in ``edgeq.passes.methods.gptq``; ``dpq`` builds on the same rewr
 from __future__ import annotations
 
 from edgeq.passes.methods.gptq_rewrite import GptqConfig, GptqRewrite
-from edgeq.registry import register_pass
 
 __all__ = ["GptqConfig", "GptqPass"]
 
 
-@register_pass
-class GptqPass(GptqRewrite):
-    name = "gptq"
+class GptqPass(GptqRewrite, name="gptq"):
+    """GPTQ weights; everything but the name is ``GptqRewrite``'s."""

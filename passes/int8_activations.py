@@ -39,7 +39,6 @@ import onnx_graphsurgeon as gs
 
 from edgeq import ir
 from edgeq.passbase import Exactness, Pass, PassContext, PassResult
-from edgeq.registry import register_pass
 from edgeq.targets.requant import read_constant
 
 # unsigned storage -> (signed type, numpy type, onnx type, shift)
@@ -67,7 +66,6 @@ class _Group:
     movers: list[gs.Node]  # pass-through ops (Clip among them)
 
 
-@register_pass
 class Int8ActivationsPass(Pass, name="int8-activations", exactness=Exactness.EXACT,
                           summary="uint8/uint16 activations -> int8/int16, zero point and Clip bounds - 128 / - 32768 (exact; target lowering)"):
     def run(self, graph: gs.Graph, ctx: PassContext) -> PassResult:

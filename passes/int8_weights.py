@@ -32,14 +32,12 @@ import onnx_graphsurgeon as gs
 
 from edgeq import ir
 from edgeq.passbase import Exactness, Pass, PassContext, PassResult
-from edgeq.registry import register_pass
 from edgeq.targets.requant import read_constant, set_inputs
 
 # narrow storage -> shift subtracted from the integers and zero point to land in int8
 _SHIFT = {"int4": 0, "int2": 0, "uint4": 8, "uint2": 2}
 
 
-@register_pass
 class Int8WeightsPass(Pass, name="int8-weights", exactness=Exactness.EXACT,
                       summary="int4/uint4 (int2/uint2) weights behind DequantizeLinear -> int8, same values (exact; target lowering)"):
     def run(self, graph: gs.Graph, ctx: PassContext) -> PassResult:

@@ -40,7 +40,6 @@ from edgeq.errors import UserInputError
 from edgeq.passes.methods.kv_attention_sites import KVSite, find_kv_sites
 from edgeq.kv_cache import FIELDS, VISUAL_PREFIX, VisualCacheSpec
 from edgeq.passbase import Exactness, Pass, PassConfig, PassContext, PassResult
-from edgeq.registry import register_pass
 from edgeq.runtime_ops.domain import DOMAIN
 
 
@@ -71,10 +70,8 @@ class KvQuantConfig(PassConfig):
         return self.clip_search or (self.calibrate and self.tau_search)
 
 
-@register_pass
 class KvQuantPass(Pass, name="kvquant", exactness=Exactness.LOSSY, config=KvQuantConfig, establishes=facts.KVQUANT,
-                  calibrates=True,
-                  summary="CalibQuant visual KV cache: packed 1/2-bit channel-wise codes, post-scaled attention, logit calibration"):
+                  calibrates=True, summary="CalibQuant visual KV cache: packed 1/2-bit channel-wise codes, post-scaled attention, logit calibration"):
     def run(self, graph: gs.Graph, ctx: PassContext) -> PassResult:
         cfg: KvQuantConfig = self.config
         sites = find_kv_sites(graph)

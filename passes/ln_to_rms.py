@@ -20,13 +20,11 @@ import onnx_graphsurgeon as gs
 
 from edgeq import ir
 from edgeq.passbase import Exactness, Pass, PassContext, PassResult
-from edgeq.registry import register_pass
 from edgeq.passes.methods.stream import NotApplicable, analyze_stream, transform_stream_input
 from edgeq.structure import Norm
 from edgeq.passes.methods.weights import LinearEditor
 
 
-@register_pass
 class LnToRmsPass(Pass, name="ln-to-rms", exactness=Exactness.FLOAT_EQUIV,
                   summary="LayerNorm -> RMSNorm by making every residual-stream writer zero-mean"):
     def run(self, graph: gs.Graph, ctx: PassContext) -> PassResult:

@@ -32,7 +32,6 @@ from edgeq import facts, ir
 from edgeq.calib.observers import PerChannelAbsMaxObserver
 from edgeq.errors import UserInputError
 from edgeq.passbase import Exactness, PassConfig, PassContext, PassResult
-from edgeq.registry import register_pass
 from edgeq.runtime_ops.online_hadamard import OP_TYPE, hadamard_matrix_for_fold
 from edgeq.passes.methods.side_branch import SideBranchPass, add_branch, check_branch, quantize_branches
 from edgeq.structure import analyze
@@ -66,7 +65,6 @@ def massive_channels(absmax: np.ndarray, ratio: float, max_channels: int) -> np.
     return order[absmax[order] > limit][:max_channels]
 
 
-@register_pass
 class MassiveSplitPass(SideBranchPass, name="massive-split", exactness=Exactness.FLOAT_EQUIV,
                        config=MassiveSplitConfig, establishes=facts.MASSIVE_SPLIT,
                        summary="split massive-activation input channels (before any online Hadamard) into a GEMV branch"):

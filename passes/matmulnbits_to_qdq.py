@@ -53,7 +53,6 @@ from edgeq.passes.methods.matmulnbits import BITS, DOMAIN
 from edgeq.passbase import Exactness, Pass, PassContext, PassResult
 from edgeq.qdq_nodes import ensure_opset, insert_weight_dequantize
 from edgeq.quant import QuantSpec
-from edgeq.registry import register_pass
 from edgeq.targets.requant import read_constant
 
 _SUFFIX = "_MatMulNBits"  # what edgeq.passes.methods.matmulnbits.insert_matmulnbits appends to the linear's name
@@ -188,7 +187,6 @@ def _fresh(names: set[str], base: str) -> str:
     return name
 
 
-@register_pass
 class MatMulNBitsToQDQPass(Pass, name="matmulnbits-to-qdq", exactness=Exactness.FLOAT_EQUIV,
                            summary="com.microsoft::MatMulNBits -> int4/uint4 block DequantizeLinear + MatMul (target lowering)"):
     def run(self, graph: gs.Graph, ctx: PassContext) -> PassResult:

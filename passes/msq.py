@@ -41,7 +41,6 @@ from edgeq.passbase import PassContext, PassResult
 from edgeq.passes.methods.static_qdq import QDQConfig, StaticQDQ
 from edgeq.qdq_nodes import QuantizedTensor, insert_dequantize, insert_quantize
 from edgeq.quant import QuantSpec, scale_zero_point
-from edgeq.registry import register_pass
 from edgeq.runtime_ops.domain import DOMAIN
 
 MSQ_KEY = facts.MSQ.key  # the model metadata key msq leaves (tests read it)
@@ -77,7 +76,6 @@ class _RescaledSite:
     gain: gs.Variable  # [B, S, 1]: readers divide their output by it
 
 
-@register_pass
 class MsqPass(StaticQDQ, name="msq", config=MsqConfig, establishes=facts.MSQ,
               summary="MQuant MSQ: qdq with a visual and a text static scale per activation site (after aifs: visual-first slices)"):
     def run(self, graph: gs.Graph, ctx: PassContext) -> PassResult:

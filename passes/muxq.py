@@ -36,7 +36,6 @@ from edgeq import facts, ir
 from edgeq.calib.observers import ChannelStatsObserver
 from edgeq.errors import UserInputError
 from edgeq.passbase import Exactness, Pass, PassConfig, PassContext, PassResult
-from edgeq.registry import register_pass
 from edgeq.passes.methods.side_branch import add_branch
 from edgeq.structure import Norm, analyze
 from edgeq.passes.methods.weights import LinearEditor, norm_weights, position_wise_readers
@@ -96,10 +95,8 @@ def channel_exponents(absmax: np.ndarray, chans: np.ndarray, cfg: MuxqConfig) ->
     return e
 
 
-@register_pass
 class MuxqPass(Pass, name="muxq", exactness=Exactness.FLOAT_EQUIV, config=MuxqConfig, establishes=facts.MUXQ,
-               calibrates=True,
-               summary="MUXQ: outlier input channels into Body/Aux (one uniform INT8 GEMM); llm-int8 comparator"):
+               calibrates=True, summary="MUXQ: outlier input channels into Body/Aux (one uniform INT8 GEMM); llm-int8 comparator"):
     def run(self, graph: gs.Graph, ctx: PassContext) -> PassResult:
         cfg: MuxqConfig = self.config
         structure = analyze(graph)

@@ -34,7 +34,6 @@ from edgeq import ir
 from edgeq.passbase import Exactness, Pass, PassContext, PassResult
 from edgeq.qdq_nodes import integer_constant
 from edgeq.quant import QuantSpec, dequantize_weight
-from edgeq.registry import register_pass
 from edgeq.targets.requant import (QDQ_OPS, ErrorMeter, pow2_ceil, integer_dtype, read_constant, replace_weight, requantize, set_inputs,
                                    weight_dequantizers)
 
@@ -62,7 +61,6 @@ class _ScaleStats:
                 "mean_rel_scale_change": float(rel.mean()) if rel.size else 0.0}
 
 
-@register_pass
 class Pow2ScalesPass(Pass, name="pow2-scales", exactness=Exactness.LOSSY,
                      summary="every Q/DQ scale -> 2^ceil(log2 s); weights requantized, activation zero points moved (target lowering)"):
     def run(self, graph: gs.Graph, ctx: PassContext) -> PassResult:

@@ -8,11 +8,9 @@ per-linear DequantizeLinear, per-channel/group/tensor weights, per-token studies
 from __future__ import annotations
 
 from edgeq.passes.methods.static_qdq import QDQConfig, StaticQDQ
-from edgeq.registry import register_pass
 
 __all__ = ["QDQConfig", "QDQPass"]
 
 
-@register_pass
-class QDQPass(StaticQDQ):
-    name = "qdq"
+class QDQPass(StaticQDQ, name="qdq"):
+    """Static QDQ; everything but the name is ``StaticQDQ``'s."""

@@ -33,7 +33,6 @@ from edgeq.calib.observers import HessianObserver, PerChannelAbsMaxObserver
 from edgeq.errors import UserInputError
 from edgeq.passbase import Exactness, Pass, PassConfig, PassContext, PassResult, Reason
 from edgeq.passes.methods.rotation import fold_online_rotations, rotate_post_norms, rotate_stream, set_writer_weights
-from edgeq.registry import register_pass
 from edgeq.passes.methods.resq import SubspaceBasis, linf_basis, subspace_basis
 from edgeq.runtime_ops.hadamard import randomized_hadamard
 from edgeq.passes.methods.stream import NotApplicable, analyze_stream, require_weightless_rms
@@ -59,7 +58,6 @@ class ResqConfig(PassConfig):
             raise UserInputError(f"resq: damp must be in [0, 1), got {self.damp}")
 
 
-@register_pass
 class ResqPass(Pass, name="resq", exactness=Exactness.FLOAT_EQUIV, config=ResqConfig,
                requires=("fuse-norms", "ln-to-rms"), establishes=facts.RESQ):
     marks_when_not_applicable = True  # resq-qdq reports resq's reason instead of asking for resq

@@ -33,7 +33,6 @@ from edgeq.passbase import Exactness, Pass, PassConfig, PassContext, PassResult,
 from edgeq.qdq_nodes import (ensure_opset, insert_dequantize, insert_quantize, insert_token_fake_quant_asymmetric,
                               insert_weight_dequantize)
 from edgeq.quant import QuantSpec, quantize_weight, scale_zero_point
-from edgeq.registry import register_pass
 from edgeq.runtime_ops.domain import DOMAIN
 from edgeq.structure import find_linears
 from edgeq.structure.linears import Linear
@@ -105,7 +104,6 @@ def _act_spec(bits: int) -> QuantSpec:
     return QuantSpec("uint8", False, value_bits=0 if bits == 8 else bits)
 
 
-@register_pass
 class ResqQDQPass(Pass, name="resq-qdq", exactness=Exactness.LOSSY, config=ResqQDQConfig,
                   requires=("fuse-norms", "ln-to-rms", "resq"), establishes=facts.RESQ_QDQ,
                   summary="ResQ mixed precision: SubspaceQDQ activations (4-bit low / 8-bit high subspace), 4/8-bit GPTQ weight rows, K/V"):

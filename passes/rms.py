@@ -26,7 +26,6 @@ from edgeq.calib.observers import MinMaxObserver
 from edgeq.passes.methods.eq9 import eq9_columns
 from edgeq.errors import UserInputError
 from edgeq.passbase import Exactness, PassConfig, PassContext, PassResult
-from edgeq.registry import register_pass
 from edgeq.runtime_ops.online_hadamard import OP_TYPE, hadamard_matrix_for_fold
 from edgeq.passes.methods.side_branch import SideBranchPass, add_branch, check_branch, quantize_branches
 from edgeq.structure import analyze
@@ -45,7 +44,6 @@ class RmsConfig(PassConfig):
         check_branch("rms", self.branch)
 
 
-@register_pass
 class RmsPass(SideBranchPass, name="rms", exactness=Exactness.FLOAT_EQUIV, config=RmsConfig,
               requires=("fuse-norms", "ln-to-rms", "rotate"), establishes=facts.RMS,
               summary="MQuant RMS: split rotated channel 0 of Eq. 9 layers into a GEMV branch"):

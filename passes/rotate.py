@@ -48,7 +48,6 @@ import onnx_graphsurgeon as gs
 
 from edgeq import facts
 from edgeq.passbase import Exactness, Pass, PassConfig, PassContext, PassResult, Reason
-from edgeq.registry import register_pass
 from edgeq.runtime_ops.hadamard import randomized_hadamard
 from edgeq.passes.methods.rotation import fold_online_rotations, rotate_post_norms, rotate_stream, set_writer_weights
 from edgeq.passes.methods.stream import NotApplicable, analyze_stream, require_weightless_rms
@@ -60,7 +59,6 @@ class RotateConfig(PassConfig):
     online_hadamard: bool = True
 
 
-@register_pass
 class RotatePass(Pass, name="rotate", exactness=Exactness.FLOAT_EQUIV, config=RotateConfig,
                  requires=("fuse-norms", "ln-to-rms"), establishes=facts.ROTATED,
                  summary="randomized-Hadamard residual rotation (offline) + online Hadamard before down_proj/fc2"):

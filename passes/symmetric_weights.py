@@ -24,13 +24,11 @@ import onnx_graphsurgeon as gs
 from edgeq import ir
 from edgeq.passbase import Exactness, Pass, PassContext, PassResult
 from edgeq.quant import QuantSpec, dequantize_weight, quantize_weight
-from edgeq.registry import register_pass
 from edgeq.targets.requant import ErrorMeter, replace_weight, set_inputs, weight_dequantizers
 
 _SIGNED = {"uint8": "int8", "uint4": "int4", "uint16": "int16", "int8": "int8", "int4": "int4", "int16": "int16"}
 
 
-@register_pass
 class SymmetricWeightsPass(Pass, name="symmetric-weights", exactness=Exactness.LOSSY,
                            summary="integer weights -> signed symmetric (uint shifted exactly, asymmetric requantized; target lowering)"):
     def run(self, graph: gs.Graph, ctx: PassContext) -> PassResult:

@@ -23,14 +23,12 @@ import onnx_graphsurgeon as gs
 from edgeq import ir
 from edgeq.passbase import Exactness, Pass, PassContext, PassResult
 from edgeq.quant import QuantSpec
-from edgeq.registry import register_pass
 from edgeq.targets.check import is_power_of_two
 from edgeq.targets.requant import ErrorMeter, WeightDQ, broadcast_param, pow2_ceil, replace_weight
 from edgeq.targets.saturation import PAIR_LIMIT, fix_pairs, pair_bounded_scale, worst_pair
 from edgeq.targets.u8s8_sites import u8s8_weights
 
 
-@register_pass
 class U8S8SafeWeightsPass(Pass, name="u8s8-safe-weights", exactness=Exactness.LOSSY,
                           summary="requantize int8 weights of uint8 x int8 linears that could saturate CPUs without VNNI onto the pair-bounded grid"):
     def run(self, graph: gs.Graph, ctx: PassContext) -> PassResult:

@@ -1,6 +1,8 @@
 """The pass manager: runs passes in order under instruments (MLIR-style).
 
-Every pass is timed. Optional instruments, each after every pass:
+Every pass is timed, and its record has the process's peak RSS so far (``peak_rss_mb``: the
+high-water mark after the pass, so the pass that raised it is the first with the new value).
+Optional instruments, each after every pass:
 - ``dump_each``: save the graph as ``NN_<pass>.onnx`` (external data) in a folder;
 - ``verify``: onnx checker plus an onnxruntime session on the new graph;
 - ``check_numerics``: run the graph on one reference sample and log the drift of every output
@@ -38,6 +40,15 @@ class PipelineOptions:
     essential: frozenset[int] = frozenset()  # positions of the passes the recipe cannot do without
     allow_partial: bool = False  # record an essential pass that did not apply instead of stopping
     recipe: str = ""  # named in the essential-pass error
+
+
+def peak_rss_mb() -> float:
+    """This process's peak resident memory so far, in MB (Linux reports KB, macOS bytes)."""
+    import resource
+    import sys
+
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return round(peak / (1024 * 1024 if sys.platform == "darwin" else 1024), 1)
 
 
 def output_drift(ref: list[np.ndarray], out: list[np.ndarray], names: list[str]) -> dict[str, dict[str, float]]:
@@ -91,7 +102,7 @@ class Pipeline:
                 raise PassFailure(p.name, f"{type(exc).__name__}: {exc}") from exc
             seconds = time.perf_counter() - start
             ops_after = collections.Counter(n.op for n in graph.nodes)
-            record = {**p.describe(), "seconds": round(seconds, 3), "modified": result.modified,
+            record = {**p.describe(), "seconds": round(seconds, 3), "peak_rss_mb": peak_rss_mb(), "modified": result.modified,
                       "summary": result.summary, "ops_added": _counter_delta(ops_after, ops_before),
                       "ops_removed": _counter_delta(ops_before, ops_after)}
             if opts.verify or opts.dump_each is not None or opts.check_numerics:

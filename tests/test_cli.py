@@ -335,3 +335,16 @@ def test_warm_compile_hits_every_calibration(tmp_path, capsys, monkeypatch):
         runs.append(json.loads((tmp_path / out / "report.json").read_text())["calibration"])
     assert runs[0]["onnxruntime_runs"] >= 3 and runs[0]["cache_hits"] == 0
     assert (runs[1]["onnxruntime_runs"], runs[1]["cache_hits"]) == (0, runs[0]["onnxruntime_runs"])
+
+
+def test_report_records_peak_memory_per_pass(toy, tmp_path, capsys):
+    """Each pass record has the process's peak RSS after it (a high-water mark: never falls), and
+    the report's peak is at least the last pass's."""
+    model, calib = toy
+    code, err = _run(capsys, "compile", model, "--recipe", "w8a8", "--calib", calib, "--seq-len", 16,
+                     "--calib-windows", 2, "--no-cache", "-o", tmp_path / "out")
+    assert code == 0, err
+    report = json.loads((tmp_path / "out" / "report.json").read_text())
+    peaks = [rec["peak_rss_mb"] for rec in report["passes"]] + [report["u8s8"]["guard"]["peak_rss_mb"]]
+    assert all(p > 10 for p in peaks) and peaks == sorted(peaks)
+    assert report["peak_rss_mb"] >= peaks[-1]

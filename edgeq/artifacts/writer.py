@@ -11,7 +11,6 @@ last, so that it hashes the final file set, from the recipe and input hashes rec
 from __future__ import annotations
 
 import json
-import resource
 import time
 from pathlib import Path
 
@@ -20,6 +19,7 @@ import onnx
 from edgeq import ir
 from edgeq.artifacts.aimet import aimet_unsupported, write_aimet
 from edgeq.artifacts.manifest import write_manifest
+from edgeq.pipeline import peak_rss_mb
 
 
 def write_outputs(out_dir: Path, model: onnx.ModelProto, report: dict, *, encodings: dict, recipe, input_model: dict,
@@ -33,7 +33,7 @@ def write_outputs(out_dir: Path, model: onnx.ModelProto, report: dict, *, encodi
         write_aimet(tmp / "aimet_encodings.json", encodings, version="1.0.0", strict=False)
         report["aimet_unsupported"] = aimet_unsupported(encodings, "1.0.0")
         report["seconds_total"] = round(time.perf_counter() - started, 2)
-        report["peak_rss_mb"] = round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1)
+        report["peak_rss_mb"] = peak_rss_mb()
         report["input_size_mb"] = round(sum(f["size"] for f in input_model["files"].values()) / 2**20, 1)
         report["output_size_mb"] = round(model_bytes(model_path) / 2**20, 1)
         (tmp / "report.json").write_text(json.dumps(report, indent=1, default=_json_default))

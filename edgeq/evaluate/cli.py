@@ -171,7 +171,7 @@ def run_ppl(args: argparse.Namespace) -> int:
 
         fused = ort_fused_u8s8(args.model)  # what this onnxruntime actually runs as uint8 x int8
         result["ort_u8s8_linears"] = len(fused)
-        result["ort_u8s8_at_risk"] = sorted(name for name, v in fused.items() if not v["saturation_free"])
+        result["ort_u8s8_at_risk"] = sorted(name for name, v in fused.items() if v["saturation_free"] is False)
     if args.json:
         print(json.dumps(_json_safe(result)))
         return 0

@@ -137,14 +137,10 @@ def probe_saturation(model: onnx.ModelProto, feeds: dict[str, np.ndarray], rows:
 
 
 
-# onnxruntime's integer linears after its QDQ fusion: op -> (A input, B input); QGemm's B may be transposed
-_FUSED_INTEGER_LINEARS = {
-    "MatMulIntegerToFloat": (0, 1),
-    "MatMulInteger": (0, 1),
-    "DynamicQuantizeMatMul": (0, 1),
-    "QLinearMatMul": (0, 3),
-    "QGemm": (0, 3),
-}
+# onnxruntime's integer linears after its QDQ fusion -> the input index of their second operand
+# (QGemm's may be transposed: transB)
+_FUSED_INTEGER_LINEARS = {"MatMulIntegerToFloat": 1, "MatMulInteger": 1, "DynamicQuantizeMatMul": 1,
+                          "QLinearMatMul": 3, "QGemm": 3}
 
 
 def ort_fused_u8s8(model_path: str | os.PathLike) -> dict[str, dict]:
@@ -152,8 +148,8 @@ def ort_fused_u8s8(model_path: str | os.PathLike) -> dict[str, dict]:
     saved model, read back the graph it will run, and list every integer linear with an int8
     second operand (the VPMADDUBSW-prone form: uint8 x int8, or int8 x int8, which x86 shifts to
     uint8). Per fused node: ``constant`` (its int8 weight is an initializer), ``worst_pair`` (the
-    same-sign adjacent-pair bound along K, None when the operand is not constant) and
-    ``saturation_free``. This is the ground truth that ``find_u8s8_sites`` predicts from our QDQ
+    same-sign adjacent-pair bound along K) and ``saturation_free``; both None when the second
+    operand is computed at run time (its codes, and so its risk, are unknown here). This is the ground truth that ``find_u8s8_sites`` predicts from our QDQ
     graph; the two must agree."""
     import tempfile
     from pathlib import Path
@@ -174,12 +170,12 @@ def ort_fused_u8s8(model_path: str | os.PathLike) -> dict[str, dict]:
     initializers = {t.name: t for t in optimized.graph.initializer}
     fused = {}
     for node in optimized.graph.node:
-        where = _FUSED_INTEGER_LINEARS.get(node.op_type)
-        if where is None or len(node.input) <= where[1]:
+        slot = _FUSED_INTEGER_LINEARS.get(node.op_type)
+        if slot is None or len(node.input) <= slot:
             continue
-        b = initializers.get(node.input[where[1]])
+        b = initializers.get(node.input[slot])
         if b is None:
-            fused[node.name] = {"op": node.op_type, "constant": False, "worst_pair": None, "saturation_free": False}
+            fused[node.name] = {"op": node.op_type, "constant": False, "worst_pair": None, "saturation_free": None}
             continue
         if b.data_type != onnx.TensorProto.INT8:
             continue  # uint8 weights: the exact U8U8 kernel

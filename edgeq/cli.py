@@ -57,6 +57,12 @@ def _add_compile(sub) -> None:
                    help="write the model even when a pass the recipe marks essential (e.g. rotate for mquant-*) did not "
                         "apply to it, with a warning per such pass; without it compile stops with exit 4 and writes "
                         "nothing, since the result would be a silently weaker recipe")
+    p.add_argument("--blockwise", choices=("auto", "on", "off"), default="auto",
+                   help="compile one decoder block at a time: weights read per block and written out as each block "
+                        "is done, calibration carried from block to block, so memory stays near one block's instead "
+                        "of several times the model's (same numbers as in memory). auto (default): for models of "
+                        "256 MB or more whose graph splits into blocks and whose recipe passes all run per block; "
+                        "one progress line per block with an ETA")
     p.set_defaults(func=_run_compile)
 
 
@@ -70,6 +76,7 @@ def _run_compile(args) -> int:
         tokenizer=args.tokenizer, calib_windows=args.calib_windows, seq_len=args.seq_len,
         dump_each=args.dump_each, verify=args.verify, check_numerics=args.check_numerics,
         use_cache=not args.no_cache, target=args.target, allow_partial=args.allow_partial,
+        blockwise=args.blockwise,
     )
     try:
         report = compile_model(req)

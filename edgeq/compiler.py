@@ -9,10 +9,20 @@
   its profile (``TargetUnreachable``, exit 3, nothing written).
 - ``write``: ``edgeq.artifacts.writer`` writes the folder atomically (model, report, encodings,
   AIMET encodings, manifest last).
+
+Two paths run the passes. In memory: the whole model in one graph (any model, any pass). Block
+wise (``edgeq.blockwise``): one decoder block at a time, weights read per block and written out
+as each block is done, so memory is bounded by a block instead of growing with the model; chosen
+by ``--blockwise auto`` for models of ``BLOCKWISE_MIN_BYTES`` or more whose recipe passes all run
+per block and whose graph splits into blocks, or forced with ``--blockwise on``.
 """
 
 from __future__ import annotations
 
+import errno
+import os
+import shutil
+import tempfile
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -34,6 +44,10 @@ from edgeq.registry import get_pass
 from edgeq.targets import TargetProfile, TargetUnreachable, check_model, load_target
 from edgeq.textdata import default_tokenizer_dir
 
+BLOCKWISE_MODES = ("auto", "on", "off")
+# models at least this large (weights on disk) compile block-wise under --blockwise auto
+BLOCKWISE_MIN_BYTES = 256 * 2**20
+
 
 @dataclass(frozen=True)
 class CompileRequest:
@@ -50,6 +64,7 @@ class CompileRequest:
     use_cache: bool = True
     target: str | None = None
     allow_partial: bool = False  # write the model even when an essential pass did not apply
+    blockwise: str = "auto"  # "auto" | "on" | "off": compile one decoder block at a time
 
 
 @dataclass
@@ -69,12 +84,29 @@ class CompilePlan:
     calibration: dict | None
     sample: dict | None
     started: float
+    partition: object | None = None  # edgeq.blockwise.Partition when compiling block-wise
+    blockwise_reason: str = ""  # why this path was chosen (report.json)
 
 
 def compile_model(req: CompileRequest) -> dict:
     plan = plan_compile(req)
-    model, records, encodings, target = run_plan(plan)
-    return write_plan(plan, model, records, encodings, target)
+    if plan.partition is None:
+        model, records, encodings, target = run_plan(plan)
+        return write_plan(plan, model, records, encodings, target)
+    try:
+        staging = _staging_dir(req.out_dir)
+    except OSError as exc:
+        raise UserInputError(f"cannot write beside the output folder {req.out_dir}: {exc.strerror or exc}") from None
+    try:
+        data = staging / "model.onnx.data"
+        model, records, encodings, target = run_plan(plan, data)
+        return write_plan(plan, model, records, encodings, target, data)
+    except OSError as exc:  # disk full while the weights stream out: nothing half-written is left
+        if exc.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
+            raise UserInputError(f"cannot write the output in {req.out_dir.resolve().parent}: {exc.strerror or exc}") from None
+        raise
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
 
 
 def plan_compile(req: CompileRequest) -> CompilePlan:
@@ -88,8 +120,12 @@ def plan_compile(req: CompileRequest) -> CompilePlan:
     # target allows full-range int8 weights (ort-cpu-vnni): README "Integer kernels and your CPU"
     int8_weights = profile.int8_weight_range if profile else "u8s8-safe"
     guard = [get_pass("u8s8-safe-weights")()] if int8_weights == "u8s8-safe" else []
-    model, locations = ir.load_model_and_locations(req.model)
+    model, locations = ir.load_model_and_locations(req.model, load_external=False)
     ir.check_opset(model)
+    part, why = _choose_path(req, model, passes + lowering + guard, locations)
+    if part is None:
+        del model  # read again with its weights (one copy: the skeleton of an inline model is the model)
+        model, locations = ir.load_model_and_locations(req.model)
     windows = recipe.calibration.windows if req.calib_windows is None else req.calib_windows
     seq_len = recipe.calibration.seq_len if req.seq_len is None else req.seq_len
     if windows < 1 or seq_len < 2:
@@ -104,26 +140,61 @@ def plan_compile(req: CompileRequest) -> CompilePlan:
         calibrator = Calibrator(data, use_cache=req.use_cache)
         sample = data.batches[0]
         calibration = {"data": data.description, "samples": data.samples, "tokens": data.tokens}
+    fingerprint = ir.model_fingerprint(model, req.model.resolve().parent)
     return CompilePlan(req, recipe, profile, passes + lowering + guard, (len(passes), len(lowering)), int8_weights,
-                       model, input_model_record(req.model, locations), ir.model_fingerprint(model), calibrator,
-                       calibration, sample, started)
+                       model, input_model_record(req.model, locations), fingerprint, calibrator,
+                       calibration, sample, started, part, why)
 
 
-def run_plan(plan: CompilePlan) -> tuple[onnx.ModelProto, dict, dict, dict | None]:
+def _choose_path(req: CompileRequest, skeleton: onnx.ModelProto, passes: list[Pass], locations: set[str]):
+    """(partition, reason): a ``Partition`` to compile block-wise, or None for the in-memory path."""
+    from edgeq.blockwise import NotPartitionable, partition
+
+    if req.blockwise not in BLOCKWISE_MODES:
+        raise UserInputError(f"--blockwise must be one of {', '.join(BLOCKWISE_MODES)}")
+    if req.blockwise == "off":
+        return None, "--blockwise off"
+    base = req.model.resolve().parent
+    size = req.model.stat().st_size + sum((base / loc).stat().st_size for loc in locations)
+    forced = req.blockwise == "on"
+    if not forced and size < BLOCKWISE_MIN_BYTES:
+        return None, f"model under {BLOCKWISE_MIN_BYTES >> 20} MB: in memory"
+    blockers = sorted({p.name for p in passes if not p.per_block})
+    if req.dump_each or req.verify or req.check_numerics:
+        blockers.append("--dump-each/--verify/--check-numerics (whole-graph instruments)")
+    if blockers:
+        if forced:
+            raise UserInputError(f"--blockwise on: cannot compile block by block with {', '.join(blockers)}")
+        return None, f"in memory: {', '.join(blockers)} need the whole graph"
+    try:
+        return partition(skeleton), "block-wise" + ("" if forced else f": model {size / 2**20:.0f} MB")
+    except NotPartitionable as exc:
+        if forced:
+            raise UserInputError(f"--blockwise on: the graph does not split into decoder blocks: {exc}") from None
+        return None, f"in memory: the graph does not split into blocks ({exc})"
+
+
+def run_plan(plan: CompilePlan, external_data: Path | None = None) -> tuple[onnx.ModelProto, dict, dict, dict | None]:
     """The pipeline, the encodings (read once) and the target check; returns (model, records by
-    stage, encodings, target summary)."""
+    stage, encodings, target summary). Block-wise, the weights go to ``external_data``."""
     req = plan.req
     ctx = PassContext(calibrator=plan.calibrator, int8_weights=plan.int8_weights)
     essential = frozenset(i for i, spec in enumerate(plan.recipe.passes) if spec.essential)
     options = PipelineOptions(req.dump_each, req.verify, req.check_numerics, essential=essential,
                               allow_partial=req.allow_partial, recipe=plan.recipe.name)
-    model, records = Pipeline(plan.passes, options).run(plan.model, ctx, plan.sample, consume=True)
+    if plan.partition is not None:
+        model, records = _run_blocks(plan, ctx, options, external_data)
+    else:
+        model, records = Pipeline(plan.passes, options).run(plan.model, ctx, plan.sample, consume=True)
     plan.model = None  # consumed: the weights are not held twice
     n_recipe, n_lowering = plan.counts
     stages = {"recipe": records[:n_recipe], "lowering": records[n_recipe:n_recipe + n_lowering],
               "guard": records[n_recipe + n_lowering:]}
-    encodings = collect_encodings(model)
+    encodings = collect_encodings(model, str(external_data.parent) if external_data is not None else "")
     target = None
+    if plan.profile is not None and external_data is not None:
+        # the target checks read weights from the graph: bring the streamed ones back (output-sized)
+        onnx.load_external_data_for_model(model, str(external_data.parent))
     if plan.profile is not None:
         result = check_model(model, plan.profile, encodings)
         if not result.clean:
@@ -141,7 +212,46 @@ def run_plan(plan: CompilePlan) -> tuple[onnx.ModelProto, dict, dict, dict | Non
     return model, stages, encodings, target
 
 
-def write_plan(plan: CompilePlan, model: onnx.ModelProto, stages: dict, encodings: dict, target: dict | None) -> dict:
+def _run_blocks(plan: CompilePlan, ctx: PassContext, options: PipelineOptions, external_data: Path):
+    """The passes on one decoder block at a time (``edgeq.blockwise``), fresh pass instances per
+    block; the records of each pass merged over the blocks."""
+    from edgeq.blockwise import BlockProgress, compile_blocks, merge_records
+    from edgeq.calib.session import StreamCarry
+    from edgeq.progress import _enabled
+
+    part = plan.partition
+    carry = None
+    if plan.calibrator is not None:
+        carry = plan.calibrator.carry = StreamCarry(cut=None, capture=part.stream[1])
+
+    def run_block(model: onnx.ModelProto, i: int):
+        passes = plan.passes if i == 0 else _build_passes(plan)
+        return Pipeline(passes, options).run(model, ctx, consume=True)
+
+    progress = BlockProgress(part.num_layers, _enabled() or os.environ.get("EDGEQ_PROGRESS") is None)
+    try:
+        model, per_block = compile_blocks(plan.model, part, plan.req.model.resolve().parent, external_data,
+                                          run_block, carry, progress)
+    finally:
+        if plan.calibrator is not None:
+            plan.calibrator.carry = None
+    return model, merge_records(per_block)
+
+
+def _build_passes(plan: CompilePlan) -> list[Pass]:
+    """New instances of the plan's passes (same classes and configs): one set per block."""
+    return [type(p)(p.config) for p in plan.passes]
+
+
+def _staging_dir(out_dir: Path) -> Path:
+    """A temporary folder beside the output for the weights a block-wise compile streams out."""
+    out = out_dir.resolve()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    return Path(tempfile.mkdtemp(prefix=f".{out.name}.weights-", dir=out.parent))
+
+
+def write_plan(plan: CompilePlan, model: onnx.ModelProto, stages: dict, encodings: dict, target: dict | None,
+               external_data: Path | None = None) -> dict:
     calibration = plan.calibration
     if plan.calibrator is not None:
         log = plan.calibrator.log
@@ -152,6 +262,8 @@ def write_plan(plan: CompilePlan, model: onnx.ModelProto, stages: dict, encoding
         "edgeq_version": edgeq.__version__,
         "input_model": str(plan.req.model),
         "input_fingerprint": plan.fingerprint,
+        "compile_path": {"blockwise": plan.partition is not None, "reason": plan.blockwise_reason,
+                         "blocks": plan.partition.num_layers if plan.partition is not None else None},
         "recipe": {"name": plan.recipe.name, "description": plan.recipe.description,
                    "calibration": asdict(plan.recipe.calibration)},
         "passes": stages["recipe"],
@@ -165,7 +277,7 @@ def write_plan(plan: CompilePlan, model: onnx.ModelProto, stages: dict, encoding
     u8s8 = {"int8_weight_range": plan.int8_weights, "guard": stages["guard"][0] if stages["guard"] else None}
     return write_outputs(plan.req.out_dir, model, report, encodings=encodings, recipe=plan.recipe,
                          input_model=plan.input_model, target=plan.profile.name if plan.profile else None,
-                         u8s8=u8s8, probe_feeds=plan.sample, started=plan.started)
+                         u8s8=u8s8, probe_feeds=plan.sample, started=plan.started, external_data=external_data)
 
 
 def _check_out_dir(req: CompileRequest) -> None:

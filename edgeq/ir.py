@@ -67,24 +67,71 @@ def load_model_and_locations(path: str | os.PathLike, load_external: bool = True
     if not model.graph.node and not model.graph.output:
         raise UserInputError(f"{path} is not an ONNX model (no graph found)")
     base = path.parent.resolve()
-    locations = set()
-    for name, location in external_data_locations(model):
-        if not location:
-            raise UserInputError(f"initializer '{name}' is external but names no location")
-        target = (base / location).resolve()
-        if os.path.isabs(location) or not target.is_relative_to(base):
-            raise UserInputError(
-                f"external data of '{name}' points outside the model's folder: {location}"
-            )
-        if not target.is_file():
-            raise UserInputError(f"missing external data file for '{name}': {target}")
-        locations.add(location)
+    locations = _check_external_data(model, base)
     if load_external:
         try:
             onnx.load_external_data_for_model(model, str(base))
         except (OSError, ValueError) as exc:
             raise UserInputError(f"cannot read external data of {path}: {exc}") from None
     return model, locations
+
+
+def _check_external_data(model: onnx.ModelProto, base: Path) -> set[str]:
+    """Validate every tensor stored as external data without reading any of it: its location is
+    named, inside ``base`` and a present file, and its bytes (``offset`` + ``length``, or the size
+    its dims and data type need when ``length`` is absent) fit in that file. One ``resolve`` and one
+    ``stat`` per file, however many tensors share it. Returns the locations seen."""
+    import math
+    import stat
+
+    from onnx.external_data_helper import _get_all_tensors
+
+    bits_by_name = {"FLOAT": 32, "UINT8": 8, "INT8": 8, "UINT16": 16, "INT16": 16, "INT32": 32, "INT64": 64,
+                    "BOOL": 8, "FLOAT16": 16, "DOUBLE": 64, "UINT32": 32, "UINT64": 64, "COMPLEX64": 64,
+                    "COMPLEX128": 128, "BFLOAT16": 16, "FLOAT8E4M3FN": 8, "FLOAT8E4M3FNUZ": 8, "FLOAT8E5M2": 8,
+                    "FLOAT8E5M2FNUZ": 8, "UINT4": 4, "INT4": 4, "FLOAT4E2M1": 4, "FLOAT8E8M0": 8, "UINT2": 2,
+                    "INT2": 2, "FLOAT6E2M3": 6, "FLOAT6E3M2": 6}  # sub-byte types are packed (onnx numpy_helper)
+    bits = {getattr(onnx.TensorProto, k): v for k, v in bits_by_name.items() if hasattr(onnx.TensorProto, k)}
+    sizes: dict[str, int] = {}  # location -> file size in bytes
+    for tensor in _get_all_tensors(model):
+        if tensor.data_location != onnx.TensorProto.EXTERNAL:
+            continue
+        name = tensor.name
+        info = {e.key: e.value for e in tensor.external_data}
+        location = info.get("location", "")
+        if not location:
+            raise UserInputError(f"initializer '{name}' is external but names no location")
+        size = sizes.get(location)
+        if size is None:
+            target = (base / location).resolve()
+            if os.path.isabs(location) or not target.is_relative_to(base):
+                raise UserInputError(f"external data of '{name}' points outside the model's folder: {location}")
+            try:
+                st = target.stat()
+            except OSError:
+                st = None
+            if st is None or not stat.S_ISREG(st.st_mode):
+                raise UserInputError(f"missing external data file for '{name}': {target}")
+            size = sizes[location] = st.st_size
+        try:
+            offset = int(info.get("offset") or 0)
+            length = int(info["length"]) if info.get("length") else None
+        except ValueError:
+            raise UserInputError(f"external data of '{name}' in {location} has a non-integer offset or length: "
+                                 f"offset={info.get('offset')!r} length={info.get('length')!r}") from None
+        if offset < 0 or (length is not None and length < 0):
+            raise UserInputError(f"external data of '{name}' in {location} has a negative offset or length: "
+                                 f"offset={offset} length={length}")
+        if length is None and tensor.data_type in bits:
+            length = (math.prod(tensor.dims) * bits[tensor.data_type] + 7) // 8
+        if length is None:  # a type whose size the dims do not give: at least the start must be in the file
+            if offset > size:
+                raise UserInputError(f"external data file {location} is truncated: tensor '{name}' starts at "
+                                     f"byte {offset} but the file has {size} bytes")
+        elif offset + length > size:
+            raise UserInputError(f"external data file {location} is truncated: tensor '{name}' needs bytes "
+                                 f"{offset}..{offset + length} but the file has {size}")
+    return set(sizes)
 
 
 def check_opset(model: onnx.ModelProto, lo: int = MIN_OPSET, hi: int = MAX_OPSET) -> int:
@@ -285,7 +332,7 @@ def atomic_output_dir(out_dir: str | os.PathLike) -> Iterator[Path]:
         yield tmp
     except OSError as exc:  # disk full, quota, permissions changed under us: bad environment, not a bug
         shutil.rmtree(tmp, ignore_errors=True)
-        if exc.errno in (errno.ENOSPC, errno.EDQUOT, errno.EACCES, errno.EROFS, errno.EPERM):
+        if exc.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EACCES, errno.EROFS, errno.EPERM):
             raise UserInputError(f"cannot write the output in {out_dir.parent}: {exc.strerror or exc}") from None
         raise
     except BaseException:
@@ -300,16 +347,37 @@ def atomic_output_dir(out_dir: str | os.PathLike) -> Iterator[Path]:
         shutil.rmtree(old, ignore_errors=True)
 
 
-def model_fingerprint(model: onnx.ModelProto) -> str:
+def external_bytes(tensor: onnx.TensorProto, base_dir: str | os.PathLike) -> bytes:
+    """The bytes of an initializer stored as external data, read from its file under ``base_dir``
+    (a short read, a file truncated under us, is a one-line ``UserInputError``)."""
+    info = {e.key: e.value for e in tensor.external_data}
+    path = Path(base_dir) / info.get("location", "")
+    offset = int(info.get("offset", 0))
+    itemsize = np.dtype(onnx.helper.tensor_dtype_to_np_dtype(tensor.data_type)).itemsize
+    length = int(info["length"]) if "length" in info else int(np.prod(tensor.dims, dtype=np.int64)) * itemsize
+    with open(path, "rb") as f:
+        f.seek(offset)
+        data = f.read(length)
+    if len(data) != length:
+        raise UserInputError(f"external data file {path.name} is truncated: tensor '{tensor.name}' needs bytes "
+                             f"{offset}..{offset + length} but the file has {path.stat().st_size}")
+    return data
+
+
+def model_fingerprint(model: onnx.ModelProto, base_dir: str | os.PathLike | None = None) -> str:
     """A content hash of a model (graph structure and every initializer's bytes).
 
     Streams initializer bytes into the hash so no second copy of the weights is made, and works
-    for models over 2 GB where ``SerializeToString`` would fail.
+    for models over 2 GB where ``SerializeToString`` would fail. Initializers still stored as
+    external data are read from ``base_dir`` one at a time (same hash as when loaded).
     """
     h = hashlib.sha256()
     for init in model.graph.initializer:
         h.update(init.name.encode())
         h.update(repr(list(init.dims)).encode())
+        if init.data_location == onnx.TensorProto.EXTERNAL and base_dir is not None:
+            h.update(external_bytes(init, base_dir))
+            continue
         h.update(onnx.numpy_helper.to_array(init).tobytes() if not init.raw_data else init.raw_data)
     skeleton = onnx.GraphProto()
     skeleton.CopyFrom(model.graph)

@@ -108,7 +108,7 @@ class PassContext:
 # class-line keyword -> the attribute the framework reads (``Pass.__init_subclass__``)
 _DECLARATIONS = {"name": "name", "exactness": "exactness", "config": "Config", "requires": "requires",
                  "establishes": "establishes", "calibrates": "needs_calibration", "summary": "summary_line",
-                 "marks_when_not_applicable": "marks_when_not_applicable"}
+                 "marks_when_not_applicable": "marks_when_not_applicable", "per_block": "per_block"}
 
 
 class Pass(abc.ABC):
@@ -120,7 +120,8 @@ class Pass(abc.ABC):
 
     Keywords: ``name``, ``exactness``, ``config`` (a frozen ``PassConfig`` subclass), ``requires``,
     ``establishes`` (an ``edgeq.facts`` marker), ``calibrates`` (needs calibration data),
-    ``marks_when_not_applicable``, ``summary`` (the line ``edgeq passes`` prints). A class that
+    ``marks_when_not_applicable``, ``per_block`` (block-wise compiles may run it),
+    ``summary`` (the line ``edgeq passes`` prints). A class that
     declares a ``name`` is registered (``edgeq.registry``) when it is created; abstract bases that
     share code between passes (``StaticQDQ``, ``GptqRewrite``) declare none.
     """
@@ -138,6 +139,11 @@ class Pass(abc.ABC):
     # True when the marker is left even where the pass does not apply (with the reason), so its
     # absence means the pass never ran: passes requiring it are refused instead of skipped.
     marks_when_not_applicable: ClassVar[bool] = False
+    # True when the pass gives the same result on each decoder block of a model, compiled one block
+    # at a time between the model's prologue and epilogue (``edgeq.blockwise``), as on the whole
+    # model: it rewrites within a block and keys nothing on the block's position. Declared only
+    # for passes tested that way (tests/test_blockwise.py).
+    per_block: ClassVar[bool] = False
 
     def __init_subclass__(cls, **declared: Any) -> None:
         unknown = sorted(set(declared) - set(_DECLARATIONS))

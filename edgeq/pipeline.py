@@ -93,9 +93,13 @@ class Pipeline:
         for i, p in enumerate(self.passes):
             ops_before = collections.Counter(n.op for n in graph.nodes)
             start = time.perf_counter()
+            if ctx.calibrator is not None:
+                ctx.calibrator.begin_pass(i)
             try:
                 result = self._run_pass(p, graph, ctx)
                 graph.cleanup().toposort()
+                if ctx.calibrator is not None:
+                    ctx.calibrator.end_pass(i, graph, p.needs_calibration, result.modified)
             except EdgeqError:
                 raise
             except Exception as exc:  # noqa: BLE001 (any other exception is a bug in the pass)

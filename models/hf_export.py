@@ -143,7 +143,29 @@ def export_to(hf_dir: Path, out: Path, task: str = "auto") -> None:
             f"export of {hf_dir} produced {produced or 'no ONNX file'}, not one {MODEL_FILE}; "
             "edgeq needs a single graph, try another --task"
         )
+    externalize_weights(out / MODEL_FILE)
     copy_sidecar_files(hf_dir, out)
+
+
+# model files at least this large get their weights moved to an external data file
+EXTERNAL_WEIGHTS_MIN_BYTES = 64 * 2**20
+
+
+def externalize_weights(path: Path) -> None:
+    """Store the weights of a large exported model beside it (``model.onnx.data``), as models over
+    2 GB must be anyway: a compiler can then read the graph without its weights and the weights
+    one block at a time (``edgeq.blockwise``), instead of parsing all of them with the graph.
+    Small models (tiny test exports) stay one file."""
+    if path.stat().st_size < EXTERNAL_WEIGHTS_MIN_BYTES:
+        return
+    import onnx
+
+    from edgeq.ir import external_data_locations, save_model
+
+    model = onnx.load_model(str(path))
+    if any(True for _ in external_data_locations(model)):
+        return  # optimum already wrote external data (a model over 2 GB)
+    save_model(model, path)
 
 
 def copy_sidecar_files(src: Path, out: Path) -> None:

@@ -22,7 +22,7 @@ from edgeq.structure import Norm, analyze
 from edgeq.passes.methods.weights import LinearEditor, is_weightless, norm_weights, position_wise_readers
 
 
-class FuseNormsPass(Pass, name="fuse-norms", exactness=Exactness.FLOAT_EQUIV,
+class FuseNormsPass(Pass, name="fuse-norms", per_block=True, exactness=Exactness.FLOAT_EQUIV,
                     summary="fold norm scales/biases into the linears that read them; untie tied embeddings"):
     def run(self, graph: gs.Graph, ctx: PassContext) -> PassResult:
         structure = analyze(graph)

@@ -12,5 +12,5 @@ from edgeq.passes.methods.gptq_rewrite import GptqConfig, GptqRewrite
 __all__ = ["GptqConfig", "GptqPass"]
 
 
-class GptqPass(GptqRewrite, name="gptq"):
+class GptqPass(GptqRewrite, name="gptq", per_block=True):
     """GPTQ weights; everything but the name is ``GptqRewrite``'s."""

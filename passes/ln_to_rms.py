@@ -25,7 +25,7 @@ from edgeq.structure import Norm
 from edgeq.passes.methods.weights import LinearEditor
 
 
-class LnToRmsPass(Pass, name="ln-to-rms", exactness=Exactness.FLOAT_EQUIV,
+class LnToRmsPass(Pass, name="ln-to-rms", per_block=True, exactness=Exactness.FLOAT_EQUIV,
                   summary="LayerNorm -> RMSNorm by making every residual-stream writer zero-mean"):
     def run(self, graph: gs.Graph, ctx: PassContext) -> PassResult:
         try:

@@ -65,7 +65,7 @@ def massive_channels(absmax: np.ndarray, ratio: float, max_channels: int) -> np.
     return order[absmax[order] > limit][:max_channels]
 
 
-class MassiveSplitPass(SideBranchPass, name="massive-split", exactness=Exactness.FLOAT_EQUIV,
+class MassiveSplitPass(SideBranchPass, name="massive-split", per_block=True, exactness=Exactness.FLOAT_EQUIV,
                        config=MassiveSplitConfig, establishes=facts.MASSIVE_SPLIT,
                        summary="split massive-activation input channels (before any online Hadamard) into a GEMV branch"):
     needs_calibration = True  # the massive channels are found in calibration, whatever the branch's precision

@@ -12,5 +12,5 @@ from edgeq.passes.methods.static_qdq import QDQConfig, StaticQDQ
 __all__ = ["QDQConfig", "QDQPass"]
 
 
-class QDQPass(StaticQDQ, name="qdq"):
+class QDQPass(StaticQDQ, name="qdq", per_block=True):
     """Static QDQ; everything but the name is ``StaticQDQ``'s."""

@@ -44,7 +44,7 @@ class RmsConfig(PassConfig):
         check_branch("rms", self.branch)
 
 
-class RmsPass(SideBranchPass, name="rms", exactness=Exactness.FLOAT_EQUIV, config=RmsConfig,
+class RmsPass(SideBranchPass, name="rms", per_block=True, exactness=Exactness.FLOAT_EQUIV, config=RmsConfig,
               requires=("fuse-norms", "ln-to-rms", "rotate"), establishes=facts.RMS,
               summary="MQuant RMS: split rotated channel 0 of Eq. 9 layers into a GEMV branch"):
     def run(self, graph: gs.Graph, ctx: PassContext) -> PassResult:

@@ -59,7 +59,7 @@ class RotateConfig(PassConfig):
     online_hadamard: bool = True
 
 
-class RotatePass(Pass, name="rotate", exactness=Exactness.FLOAT_EQUIV, config=RotateConfig,
+class RotatePass(Pass, name="rotate", per_block=True, exactness=Exactness.FLOAT_EQUIV, config=RotateConfig,
                  requires=("fuse-norms", "ln-to-rms"), establishes=facts.ROTATED,
                  summary="randomized-Hadamard residual rotation (offline) + online Hadamard before down_proj/fc2"):
     def run(self, graph: gs.Graph, ctx: PassContext) -> PassResult:

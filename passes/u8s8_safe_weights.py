@@ -29,7 +29,7 @@ from edgeq.targets.saturation import PAIR_LIMIT, fix_pairs, pair_bounded_scale, 
 from edgeq.targets.u8s8_sites import u8s8_weights
 
 
-class U8S8SafeWeightsPass(Pass, name="u8s8-safe-weights", exactness=Exactness.LOSSY,
+class U8S8SafeWeightsPass(Pass, name="u8s8-safe-weights", per_block=True, exactness=Exactness.LOSSY,
                           summary="requantize int8 weights of uint8 x int8 linears that could saturate CPUs without VNNI onto the pair-bounded grid"):
     def run(self, graph: gs.Graph, ctx: PassContext) -> PassResult:
         index = ir.GraphIndex(graph)

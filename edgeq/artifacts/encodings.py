@@ -74,15 +74,17 @@ _PASS_THROUGH = frozenset({"Clip", "Gather", "GatherElements", "Concat", "Reshap
                            "Unsqueeze", "Slice", "Identity", "Flatten", "Expand", "Split", "Tile"})
 
 
-def collect_encodings(model: onnx.ModelProto) -> dict:
-    """The encodings of every QuantizeLinear/DequantizeLinear in ``model``'s main graph."""
-    return _Reader(model).collect()
+def collect_encodings(model: onnx.ModelProto, base_dir: str = "") -> dict:
+    """The encodings of every QuantizeLinear/DequantizeLinear in ``model``'s main graph
+    (``base_dir``: where initializers still stored as external data are read from)."""
+    return _Reader(model, base_dir).collect()
 
 
 class _Reader:
     """One pass of lookups over the graph (constants, producers, consumers, element types)."""
 
-    def __init__(self, model: onnx.ModelProto):
+    def __init__(self, model: onnx.ModelProto, base_dir: str = ""):
+        self.base_dir = base_dir
         graph = model.graph
         self.nodes = list(graph.node)
         self.tensors = {t.name: t for t in graph.initializer}
@@ -111,7 +113,7 @@ class _Reader:
 
     def value(self, name: str) -> np.ndarray | None:
         t = self.tensors.get(name) if name else None
-        return None if t is None else numpy_helper.to_array(t)
+        return None if t is None else numpy_helper.to_array(t, self.base_dir)
 
     def elem_type(self, name: str) -> int | None:
         t = self.tensors.get(name)

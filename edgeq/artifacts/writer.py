@@ -23,10 +23,20 @@ from edgeq.pipeline import peak_rss_mb
 
 
 def write_outputs(out_dir: Path, model: onnx.ModelProto, report: dict, *, encodings: dict, recipe, input_model: dict,
-                  target: str | None, u8s8: dict, probe_feeds: dict | None, started: float) -> dict:
-    """Write every output file; returns the completed report."""
+                  target: str | None, u8s8: dict, probe_feeds: dict | None, started: float,
+                  external_data: Path | None = None) -> dict:
+    """Write every output file; returns the completed report.
+
+    ``external_data``: the weights are already written (a block-wise compile streams them into
+    this file as it goes, and ``model`` references them as ``model.onnx.data``): the file is moved
+    in and only the graph is saved."""
     with ir.atomic_output_dir(out_dir) as tmp:
-        model_path = ir.save_model(model, tmp / "model.onnx")
+        if external_data is not None and any(True for _ in ir.external_data_locations(model)):
+            Path(external_data).replace(tmp / ("model.onnx" + ir.EXTERNAL_DATA_SUFFIX))
+            model_path = tmp / "model.onnx"
+            onnx.save_model(model, str(model_path))
+        else:
+            model_path = ir.save_model(model, tmp / "model.onnx")
         report["u8s8"] = _u8s8_report(onnx.load_model(str(model_path)), probe_feeds, u8s8)
         (tmp / "encodings.json").write_text(json.dumps(encodings, indent=1))
         report["quantized_tensors"] = {"activations": len(encodings["activations"]), "weights": len(encodings["weights"])}

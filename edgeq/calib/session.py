@@ -4,6 +4,13 @@ One batch at a time: the outputs of a batch update the observers and are dropped
 batch runs, so memory is bounded by one batch's activations whatever the number of samples.
 Results are cached on disk, keyed by the model's content hash, the data's fingerprint, the tensors
 and the observer settings: compiling again with the same inputs skips the onnxruntime runs.
+
+Block-wise compiles (``edgeq.blockwise``) give the calibrator a ``StreamCarry``: the graph is then
+one decoder block between the model's prologue and epilogue, the block's stream input is fed with
+the hidden states the previous block produced (instead of the embedding), and the block's output is
+kept for the next block. Each calibration request of a compile (pass, then call within the pass)
+has its own carried states, so every block sees what the in-memory path's whole-model run shows it:
+the upstream blocks as they were before that pass.
 """
 
 from __future__ import annotations
@@ -49,6 +56,38 @@ def default_cache_dir() -> Path:
     return Path(os.environ.get("EDGEQ_CACHE_DIR", Path.home() / ".cache" / "edgeq")) / "calib"
 
 
+@dataclass
+class StreamCarry:
+    """Hidden states carried from one block to the next through a block-wise compile.
+
+    ``cut``: the block graph's stream input, fed with the carried states (None for the first
+    block, whose input is the real embedding); ``capture``: the block's output. ``states`` holds,
+    per calibration request ``(pass position, call within the pass)``, one array per calibration
+    batch; ``captured`` fills up while the block runs and becomes the next block's ``states``.
+    """
+
+    cut: str | None
+    capture: str
+    states: dict[tuple[int, int], list[np.ndarray]] = field(default_factory=dict)
+    captured: dict[tuple[int, int], list[np.ndarray]] = field(default_factory=dict)
+    stage: int = 0
+    calls: int = 0
+
+    def next_request(self) -> tuple[int, int]:
+        key = (self.stage, self.calls)
+        self.calls += 1
+        if self.cut is not None and key not in self.states:
+            raise RuntimeError(f"block-wise calibration: request {key} has no carried states (a pass calibrates "
+                               "a different number of times per block)")
+        self.captured[key] = []
+        return key
+
+    def advance(self, cut: str, capture: str) -> None:
+        """Start the next block: its input is what this block produced."""
+        self.states, self.captured = self.captured, {}
+        self.cut, self.capture, self.stage, self.calls = cut, capture, 0, 0
+
+
 class Calibrator:
     def __init__(self, data: CalibrationSet, cache_dir: Path | None = None, use_cache: bool = True):
         self.data = data
@@ -56,6 +95,36 @@ class Calibrator:
         self.use_cache = use_cache
         self.log = CalibrationLog()
         self._fingerprint_memo: dict = {}
+        self.carry: StreamCarry | None = None  # set by a block-wise compile
+
+    def begin_pass(self, position: int) -> None:
+        """The pipeline names the pass about to run (block-wise calibration keys its states by it)."""
+        if self.carry is not None:
+            self.carry.stage, self.carry.calls = position, 0
+
+    def end_pass(self, position: int, graph: gs.Graph, calibrates: bool, modified: bool) -> None:
+        """Block-wise: a calibrating pass that did not calibrate in this block (nothing to do here,
+        e.g. no Eq. 9 layer) still owes the next block its input; the graph is unchanged, so the
+        block's output is computed from it now."""
+        carry = self.carry
+        if carry is None or not calibrates or (position, 0) in carry.captured:
+            return
+        if modified:
+            raise RuntimeError(f"block-wise calibration: pass #{position} changed a block without calibrating on it")
+        carry.stage, carry.calls = position, 0
+        request = carry.next_request()
+        model = ir.to_model(graph)
+        if carry.cut is not None:
+            feed_from_input(model, carry.cut)
+        add_outputs(model, graph, [carry.capture])
+        session = ir.make_session(model, optimize=True)
+        del model
+        accepted = {i.name for i in session.get_inputs()}
+        for b, feeds in enumerate(self.data.batches):
+            feeds = {k: v for k, v in feeds.items() if k in accepted}
+            if carry.cut is not None:
+                feeds[carry.cut] = carry.states[request][b]
+            carry.captured[request].append(session.run([carry.capture], feeds)[0])
 
     def observe(
         self,
@@ -72,10 +141,16 @@ class Calibrator:
         if not factories:
             return {}
         names = sorted(factories)
-        start = time.perf_counter()
-        key = self._cache_key(graph, names, settings_key + (f":split={split_by}" if split_by else ""))
-        self.log.fingerprint_seconds += time.perf_counter() - start
-        cached = self._load(key, names)
+        carry = self.carry
+        if carry is not None and split_by:
+            raise NotImplementedError("block-wise calibration does not split by modality")
+        # a block-wise compile needs every run (its output feeds the next block): no cache
+        key = cached = None
+        if carry is None:
+            start = time.perf_counter()
+            key = self._cache_key(graph, names, settings_key + (f":split={split_by}" if split_by else ""))
+            self.log.fingerprint_seconds += time.perf_counter() - start
+            cached = self._load(key, names)
         if cached is not None:
             self.log.cache_hits += 1
             self._record(cached)
@@ -87,11 +162,24 @@ class Calibrator:
         else:
             observers = {name: factories[name]() for name in names}
         fetch = names + ([split_by] if split_by else [])
+        request = carry.next_request() if carry is not None else None
+        if carry is not None:
+            fetch = fetch + [carry.capture]
+            if carry.cut is not None:
+                feed_from_input(model, carry.cut)
         add_outputs(model, graph, fetch)
         session = ir.make_session(model, optimize=True)
         del model  # onnxruntime holds its own copy of the weights; free ours before running
-        for feeds in progress(self.data.batches, desc=f"calibrating {len(names)} tensors"):
+        accepted = {i.name for i in session.get_inputs()}
+        batches = self.data.batches if carry is not None else progress(self.data.batches, desc=f"calibrating {len(names)} tensors")
+        for b, feeds in enumerate(batches):  # (block-wise: one progress line per block instead)
+            if carry is not None:
+                feeds = {k: v for k, v in feeds.items() if k in accepted}
+                if carry.cut is not None:
+                    feeds[carry.cut] = carry.states[request][b]
             values = session.run(fetch, feeds)
+            if carry is not None:
+                carry.captured[request].append(values.pop())
             for name, value in zip(names, values):
                 if split_by:
                     observers[name].update_split(value, values[-1])
@@ -100,7 +188,8 @@ class Calibrator:
             del values
         self.log.runs += 1
         self.log.seconds += time.perf_counter() - start
-        self._save(key, observers)
+        if key is not None:
+            self._save(key, observers)
         self._record(observers)
         return observers
 
@@ -108,6 +197,8 @@ class Calibrator:
         """Yield ``(feeds, {name: value})`` for the calibration batches (at most ``max_batches``),
         for methods whose statistics are not per-tensor observers (kvquant's attention samples).
         One onnxruntime session, counted in the log like ``observe``'s; nothing is cached."""
+        if self.carry is not None:
+            raise NotImplementedError("block-wise calibration carries states through observe() only")
         model = ir.to_model(graph)
         add_outputs(model, graph, names)
         start = time.perf_counter()
@@ -178,6 +269,16 @@ def add_outputs(model: onnx.ModelProto, graph: gs.Graph, names: list[str]) -> No
             continue
         elem = _elem_type(getattr(tensors.get(name), "dtype", None))
         model.graph.output.append(onnx.helper.make_tensor_value_info(name, elem, None))
+
+
+def feed_from_input(model: onnx.ModelProto, name: str) -> None:
+    """Make tensor ``name`` a graph input: its producer is removed, so onnxruntime takes it from the
+    feeds (a block's stream input, fed with the previous block's output)."""
+    graph = model.graph
+    producers = [n for n in graph.node if name in n.output]
+    for node in producers:
+        graph.node.remove(node)
+    graph.input.append(onnx.helper.make_tensor_value_info(name, onnx.TensorProto.FLOAT, None))
 
 
 def _elem_type(dtype) -> int:

@@ -1,0 +1,109 @@
+"""Block-wise compile (``edgeq.blockwise``): the same model as the in-memory path, one block at a time.
+
+Tiny random models check the structure and the exactness of the stitching (every block's nodes,
+the carried calibration states, weights streamed to the external data file); SmolLM2's figures
+(peak RSS, perplexity against the in-memory path) are in ``benchmarks/scale.py``.
+"""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+
+from edgeq import blockwise
+from edgeq.cli import main
+
+RECIPES = ("mquant-w8a8", "gptq-w4a16", "w8a8", "quarot-w8a8")
+
+
+@pytest.fixture(scope="module")
+def calib(tmp_path_factory):
+    path = tmp_path_factory.mktemp("calib") / "calib.npz"
+    rng = np.random.default_rng(0)
+    np.savez(path, input_ids=rng.integers(0, 256, (3, 24)), attention_mask=np.ones((3, 24), np.int64),
+             position_ids=np.tile(np.arange(24), (3, 1)))
+    return path
+
+
+def _compile(capsys, model, out, recipe, calib, mode):
+    code = main(["compile", str(model), "--recipe", recipe, "--calib", str(calib), "-o", str(out),
+                 "--blockwise", mode, "--no-cache"])
+    err = capsys.readouterr().err
+    assert code == 0, err
+    return json.loads((out / "report.json").read_text()), err
+
+
+def _logits(model_dir, calib):
+    data = np.load(calib)
+    so = ort.SessionOptions()
+    so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    session = ort.InferenceSession(str(model_dir / "model.onnx"), so, providers=["CPUExecutionProvider"])
+    return session.run(["logits"], {k: data[k] for k in data.files})[0]
+
+
+def test_partition_of_a_tiny_llama(tiny_models):
+    part = blockwise.partition(onnx.load(str(tiny_models["llama"]), load_external_data=False))
+    assert part.num_layers == 2
+    assert part.stream[0].endswith("embed_tokens/Gather_output_0")
+    assert part.stream[1].startswith("/model/layers.0/") and part.stream[2].startswith("/model/layers.1/")
+    # the rotary tables layer 0 computes and layer 1 reads stay layer 0's
+    assert all(name.startswith("/model/layers.0/") for name in part.exported_support[0])
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_blockwise_equals_in_memory(tiny_models, calib, tmp_path, capsys, monkeypatch, arch, recipe):
+    """Same logits and the same encodings (scales, zero points) as the in-memory compile, with every
+    initializer above 1 KB streamed to the external data file (the spill threshold lowered here)."""
+    monkeypatch.setattr(blockwise, "SPILL_BYTES", 1024)  # as ir.save_model: shape tensors stay inline
+    mem, _ = _compile(capsys, tiny_models[arch], tmp_path / "mem", recipe, calib, "off")
+    blk, err = _compile(capsys, tiny_models[arch], tmp_path / "blk", recipe, calib, "on")
+    assert mem["compile_path"]["blockwise"] is False and blk["compile_path"]["blockwise"] is True
+    assert blk["compile_path"]["blocks"] == 2
+    assert "block 2/2" in err and "ETA" in err
+    a, b = _logits(tmp_path / "mem", calib), _logits(tmp_path / "blk", calib)
+    np.testing.assert_allclose(b, a, rtol=0, atol=1e-5 * float(np.abs(a).max()))
+    enc_a = json.loads((tmp_path / "mem" / "encodings.json").read_text())
+    enc_b = json.loads((tmp_path / "blk" / "encodings.json").read_text())
+    assert enc_a["activations"] == enc_b["activations"]
+    assert enc_a["weights"] == enc_b["weights"]
+    # the weights live in the external data file, written block by block
+    out = onnx.load(str(tmp_path / "blk" / "model.onnx"), load_external_data=False)
+    assert sum(t.data_location == onnx.TensorProto.EXTERNAL for t in out.graph.initializer) > 10
+    assert [p["name"] for p in mem["passes"]] == [p["name"] for p in blk["passes"]]
+    assert all("peak_rss_mb" in p and "seconds" in p for p in blk["passes"])
+
+
+def test_auto_keeps_small_models_in_memory(tiny_models, calib, tmp_path, capsys):
+    report, _ = _compile(capsys, tiny_models["llama"], tmp_path / "out", "w8a8", calib, "auto")
+    assert report["compile_path"]["blockwise"] is False
+    assert "in memory" in report["compile_path"]["reason"]
+
+
+def test_forced_blockwise_refuses_what_it_cannot_do(tiny_models, calib, tmp_path, capsys):
+    """--blockwise on with a pass that needs the whole graph, or a graph without decoder blocks:
+    one line, exit 2, nothing written."""
+    for model, recipe, needle in ((tiny_models["llama"], "resq-w4a8", "cannot compile block by block"),
+                                  (tiny_models["bert"], "w8a8", "does not split into decoder blocks")):
+        out = tmp_path / "out"
+        code = main(["compile", str(model), "--recipe", recipe, "--calib", str(calib), "-o", str(out), "--blockwise", "on"])
+        err = capsys.readouterr().err.strip()
+        assert code == 2, err
+        assert len(err.splitlines()) == 1 and needle in err, err
+        assert not out.exists()
+        assert not [p for p in tmp_path.iterdir() if p.name.startswith(".out.")]
+
+
+def test_merge_records_sums_numbers_and_joins_lists():
+    recs = [[{"name": "qdq", "seconds": 1.0, "peak_rss_mb": 10.0, "modified": True, "summary": {"n": 2, "roles": ["a"]},
+              "ops_added": {"QuantizeLinear": 3}, "ops_removed": {}}],
+            [{"name": "qdq", "seconds": 2.0, "peak_rss_mb": 30.0, "modified": False, "summary": {"n": 1, "roles": ["b"]},
+              "ops_added": {"QuantizeLinear": 1}, "ops_removed": {}}]]
+    merged = blockwise.merge_records(recs)[0]
+    assert merged["seconds"] == 3.0 and merged["peak_rss_mb"] == 30.0 and merged["blocks_modified"] == 1
+    assert merged["summary"] == {"n": 3, "roles": ["a", "b"]}
+    assert merged["ops_added"] == {"QuantizeLinear": 4}

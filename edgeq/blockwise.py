@@ -198,7 +198,21 @@ def read_tensor(tensor: TensorProto, base_dir: Path) -> TensorProto:
     return out
 
 
-def stand_in(tensor: TensorProto) -> TensorProto:
+def _embedding_side(graph: onnx.GraphProto, stream_in: str) -> set[int]:
+    """Positions of the nodes computing the stream's first tensor (the embedding lookup and
+    anything between it and the first block)."""
+    producer = {o: k for k, n in enumerate(graph.node) for o in n.output}
+    side, todo = set(), [stream_in]
+    while todo:
+        k = producer.get(todo.pop())
+        if k is None or k in side:
+            continue
+        side.add(k)
+        todo.extend(x for x in graph.node[k].input if x)
+    return side
+
+
+def stand_in(tensor: TensorProto, name: str | None = None) -> TensorProto:
     """A small table of the same rank and type: its largest dimension (the vocabulary) cut to
     ``STUB_ROWS``. Seeded, so every block sees the same stand-in."""
     dims = list(tensor.dims)
@@ -206,7 +220,7 @@ def stand_in(tensor: TensorProto) -> TensorProto:
     dims[axis] = min(dims[axis], STUB_ROWS)
     dtype = onnx.helper.tensor_dtype_to_np_dtype(tensor.data_type)
     values = (np.random.default_rng(0).standard_normal(dims) * 0.02).astype(dtype)
-    return onnx.numpy_helper.from_array(values, tensor.name)
+    return onnx.numpy_helper.from_array(values, name or tensor.name)
 
 
 def _tensor_numel(tensor: TensorProto) -> int:
@@ -240,20 +254,37 @@ def block_model(skeleton: onnx.ModelProto, part: Partition, i: int, base_dir: Pa
             if name in mapping:
                 node.input[j] = mapping[name]
         used.update(node.input)
-    only_ends = set()
-    if 0 < i < last:  # tables read only by the prologue/epilogue: stand-ins
-        inner = set(part.support[i]) | layer
-        inner_reads = {name for k in inner for name in nodes[k].input}
-        only_ends = {t.name for t in graph.initializer if t.name in used and t.name not in inner_reads
-                     and _tensor_numel(t) >= STUB_ELEMENTS}
+    # Large tables read only by the prologue/epilogue (embedding, head) get small stand-ins where
+    # this block's result does not use them: the head before the last block, the embedding after
+    # the first (later blocks are fed the carried states). A tied table read on both sides is
+    # split: the side that keeps it reads the real one, the other a stand-in of its own name.
+    inner_reads = {name for k in set(part.support[i]) | layer for name in nodes[k].input}
+    tables = {t.name for t in graph.initializer if t.name in used and t.name not in inner_reads
+              and _tensor_numel(t) >= STUB_ELEMENTS}
+    real_side = "both" if last == 0 else "embedding" if i == 0 else "head" if i == last else "none"
+    stand_ins: dict[str, str] = {}
+    if tables and real_side != "both":
+        embedding_side = _embedding_side(g, part.stream[0])
+        for k, node in enumerate(g.node):
+            side = "embedding" if k in embedding_side else "head"
+            if side == real_side:
+                continue
+            for j, name in enumerate(node.input):
+                if name in tables:
+                    node.input[j] = stand_ins.setdefault(name, name if real_side == "none" else f"{name}__stand_in")
     for t in graph.initializer:
-        if t.name in used:
-            g.initializer.append(stand_in(t) if t.name in only_ends else read_tensor(t, base_dir))
+        if t.name not in used:
+            continue
+        if t.name in stand_ins:
+            g.initializer.append(stand_in(t, stand_ins[t.name]))
+        if t.name not in stand_ins or stand_ins[t.name] != t.name:
+            if any(t.name in n.input for n in g.node) or t.name not in tables:
+                g.initializer.append(read_tensor(t, base_dir))
     g.input.extend(graph.input)
     for out in graph.output:
         vi = g.output.add()
         vi.CopyFrom(out)
-        if only_ends:  # the stand-in head's width is not the vocabulary
+        if real_side in ("none", "embedding") and stand_ins:  # the stand-in head's width is not the vocabulary
             vi.type.tensor_type.ClearField("shape")
     return model
 

@@ -480,6 +480,15 @@ class GraphIndex:
         return None
 
 
+def proto_bytes(model: onnx.ModelProto) -> int:
+    """The serialized size of ``model``, also past 2 GB (where protobuf's ``ByteSize`` overflows):
+    the initializers' data plus the rest of the graph."""
+    data = sum(len(t.raw_data) for t in model.graph.initializer)
+    if data < 1_000_000_000:
+        return model.ByteSize()
+    return data + sum(n.ByteSize() for n in model.graph.node)
+
+
 def make_session(model: onnx.ModelProto, optimize: bool = False, threads: int | None = None):
     """An onnxruntime CPU session on an in-memory model (via a temporary folder above 1.8 GB).
 
@@ -494,7 +503,7 @@ def make_session(model: onnx.ModelProto, optimize: bool = False, threads: int | 
         so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
     if threads:
         so.intra_op_num_threads = threads
-    if model.ByteSize() < 1_800_000_000:
+    if proto_bytes(model) < 1_800_000_000:
         return ort.InferenceSession(model.SerializeToString(), so, providers=["CPUExecutionProvider"])
     with tempfile.TemporaryDirectory(prefix="edgeq-session-") as tmp:
         path = save_model(model, Path(tmp) / "model.onnx")

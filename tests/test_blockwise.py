@@ -20,13 +20,20 @@ from edgeq.cli import main
 RECIPES = ("mquant-w8a8", "gptq-w4a16", "w8a8", "quarot-w8a8")
 
 
-@pytest.fixture(scope="module")
-def calib(tmp_path_factory):
-    path = tmp_path_factory.mktemp("calib") / "calib.npz"
+def _calib_for(model, folder):
+    """Three 24-token samples with exactly the model's inputs (Gemma takes no position_ids)."""
+    names = {i.name for i in onnx.load(str(model), load_external_data=False).graph.input}
     rng = np.random.default_rng(0)
-    np.savez(path, input_ids=rng.integers(0, 256, (3, 24)), attention_mask=np.ones((3, 24), np.int64),
-             position_ids=np.tile(np.arange(24), (3, 1)))
+    feeds = {"input_ids": rng.integers(0, 256, (3, 24)), "attention_mask": np.ones((3, 24), np.int64),
+             "position_ids": np.tile(np.arange(24), (3, 1))}
+    path = folder / "calib.npz"
+    np.savez(path, **{k: v for k, v in feeds.items() if k in names})
     return path
+
+
+@pytest.fixture(scope="module")
+def calib(tmp_path_factory, tiny_models):
+    return _calib_for(tiny_models["llama"], tmp_path_factory.mktemp("calib"))
 
 
 def _compile(capsys, model, out, recipe, calib, mode):
@@ -55,11 +62,12 @@ def test_partition_of_a_tiny_llama(tiny_models):
 
 
 @pytest.mark.parametrize("recipe", RECIPES)
-@pytest.mark.parametrize("arch", ["llama", "qwen2"])
-def test_blockwise_equals_in_memory(tiny_models, calib, tmp_path, capsys, monkeypatch, arch, recipe):
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "gemma2", "qwen3"])
+def test_blockwise_equals_in_memory(tiny_models, tmp_path, capsys, monkeypatch, arch, recipe):
     """Same logits and the same encodings (scales, zero points) as the in-memory compile, with every
     initializer above 1 KB streamed to the external data file (the spill threshold lowered here)."""
     monkeypatch.setattr(blockwise, "SPILL_BYTES", 1024)  # as ir.save_model: shape tensors stay inline
+    calib = _calib_for(tiny_models[arch], tmp_path)
     mem, _ = _compile(capsys, tiny_models[arch], tmp_path / "mem", recipe, calib, "off")
     blk, err = _compile(capsys, tiny_models[arch], tmp_path / "blk", recipe, calib, "on")
     assert mem["compile_path"]["blockwise"] is False and blk["compile_path"]["blockwise"] is True

@@ -33,13 +33,14 @@ def _source(sources: argparse._SubParsersAction, name: str, func, help: str,
 
 
 def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
-    """Add ``export`` with its ``smollm2``, ``composed-vlm``, ``hf`` and ``tiny`` sources."""
+    """Add ``export`` with its ``smollm2``, ``composed-vlm``, ``hf``, ``tiny`` and ``random`` sources."""
+    from edgeq.models.random_presets import RANDOM_PRESETS
     from edgeq.models.tiny import TINY_ARCHS
     from edgeq.models.tiny_qwen2vl import TINY_QWEN2VL
 
     export = subparsers.add_parser(
         "export",
-        help="export a model to ONNX (SmolLM2, a Hugging Face folder, or a tiny test model)",
+        help="export a model to ONNX (SmolLM2, a Hugging Face folder, a tiny test model, or a real-shaped random LLM)",
         description=(
             "Export a model to a folder holding one fp32 ONNX graph (model.onnx) plus its config "
             "and tokenizer. Decoder LLMs are exported without a KV cache (inputs input_ids, "
@@ -117,6 +118,22 @@ def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     )
     tiny.add_argument("--seed", type=int, default=0, help="seed of the random weights (default: 0)")
     tiny.add_argument("--with-past", action="store_true", help=_WITH_PAST_HELP + " (llama, qwen2, gpt2)")
+
+    rand = _source(
+        sources, "random", _run_random,
+        help="a real-shaped LLM with random weights, for memory and time measurements (never accuracy)",
+        description=(
+            "Export a decoder LLM with the exact config of a released model (layers, widths, heads, "
+            "vocabulary, rope) and seeded random weights, without a KV cache. For memory and time "
+            "measurements at real scale only, never for accuracy. The weights are streamed into "
+            "model.onnx.data tensor by tensor, so exporting needs about one tensor of memory beyond "
+            "the graph (a 3B model is 12.8 GB of fp32 weights on disk). No tokenizer files are written."
+        ),
+    )
+    rand.add_argument("preset", choices=RANDOM_PRESETS, help="the released model whose config is used")
+    rand.add_argument("--layers", type=positive_int, default=None, metavar="N",
+                      help="for tests: fewer layers, same widths (default: the preset's layer count)")
+    rand.add_argument("--seed", type=int, default=0, help="seed of the random weights (default: 0)")
     return export
 
 
@@ -165,4 +182,11 @@ def _run_tiny(args: argparse.Namespace) -> int:
         return 0
 
     print(export_tiny(args.arch, args.output, seed=args.seed))
+    return 0
+
+
+def _run_random(args: argparse.Namespace) -> int:
+    from edgeq.models.random_presets import export_random
+
+    print(export_random(args.preset, args.output, layers=args.layers, seed=args.seed))
     return 0

@@ -61,7 +61,7 @@ def _add_compile(sub) -> None:
                    help="compile one decoder block at a time: weights read per block and written out as each block "
                         "is done, calibration carried from block to block, so memory stays near one block's instead "
                         "of several times the model's (same numbers as in memory). auto (default): for models of "
-                        "256 MB or more whose graph splits into blocks and whose recipe passes all run per block; "
+                        "1 GB or more whose graph splits into blocks and whose recipe passes all run per block; "
                         "one progress line per block with an ETA")
     p.set_defaults(func=_run_compile)
 

@@ -201,15 +201,20 @@ def read_tensor(tensor: TensorProto, base_dir: Path) -> TensorProto:
 def _embedding_side(graph: onnx.GraphProto, stream_in: str) -> set[int]:
     """Positions of the nodes computing the stream's first tensor (the embedding lookup and
     anything between it and the first block)."""
-    producer = {o: k for k, n in enumerate(graph.node) for o in n.output}
-    side, todo = set(), [stream_in]
+    return upstream(graph.node, [stream_in])
+
+
+def upstream(nodes, targets: Iterable[str], stop: set[str] = frozenset()) -> set[int]:
+    """Positions in ``nodes`` of everything computing ``targets``, not climbing past ``stop``."""
+    producer = {o: k for k, n in enumerate(nodes) for o in n.output if o}
+    keep, todo = set(), [t for t in targets if t not in stop]
     while todo:
         k = producer.get(todo.pop())
-        if k is None or k in side:
+        if k is None or k in keep:
             continue
-        side.add(k)
-        todo.extend(x for x in graph.node[k].input if x)
-    return side
+        keep.add(k)
+        todo.extend(x for x in nodes[k].input if x and x not in stop)
+    return keep
 
 
 def stand_in(tensor: TensorProto, name: str | None = None) -> TensorProto:
@@ -292,16 +297,7 @@ def block_model(skeleton: onnx.ModelProto, part: Partition, i: int, base_dir: Pa
 # -- assembling the compiled blocks ---------------------------------------------------------------
 def ancestors(model: onnx.ModelProto, targets: Iterable[str], stop: set[str]) -> list[onnx.NodeProto]:
     """The nodes computing ``targets``, not climbing past ``stop`` tensors, in graph order."""
-    producer = {o: k for k, n in enumerate(model.graph.node) for o in n.output if o}
-    keep, todo = set(), [t for t in targets if t not in stop]
-    while todo:
-        name = todo.pop()
-        k = producer.get(name)
-        if k is None or k in keep:
-            continue
-        keep.add(k)
-        todo.extend(x for x in model.graph.node[k].input if x and x not in stop)
-    return [model.graph.node[k] for k in sorted(keep)]
+    return [model.graph.node[k] for k in sorted(upstream(model.graph.node, targets, stop))]
 
 
 @dataclass
@@ -417,15 +413,7 @@ class Assembler:
         os.fsync(self._file.fileno())
         self.close()
         sk = self.skeleton
-        outputs = [o.name for o in sk.graph.output]
-        producer = {o: k for k, n in enumerate(self.nodes) for o in n.output if o}
-        live, todo = set(), list(outputs)
-        while todo:
-            k = producer.get(todo.pop())
-            if k is None or k in live:
-                continue
-            live.add(k)
-            todo.extend(x for x in self.nodes[k].input if x)
+        live = upstream(self.nodes, [o.name for o in sk.graph.output])
         nodes = [n for k, n in enumerate(self.nodes) if k in live]
         read = {x for n in nodes for x in n.input}
         known = {o for n in nodes for o in n.output} | set(self.initializers) | {t.name for t in sk.graph.input}

@@ -363,7 +363,8 @@ class Assembler:
             self.node_names.add(node.name)
             self.nodes.append(node)
         for f in model.functions:
-            self.functions.setdefault((f.domain, f.name), f)
+            if (f.domain, f.name) not in self.functions:
+                self.functions[(f.domain, f.name)] = _copied(f)
         for imp in model.opset_import:
             self.opsets[imp.domain] = max(self.opsets.get(imp.domain, 0), imp.version)
         self.metadata.update({p.key: p.value for p in model.metadata_props})
@@ -392,15 +393,15 @@ class Assembler:
         if not t.HasField("raw_data"):
             t = onnx.numpy_helper.from_array(onnx.numpy_helper.to_array(t), t.name)
         if len(t.raw_data) < SPILL_BYTES:
-            return t
+            return _copied(t)  # a message of its own: a part of the block's model would keep all of it alive
         pad = -self.offset % ALIGN
         self._file.write(b"\0" * pad)
         self.offset += pad
         data = t.raw_data
         self._file.write(data)
         ref = TensorProto()
-        ref.CopyFrom(t)
-        ref.ClearField("raw_data")
+        ref.name, ref.data_type = t.name, t.data_type
+        ref.dims.extend(t.dims)
         ref.data_location = TensorProto.EXTERNAL
         for key, value in (("location", DATA_LOCATION), ("offset", str(self.offset)), ("length", str(len(data)))):
             ref.external_data.add(key=key, value=value)
@@ -441,6 +442,13 @@ def _digest(t: TensorProto) -> str:
     h = hashlib.sha1(repr((t.data_type, list(t.dims))).encode())
     h.update(t.raw_data if t.HasField("raw_data") else t.SerializeToString())
     return h.hexdigest()
+
+
+def _copied(message):
+    """A copy in its own protobuf arena (holding any part of a message keeps the whole alive)."""
+    out = type(message)()
+    out.CopyFrom(message)
+    return out
 
 
 def _renamed(t: TensorProto, name: str) -> TensorProto:

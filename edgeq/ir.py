@@ -489,11 +489,18 @@ def proto_bytes(model: onnx.ModelProto) -> int:
     return data + sum(n.ByteSize() for n in model.graph.node)
 
 
-def make_session(model: onnx.ModelProto, optimize: bool = False, threads: int | None = None):
+# models at least this large reach onnxruntime through a temporary file when the caller gives
+# them up (``consume``): serialized bytes beside the proto and onnxruntime's copy would triple them
+CONSUME_VIA_FILE_BYTES = 256 * 2**20
+
+
+def make_session(model: onnx.ModelProto, optimize: bool = False, threads: int | None = None, consume: bool = False):
     """An onnxruntime CPU session on an in-memory model (via a temporary folder above 1.8 GB).
 
     ``optimize=False`` disables graph optimizations: equivalence checks must see our graph, not
-    onnxruntime's rewrite of it.
+    onnxruntime's rewrite of it. ``consume=True``: ``model`` is not needed afterwards; a large one
+    is written out with its weights moved out of memory as they go, and emptied, so the weights
+    are held once (by onnxruntime) instead of three times.
     """
     import onnxruntime as ort
 
@@ -503,7 +510,15 @@ def make_session(model: onnx.ModelProto, optimize: bool = False, threads: int | 
         so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
     if threads:
         so.intra_op_num_threads = threads
-    if proto_bytes(model) < 1_800_000_000:
+    size = proto_bytes(model)
+    if consume and size >= CONSUME_VIA_FILE_BYTES:
+        with tempfile.TemporaryDirectory(prefix="edgeq-session-") as tmp:
+            path = Path(tmp) / "model.onnx"
+            onnx.save_model(model, str(path), save_as_external_data=True, all_tensors_to_one_file=True,
+                            location="model.onnx" + EXTERNAL_DATA_SUFFIX, size_threshold=1024, convert_attribute=False)
+            model.Clear()  # (saving moved the weights to the file; nothing else is left worth keeping)
+            return ort.InferenceSession(str(path), so, providers=["CPUExecutionProvider"])
+    if size < 1_800_000_000:
         return ort.InferenceSession(model.SerializeToString(), so, providers=["CPUExecutionProvider"])
     with tempfile.TemporaryDirectory(prefix="edgeq-session-") as tmp:
         path = save_model(model, Path(tmp) / "model.onnx")

@@ -231,9 +231,24 @@ def is_saturation_free(q_kn: np.ndarray) -> bool:
     return bool(np.all(worst_pair(q_kn) <= PAIR_LIMIT))
 
 
+# Per-channel work on a [K, N] weight runs in column blocks of about this many elements: its
+# float64 and int64 temporaries on a 128k-vocabulary head would otherwise take several GB. Columns
+# are independent, so the result is the same as in one piece.
+COLUMN_BLOCK_ELEMENTS = 1 << 22
+
+
+def column_blocks(w_kn: np.ndarray) -> list[slice]:
+    """Slices of the columns of ``w_kn`` ([K, N]) of about ``COLUMN_BLOCK_ELEMENTS`` each."""
+    k, n = w_kn.shape[0], int(np.prod(w_kn.shape[1:], dtype=np.int64))
+    step = max(1, COLUMN_BLOCK_ELEMENTS // max(k, 1))
+    return [slice(j, min(j + step, n)) for j in range(0, n, step)]
+
+
 def pair_bounded_scale(w_kn: np.ndarray, per_channel: bool = True) -> np.ndarray:
     """The finest symmetric int8 scale whose codes cannot saturate the u8s8 kernel (see module
     docstring). ``w_kn`` is [K, N]; returns [N] (per channel) or a scalar (per tensor)."""
+    if per_channel and np.ndim(w_kn) == 2 and np.size(w_kn) > COLUMN_BLOCK_ELEMENTS:
+        return np.concatenate([pair_bounded_scale(w_kn[:, cols]) for cols in column_blocks(w_kn)])
     w = np.asarray(w_kn, np.float64)
     mag = pair_magnitudes(w)  # same formula on real values
     if per_channel:
@@ -271,6 +286,12 @@ def fix_pairs(q_kn: np.ndarray, target_kn: np.ndarray | None = None) -> tuple[np
 
 def quantize_pair_bounded(w_kn: np.ndarray, per_channel: bool = True) -> tuple[np.ndarray, np.ndarray]:
     """Symmetric int8 codes [K, N] and scale ([N] or scalar) on the pair-bounded grid."""
+    if per_channel and np.ndim(w_kn) == 2 and np.size(w_kn) > COLUMN_BLOCK_ELEMENTS:
+        q = np.empty(np.shape(w_kn), np.int8)
+        scale = np.empty(np.shape(w_kn)[1], np.float32)
+        for cols in column_blocks(w_kn):
+            q[:, cols], scale[cols] = quantize_pair_bounded(w_kn[:, cols])
+        return q, scale
     w = np.asarray(w_kn, np.float32)
     scale = pair_bounded_scale(w, per_channel)
     target = w / (scale if per_channel else scale.reshape(()))

@@ -19,7 +19,7 @@ import onnx_graphsurgeon as gs
 from edgeq import ir
 from edgeq.passbase import Exactness, Pass, PassContext, PassResult
 from edgeq.structure import Norm, analyze
-from edgeq.passes.methods.weights import LinearEditor, is_weightless, norm_weights, position_wise_readers
+from edgeq.passes.methods.weights import LinearEditor, is_weightless, norm_weights, position_wise_readers, scale_rows
 
 
 class FuseNormsPass(Pass, name="fuse-norms", per_block=True, exactness=Exactness.FLOAT_EQUIV,
@@ -42,12 +42,12 @@ class FuseNormsPass(Pass, name="fuse-norms", per_block=True, exactness=Exactness
                 continue
             gamma, beta = norm_weights(index, norm)
             for lin in linears:
-                w = editor.weight(lin)
+                w = editor.stored(lin)
                 if beta is not None:
                     b = editor.bias(lin)
-                    editor.set_bias(lin, (b if b is not None else 0.0) + beta @ w)
+                    editor.set_bias(lin, (b if b is not None else 0.0) + beta @ np.asarray(w, np.float64))
                 if gamma is not None:
-                    w = gamma[:, None] * w
+                    w = scale_rows(w, gamma)
                 untied += int(lin.tied_embedding is not None)
                 editor.set_weight(lin, w)
             _drop_norm_affine(graph, index, norm)

@@ -14,7 +14,7 @@ import onnx
 import onnxruntime as ort
 import pytest
 
-from edgeq import blockwise
+from edgeq import blockwise, ir
 from edgeq.cli import main
 
 RECIPES = ("mquant-w8a8", "gptq-w4a16", "w8a8", "quarot-w8a8")
@@ -64,11 +64,13 @@ def test_partition_of_a_tiny_llama(tiny_models):
 @pytest.mark.parametrize("recipe", RECIPES)
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "gemma2", "qwen3"])
 def test_blockwise_equals_in_memory(tiny_models, tmp_path, capsys, monkeypatch, arch, recipe):
-    """Same logits and the same encodings (scales, zero points) as the in-memory compile, with every
+    """Same logits and the same encodings (scales, zero points) as the in-memory compile (its
+    calibration sessions built from a file, as large blocks' are), with every
     initializer above 1 KB streamed to the external data file (the spill threshold lowered here)."""
     monkeypatch.setattr(blockwise, "SPILL_BYTES", 1024)  # as ir.save_model: shape tensors stay inline
     calib = _calib_for(tiny_models[arch], tmp_path)
     mem, _ = _compile(capsys, tiny_models[arch], tmp_path / "mem", recipe, calib, "off")
+    monkeypatch.setattr(ir, "CONSUME_VIA_FILE_BYTES", 0)  # calibration sessions through a file, as for large blocks
     blk, err = _compile(capsys, tiny_models[arch], tmp_path / "blk", recipe, calib, "on")
     assert mem["compile_path"]["blockwise"] is False and blk["compile_path"]["blockwise"] is True
     assert blk["compile_path"]["blocks"] == 2

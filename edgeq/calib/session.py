@@ -117,7 +117,7 @@ class Calibrator:
         if carry.cut is not None:
             feed_from_input(model, carry.cut)
         add_outputs(model, graph, [carry.capture])
-        session = ir.make_session(model, optimize=True)
+        session = ir.make_session(model, optimize=True, consume=True)
         del model
         accepted = {i.name for i in session.get_inputs()}
         for b, feeds in enumerate(self.data.batches):
@@ -168,7 +168,7 @@ class Calibrator:
             if carry.cut is not None:
                 feed_from_input(model, carry.cut)
         add_outputs(model, graph, fetch)
-        session = ir.make_session(model, optimize=True)
+        session = ir.make_session(model, optimize=True, consume=True)
         del model  # onnxruntime holds its own copy of the weights; free ours before running
         accepted = {i.name for i in session.get_inputs()}
         batches = self.data.batches if carry is not None else progress(self.data.batches, desc=f"calibrating {len(names)} tensors")
@@ -202,7 +202,7 @@ class Calibrator:
         model = ir.to_model(graph)
         add_outputs(model, graph, names)
         start = time.perf_counter()
-        session = ir.make_session(model, optimize=True)
+        session = ir.make_session(model, optimize=True, consume=True)
         del model
         for feeds in self.data.batches[:max_batches]:
             values = dict(zip(names, session.run(names, feeds)))

@@ -12,6 +12,7 @@ import onnx_graphsurgeon as gs
 from edgeq import facts, ir
 from edgeq.passes.methods.stream import transform_stream_input
 from edgeq.passes.methods.weights import LinearEditor
+from edgeq.quant import column_blocks
 from edgeq.runtime_ops.hadamard import is_hadamard_size, randomized_hadamard
 from edgeq.runtime_ops.online_hadamard import hadamard_matrix_for_fold, insert_online_hadamard
 
@@ -126,7 +127,7 @@ def rotate_stream(graph: gs.Graph, stream, editor: LinearEditor, q: np.ndarray) 
     ``q^T W``, writer biases ``b q``. Returns the writers' new weights ``W q`` by node, not yet
     set, so a caller can fold more into them (rotate: the online Hadamard's ``H^T``)."""
     for lin in stream.readers:
-        editor.set_weight(lin, q.T @ editor.weight(lin))
+        editor.set_weight(lin, rotate_rows(editor.stored(lin), q))
     writers_w = {lin.node: editor.weight(lin) @ q for lin in stream.writers}
     for lin in stream.writers:
         b = editor.bias(lin)
@@ -156,5 +157,22 @@ def _rotate_source(graph: gs.Graph, index: ir.GraphIndex, source: dict, q: np.nd
             b = np.asarray(index.constant_value(node.inputs[2]), np.float64) @ q
             node.inputs[2] = gs.Constant(ir.unique_name(index, f"{node.name}_rotated_bias"), b.astype(value.dtype))
         return
-    rotated = (value.astype(np.float64) @ q).astype(value.dtype)
+    rotated = rotate_columns(value, q)
     node.inputs[i] = gs.Constant(ir.unique_name(index, f"{node.name}_rotated_{i}"), rotated)
+
+
+def rotate_rows(w_kn: np.ndarray, q: np.ndarray) -> np.ndarray:
+    """``q^T W`` for a [K, N] weight, in float64, stored in W's dtype; computed in column blocks
+    (``edgeq.quant.column_blocks``) so a vocabulary head never has a whole float64 copy."""
+    out = np.empty(w_kn.shape, w_kn.dtype)
+    for cols in column_blocks(w_kn):
+        out[:, cols] = q.T @ np.asarray(w_kn[:, cols], np.float64)
+    return out
+
+
+def rotate_columns(value: np.ndarray, q: np.ndarray) -> np.ndarray:
+    """``V q`` for a [rows, d] table (the embedding), in float64, in V's dtype, by row blocks."""
+    out = np.empty(value.shape, value.dtype)
+    for rows in column_blocks(value.T):
+        out[rows] = np.asarray(value[rows], np.float64) @ q
+    return out

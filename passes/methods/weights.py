@@ -13,6 +13,7 @@ import numpy as np
 import onnx_graphsurgeon as gs
 
 from edgeq import ir
+from edgeq.quant import column_blocks
 from edgeq.structure import Linear, Norm
 
 
@@ -26,7 +27,11 @@ class LinearEditor:
 
     def weight(self, lin: Linear) -> np.ndarray:
         """W as [K, N] float64."""
-        w = np.asarray(self.index.constant_value(self.index.tensors[lin.weight]), np.float64)
+        return np.asarray(self.stored(lin), np.float64)
+
+    def stored(self, lin: Linear) -> np.ndarray:
+        """W as [K, N] in its stored dtype, a view (no copy) of the constant."""
+        w = np.asarray(self.index.constant_value(self.index.tensors[lin.weight]))
         return w.T if lin.weight_transposed else w
 
     def bias(self, lin: Linear) -> np.ndarray | None:
@@ -41,7 +46,7 @@ class LinearEditor:
         """Store ``w_kn`` ([K, N]) as a new constant read directly by the node (no Transpose)."""
         node = self.nodes[lin.node]
         dtype = self.dtype(lin)
-        const = gs.Constant(ir.unique_name(self.index, f"{lin.weight}_rewritten"), np.ascontiguousarray(w_kn.astype(dtype)))
+        const = gs.Constant(ir.unique_name(self.index, f"{lin.weight}_rewritten"), np.ascontiguousarray(w_kn.astype(dtype, copy=False)))
         node.inputs[1] = const
         if node.op == "Gemm":
             node.attrs["transB"] = 0
@@ -66,6 +71,16 @@ class LinearEditor:
         new_out = gs.Variable(ir.unique_name(self.index, f"{out.name}_nobias"), dtype=out.dtype)
         node.outputs[0] = new_out
         self.graph.nodes.append(gs.Node("Add", f"{lin.node}_bias_add", inputs=[new_out, const], outputs=[out]))
+
+
+def scale_rows(w_kn: np.ndarray, gamma: np.ndarray) -> np.ndarray:
+    """``diag(gamma) W`` for a [K, N] weight, in float64, stored in W's dtype; by column blocks
+    (``edgeq.quant.column_blocks``) so a vocabulary head never has a whole float64 copy."""
+    out = np.empty(w_kn.shape, w_kn.dtype)
+    g = np.asarray(gamma, np.float64)[:, None]
+    for cols in column_blocks(w_kn):
+        out[:, cols] = g * np.asarray(w_kn[:, cols], np.float64)
+    return out
 
 
 SHAPE_ONLY = ("Reshape", "Flatten", "Squeeze", "Unsqueeze", "Identity")

@@ -183,19 +183,21 @@ def partition(model: onnx.ModelProto) -> Partition:
 
 
 # -- reading one block's weights ------------------------------------------------------------------
-def read_tensor(tensor: TensorProto, base_dir: Path) -> TensorProto:
-    """A copy of ``tensor`` with its data in memory (read from its external file if it has one)."""
-    from edgeq.ir import external_bytes
-
-    out = TensorProto()
-    out.CopyFrom(tensor)
+def read_array(tensor: TensorProto, base_dir: Path) -> np.ndarray:
+    """The values of an initializer, read straight from its external file into numpy (no bytes
+    copy on the way) when it has one."""
     if tensor.data_location != TensorProto.EXTERNAL:
-        return out
-    data = external_bytes(tensor, base_dir)
-    del out.external_data[:]
-    out.data_location = TensorProto.DEFAULT
-    out.raw_data = data
-    return out
+        return onnx.numpy_helper.to_array(tensor)
+    info = {e.key: e.value for e in tensor.external_data}
+    dtype = np.dtype(onnx.helper.tensor_dtype_to_np_dtype(tensor.data_type))
+    count = int(np.prod(tensor.dims, dtype=np.int64))
+    path = base_dir / info["location"]
+    values = np.fromfile(path, dtype=dtype, count=count, offset=int(info.get("offset", 0)))
+    if values.size != count:
+        offset = int(info.get("offset", 0))
+        raise UserInputError(f"external data file {path.name} is truncated: tensor '{tensor.name}' needs bytes "
+                             f"{offset}..{offset + count * dtype.itemsize} but the file has {path.stat().st_size}")
+    return values.reshape(tuple(tensor.dims))
 
 
 def _embedding_side(graph: onnx.GraphProto, stream_in: str) -> set[int]:
@@ -217,24 +219,44 @@ def upstream(nodes, targets: Iterable[str], stop: set[str] = frozenset()) -> set
     return keep
 
 
-def stand_in(tensor: TensorProto, name: str | None = None) -> TensorProto:
+def stand_in(tensor: TensorProto) -> np.ndarray:
     """A small table of the same rank and type: its largest dimension (the vocabulary) cut to
     ``STUB_ROWS``. Seeded, so every block sees the same stand-in."""
     dims = list(tensor.dims)
     axis = int(np.argmax(dims))
     dims[axis] = min(dims[axis], STUB_ROWS)
     dtype = onnx.helper.tensor_dtype_to_np_dtype(tensor.data_type)
-    values = (np.random.default_rng(0).standard_normal(dims) * 0.02).astype(dtype)
-    return onnx.numpy_helper.from_array(values, name or tensor.name)
+    return (np.random.default_rng(0).standard_normal(dims) * 0.02).astype(dtype)
+
+
+def _declared(name: str, data_type: int, dims) -> TensorProto:
+    """An initializer with its name, type and shape but no data (the graph gets numpy values)."""
+    t = TensorProto()
+    t.name, t.data_type = name, data_type
+    t.dims.extend(dims)
+    return t
 
 
 def _tensor_numel(tensor: TensorProto) -> int:
     return int(np.prod(tensor.dims, dtype=np.int64)) if tensor.dims else 1
 
 
-def block_model(skeleton: onnx.ModelProto, part: Partition, i: int, base_dir: Path) -> onnx.ModelProto:
-    """Layer ``i`` between the prologue and the epilogue, as a one-layer model with its weights
-    loaded (stand-ins for the large prologue/epilogue tables unless i is the first or last)."""
+def block_graph(skeleton: onnx.ModelProto, part: Partition, i: int, base_dir: Path):
+    """``block_model`` imported into graphsurgeon, each weight read once, into numpy."""
+    from edgeq import ir
+
+    model, values = block_model(skeleton, part, i, base_dir)
+    graph = ir.to_graph(model)
+    for name, tensor in graph.tensors().items():
+        if name in values:
+            tensor.values = values.pop(name)
+    return graph
+
+
+def block_model(skeleton: onnx.ModelProto, part: Partition, i: int, base_dir: Path) -> tuple[onnx.ModelProto, dict]:
+    """Layer ``i`` between the prologue and the epilogue, as a one-layer model whose initializers
+    are declared without data, and their values by name (stand-ins for the large
+    prologue/epilogue tables where this block does not use them)."""
     graph = skeleton.graph
     nodes = graph.node
     last = part.num_layers - 1
@@ -277,21 +299,25 @@ def block_model(skeleton: onnx.ModelProto, part: Partition, i: int, base_dir: Pa
             for j, name in enumerate(node.input):
                 if name in tables:
                     node.input[j] = stand_ins.setdefault(name, name if real_side == "none" else f"{name}__stand_in")
+    values: dict[str, np.ndarray] = {}
     for t in graph.initializer:
         if t.name not in used:
             continue
         if t.name in stand_ins:
-            g.initializer.append(stand_in(t, stand_ins[t.name]))
+            values[stand_ins[t.name]] = stand_in(t)
         if t.name not in stand_ins or stand_ins[t.name] != t.name:
             if any(t.name in n.input for n in g.node) or t.name not in tables:
-                g.initializer.append(read_tensor(t, base_dir))
+                values[t.name] = read_array(t, base_dir)
+    for name, value in values.items():
+        ref = next(t for t in graph.initializer if t.name in (name, name.removesuffix("__stand_in")))
+        g.initializer.append(_declared(name, ref.data_type, value.shape))
     g.input.extend(graph.input)
     for out in graph.output:
         vi = g.output.add()
         vi.CopyFrom(out)
         if real_side in ("none", "embedding") and stand_ins:  # the stand-in head's width is not the vocabulary
             vi.type.tensor_type.ClearField("shape")
-    return model
+    return model, values
 
 
 # -- assembling the compiled blocks ---------------------------------------------------------------
@@ -487,9 +513,9 @@ def _clock(seconds: float) -> str:
 
 
 def compile_blocks(skeleton: onnx.ModelProto, part: Partition, base_dir: Path, data_path: Path,
-                   run_block: Callable[[onnx.ModelProto, int], tuple[onnx.ModelProto, list[dict]]],
+                   run_block: Callable[[object, int], tuple[onnx.ModelProto, list[dict]]],
                    carry, progress: BlockProgress) -> tuple[onnx.ModelProto, list[list[dict]]]:
-    """Compile every block with ``run_block(model, i) -> (compiled model, pass records)``; returns
+    """Compile every block with ``run_block(graph, i) -> (compiled model, pass records)``; returns
     the assembled model (large initializers already in ``data_path``) and the records per block.
 
     ``carry``: the calibrator's ``StreamCarry`` (None without calibration), moved on per block."""
@@ -503,9 +529,7 @@ def compile_blocks(skeleton: onnx.ModelProto, part: Partition, base_dir: Path, d
             start = time.perf_counter()
             if carry is not None and i > 0:
                 carry.advance(cut=part.stream[0], capture=part.stream[i + 1])
-            model = block_model(skeleton, part, i, base_dir)
-            compiled, recs = run_block(model, i)
-            del model
+            compiled, recs = run_block(block_graph(skeleton, part, i, base_dir), i)
             records.append(recs)
             _check_present(compiled, [part.stream[i + 1]] + ([part.stream[0]] if i > 0 else []), i)
             base = set(part.prologue_outputs) | {o for k in part.support[i] for o in skeleton.graph.node[k].output}
@@ -523,7 +547,8 @@ def compile_blocks(skeleton: onnx.ModelProto, part: Partition, base_dir: Path, d
                 epilogue = ancestors(compiled, [o.name for o in skeleton.graph.output], stop)
                 assembler.add_missing(compiled, epilogue, "pe")
                 assembler.add(compiled, epilogue, {}, "epilogue")
-            del compiled
+            # nothing may keep a node of this block's model: any part keeps all of it alive
+            del compiled, block, recs
             progress.done(i, time.perf_counter() - start, peak_rss_mb())
         return assembler.finish(), records
     finally:

@@ -224,9 +224,9 @@ def _run_blocks(plan: CompilePlan, ctx: PassContext, options: PipelineOptions, e
     if plan.calibrator is not None:
         carry = plan.calibrator.carry = StreamCarry(cut=None, capture=part.stream[1])
 
-    def run_block(model: onnx.ModelProto, i: int):
+    def run_block(graph, i: int):
         passes = plan.passes if i == 0 else _build_passes(plan)
-        return Pipeline(passes, options).run(model, ctx, consume=True)
+        return Pipeline(passes, options).run(graph, ctx, consume=True)
 
     progress = BlockProgress(part.num_layers, _enabled() or os.environ.get("EDGEQ_PROGRESS") is None)
     try:

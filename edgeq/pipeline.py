@@ -24,6 +24,7 @@ from typing import Any
 
 import numpy as np
 import onnx
+import onnx_graphsurgeon as gs
 
 from edgeq import ir
 from edgeq.errors import EdgeqError, EssentialPassNotApplied, PassFailure, UserInputError
@@ -73,7 +74,8 @@ class Pipeline:
         """Run every pass on ``model``; returns (new model, list of per-pass records).
 
         ``consume=True`` clears ``model`` once it is imported, so the weights are not held twice
-        while passes run (the compiler does this; callers that reuse their proto do not).
+        while passes run (the compiler does this; callers that reuse their proto do not). ``model``
+        may also be a graphsurgeon graph already imported (block-wise compiles).
         """
         opts = self.options
         reference = None
@@ -86,9 +88,12 @@ class Pipeline:
             del ref_session
         if opts.dump_each is not None:
             Path(opts.dump_each).mkdir(parents=True, exist_ok=True)
-        graph = ir.to_graph(model)
-        if consume:
-            model.Clear()
+        if isinstance(model, gs.Graph):  # already imported (block-wise compiles build it from numpy)
+            graph, model = model, None
+        else:
+            graph = ir.to_graph(model)
+            if consume:
+                model.Clear()
         records: list[dict[str, Any]] = []
         for i, p in enumerate(self.passes):
             ops_before = collections.Counter(n.op for n in graph.nodes)

@@ -199,6 +199,19 @@ def _quantize_pair_bounded(w: np.ndarray, spec: QuantSpec) -> tuple[np.ndarray, 
 # is max(largest same-sign pair sum / 128, max |w| / 127): between the 8-bit grid and the 7-bit one
 # of onnxruntime's reduce_range / NNCF's overflow_fix, never coarser than the 7-bit one.
 
+# Per-channel work on a [K, N] weight runs in column blocks of about this many elements: its
+# float64 and int64 temporaries on a 128k-vocabulary head would otherwise take several GB. Columns
+# are independent, so the result is the same as in one piece.
+COLUMN_BLOCK_ELEMENTS = 1 << 22
+
+
+def column_blocks(w_kn: np.ndarray) -> list[slice]:
+    """Slices of the columns of ``w_kn`` ([K, N]) of about ``COLUMN_BLOCK_ELEMENTS`` each."""
+    k, n = w_kn.shape[0], int(np.prod(w_kn.shape[1:], dtype=np.int64))
+    step = max(1, COLUMN_BLOCK_ELEMENTS // max(k, 1))
+    return [slice(j, min(j + step, n)) for j in range(0, n, step)]
+
+
 ACTIVATION_CODE_MAX = 255
 PAIR_LIMIT = 32767 // ACTIVATION_CODE_MAX  # 128: the largest same-sign |q0| + |q1| that cannot saturate
 INT8_SYMMETRIC_MAX = 127
@@ -224,24 +237,13 @@ def pair_magnitudes(q_kn: np.ndarray) -> np.ndarray:
 
 def worst_pair(q_kn: np.ndarray) -> np.ndarray:
     """Per output column (all trailing axes) the largest ``pair_magnitudes``; <= 128 is safe."""
+    if np.ndim(q_kn) == 2 and np.size(q_kn) > COLUMN_BLOCK_ELEMENTS:
+        return np.concatenate([pair_magnitudes(q_kn[:, cols]).max(axis=0) for cols in column_blocks(q_kn)])
     return pair_magnitudes(q_kn).max(axis=0)
 
 
 def is_saturation_free(q_kn: np.ndarray) -> bool:
     return bool(np.all(worst_pair(q_kn) <= PAIR_LIMIT))
-
-
-# Per-channel work on a [K, N] weight runs in column blocks of about this many elements: its
-# float64 and int64 temporaries on a 128k-vocabulary head would otherwise take several GB. Columns
-# are independent, so the result is the same as in one piece.
-COLUMN_BLOCK_ELEMENTS = 1 << 22
-
-
-def column_blocks(w_kn: np.ndarray) -> list[slice]:
-    """Slices of the columns of ``w_kn`` ([K, N]) of about ``COLUMN_BLOCK_ELEMENTS`` each."""
-    k, n = w_kn.shape[0], int(np.prod(w_kn.shape[1:], dtype=np.int64))
-    step = max(1, COLUMN_BLOCK_ELEMENTS // max(k, 1))
-    return [slice(j, min(j + step, n)) for j in range(0, n, step)]
 
 
 def pair_bounded_scale(w_kn: np.ndarray, per_channel: bool = True) -> np.ndarray:

@@ -117,3 +117,27 @@ def test_merge_records_sums_numbers_and_joins_lists():
     assert merged["seconds"] == 3.0 and merged["peak_rss_mb"] == 30.0 and merged["blocks_modified"] == 1
     assert merged["summary"] == {"n": 3, "roles": ["a", "b"]}
     assert merged["ops_added"] == {"QuantizeLinear": 4}
+
+
+def test_column_blocks_give_the_same_numbers(monkeypatch):
+    """The per-channel work that runs in column blocks for vocabulary-sized tables (pair-bounded
+    int8 grid, rotation, norm folding) gives bitwise the numbers of the one-piece computation."""
+    from edgeq import quant
+    from edgeq.passes.methods.rotation import rotate_columns, rotate_rows
+    from edgeq.passes.methods.weights import scale_rows
+
+    rng = np.random.default_rng(0)
+    w = rng.standard_normal((64, 300)).astype(np.float32)
+    q = np.linalg.qr(rng.standard_normal((64, 64)))[0]
+    gamma = rng.standard_normal(64)
+    whole = (quant.quantize_pair_bounded(w), quant.pair_bounded_scale(w), quant.worst_pair(np.round(w * 40)),
+             rotate_rows(w, q), rotate_columns(w.T.copy(), q), scale_rows(w, gamma))
+    monkeypatch.setattr(quant, "COLUMN_BLOCK_ELEMENTS", 64 * 7)  # 7 columns per block, the last one partial
+    assert len(quant.column_blocks(w)) == 43
+    blocks = (quant.quantize_pair_bounded(w), quant.pair_bounded_scale(w), quant.worst_pair(np.round(w * 40)),
+              rotate_rows(w, q), rotate_columns(w.T.copy(), q), scale_rows(w, gamma))
+    np.testing.assert_array_equal(blocks[0][0], whole[0][0])
+    np.testing.assert_array_equal(blocks[0][1], whole[0][1])
+    for a, b in zip(blocks[1:], whole[1:]):
+        np.testing.assert_array_equal(a, b)
+    np.testing.assert_array_equal(rotate_rows(w, q), (q.T @ w.astype(np.float64)).astype(np.float32))

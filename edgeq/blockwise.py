@@ -38,6 +38,7 @@ import onnx
 from onnx import TensorProto
 
 from edgeq.errors import UserInputError
+from edgeq.protowalk import upstream
 
 # decoder layer index in an exporter's node names (/model/layers.3/..., /transformer/h.3/...)
 LAYER_NAME = re.compile(r"/(?:layers|h|layer|blocks)\.(\d+)/")
@@ -204,19 +205,6 @@ def _embedding_side(graph: onnx.GraphProto, stream_in: str) -> set[int]:
     """Positions of the nodes computing the stream's first tensor (the embedding lookup and
     anything between it and the first block)."""
     return upstream(graph.node, [stream_in])
-
-
-def upstream(nodes, targets: Iterable[str], stop: set[str] = frozenset()) -> set[int]:
-    """Positions in ``nodes`` of everything computing ``targets``, not climbing past ``stop``."""
-    producer = {o: k for k, n in enumerate(nodes) for o in n.output if o}
-    keep, todo = set(), [t for t in targets if t not in stop]
-    while todo:
-        k = producer.get(todo.pop())
-        if k is None or k in keep:
-            continue
-        keep.add(k)
-        todo.extend(x for x in nodes[k].input if x and x not in stop)
-    return keep
 
 
 def stand_in(tensor: TensorProto) -> np.ndarray:
@@ -514,9 +502,10 @@ def _clock(seconds: float) -> str:
 
 def compile_blocks(skeleton: onnx.ModelProto, part: Partition, base_dir: Path, data_path: Path,
                    run_block: Callable[[object, int], tuple[onnx.ModelProto, list[dict]]],
-                   carry, progress: BlockProgress) -> tuple[onnx.ModelProto, list[list[dict]]]:
+                   carry, progress: BlockProgress) -> tuple[onnx.ModelProto, list[list[dict]], dict]:
     """Compile every block with ``run_block(graph, i) -> (compiled model, pass records)``; returns
-    the assembled model (large initializers already in ``data_path``) and the records per block.
+    the assembled model (large initializers already in ``data_path``), the records per block and
+    the u8s8 worst-case bound of its linears.
 
     ``carry``: the calibrator's ``StreamCarry`` (None without calibration), moved on per block."""
     from edgeq.pipeline import peak_rss_mb
@@ -524,6 +513,7 @@ def compile_blocks(skeleton: onnx.ModelProto, part: Partition, base_dir: Path, d
     last = part.num_layers - 1
     assembler = Assembler(skeleton, data_path)
     records = []
+    u8s8 = U8S8Tally()
     try:
         for i in range(part.num_layers):
             start = time.perf_counter()
@@ -539,6 +529,12 @@ def compile_blocks(skeleton: onnx.ModelProto, part: Partition, base_dir: Path, d
                               {}, "prologue")
             targets = [part.stream[i + 1], *sorted(part.exported_support[i])]
             block = ancestors(compiled, targets, base | {part.stream[0]})
+            kept = {n.name for n in block}
+            if i == 0:
+                kept |= {n.name for n in ancestors(compiled, part.prologue_outputs, set())}
+            if i == last:
+                kept |= {n.name for n in ancestors(compiled, [o.name for o in skeleton.graph.output], set())}
+            u8s8.add(compiled, kept)
             assembler.add_missing(compiled, block, f"p{i}")
             assembler.add(compiled, block, {part.stream[0]: part.stream[i]} if i > 0 else {}, f"b{i}")
             if i == last:
@@ -551,9 +547,32 @@ def compile_blocks(skeleton: onnx.ModelProto, part: Partition, base_dir: Path, d
             del compiled, block, recs
             release_memory()
             progress.done(i, time.perf_counter() - start, peak_rss_mb())
-        return assembler.finish(), records
+        return assembler.finish(), records, u8s8.summary()
     finally:
         assembler.close()
+
+
+@dataclass
+class U8S8Tally:
+    """The u8s8 worst-case bound (``edgeq.targets.u8s8_sites.static_risk``) of the linears each
+    block contributes, taken while its weights are in memory: the writer then need not read the
+    whole output back to report it."""
+
+    linears: int = 0
+    at_risk: dict[str, int] = field(default_factory=dict)
+
+    def add(self, compiled: onnx.ModelProto, nodes: set[str]) -> None:
+        import onnx_graphsurgeon as gs
+
+        from edgeq.targets.u8s8_sites import find_u8s8_sites, static_risk
+
+        sites = [s for s in find_u8s8_sites(gs.import_onnx(compiled)) if s.node.name in nodes]
+        self.linears += len(sites)
+        self.at_risk.update(static_risk(sites))
+
+    def summary(self) -> dict:
+        return {"linears": self.linears, "linears_at_risk": len(self.at_risk), "saturation_free": not self.at_risk,
+                "at_risk": self.at_risk}
 
 
 def release_memory() -> None:

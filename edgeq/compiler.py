@@ -19,6 +19,7 @@ per block and whose graph splits into blocks, or forced with ``--blockwise on``.
 
 from __future__ import annotations
 
+import dataclasses
 import errno
 import os
 import shutil
@@ -86,6 +87,7 @@ class CompilePlan:
     started: float
     partition: object | None = None  # edgeq.blockwise.Partition when compiling block-wise
     blockwise_reason: str = ""  # why this path was chosen (report.json)
+    u8s8_bound: dict | None = None  # block-wise: the u8s8 worst-case bound, taken block by block
 
 
 def compile_model(req: CompileRequest) -> dict:
@@ -224,14 +226,16 @@ def _run_blocks(plan: CompilePlan, ctx: PassContext, options: PipelineOptions, e
     if plan.calibrator is not None:
         carry = plan.calibrator.carry = StreamCarry(cut=None, capture=part.stream[1])
 
+    block_options = dataclasses.replace(options, collect_garbage=True)
+
     def run_block(graph, i: int):
         passes = plan.passes if i == 0 else _build_passes(plan)
-        return Pipeline(passes, options).run(graph, ctx, consume=True)
+        return Pipeline(passes, block_options).run(graph, ctx, consume=True)
 
     progress = BlockProgress(part.num_layers, _enabled() or os.environ.get("EDGEQ_PROGRESS") is None)
     try:
-        model, per_block = compile_blocks(plan.model, part, plan.req.model.resolve().parent, external_data,
-                                          run_block, carry, progress)
+        model, per_block, plan.u8s8_bound = compile_blocks(plan.model, part, plan.req.model.resolve().parent,
+                                                           external_data, run_block, carry, progress)
     finally:
         if plan.calibrator is not None:
             plan.calibrator.carry = None
@@ -275,6 +279,9 @@ def write_plan(plan: CompilePlan, model: onnx.ModelProto, stages: dict, encoding
     if target is not None:
         report["target"] = target
     u8s8 = {"int8_weight_range": plan.int8_weights, "guard": stages["guard"][0] if stages["guard"] else None}
+    if plan.u8s8_bound is not None:
+        u8s8.update(plan.u8s8_bound, note="block-wise compile: worst-case bound of each block's linears, no saturation "
+                                          "rates (probing runs the whole model unfused)")
     return write_outputs(plan.req.out_dir, model, report, encodings=encodings, recipe=plan.recipe,
                          input_model=plan.input_model, target=plan.profile.name if plan.profile else None,
                          u8s8=u8s8, probe_feeds=plan.sample, started=plan.started, external_data=external_data)

@@ -17,6 +17,7 @@ the recipe's ``essential`` mark: an essential pass that does not apply stops the
 from __future__ import annotations
 
 import collections
+import gc
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -41,6 +42,7 @@ class PipelineOptions:
     essential: frozenset[int] = frozenset()  # positions of the passes the recipe cannot do without
     allow_partial: bool = False  # record an essential pass that did not apply instead of stopping
     recipe: str = ""  # named in the essential-pass error
+    collect_garbage: bool = False  # after each pass (block-wise: a rewritten weight's old graph is cyclic garbage)
 
 
 def peak_rss_mb() -> float:
@@ -105,6 +107,8 @@ class Pipeline:
                 graph.cleanup().toposort()
                 if ctx.calibrator is not None:
                     ctx.calibrator.end_pass(i, graph, p.needs_calibration, result.modified)
+                if opts.collect_garbage:
+                    gc.collect()
             except EdgeqError:
                 raise
             except Exception as exc:  # noqa: BLE001 (any other exception is a bug in the pass)

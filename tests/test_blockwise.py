@@ -86,6 +86,10 @@ def test_blockwise_equals_in_memory(tiny_models, tmp_path, capsys, monkeypatch, 
     assert sum(t.data_location == onnx.TensorProto.EXTERNAL for t in out.graph.initializer) > 10
     assert [p["name"] for p in mem["passes"]] == [p["name"] for p in blk["passes"]]
     assert all("peak_rss_mb" in p and "seconds" in p for p in blk["passes"])
+    # the u8s8 bound, taken block by block, counts the same linears as the whole-model probe
+    assert blk["u8s8"].get("linears") == mem["u8s8"].get("linears")
+    if mem["u8s8"]["linears"]:
+        assert blk["u8s8"]["saturation_free"] is mem["u8s8"]["saturation_free"] is True
 
 
 def test_auto_keeps_small_models_in_memory(tiny_models, calib, tmp_path, capsys):

@@ -29,6 +29,7 @@ import onnx_graphsurgeon as gs
 from edgeq import ir
 from edgeq.calib.observers import ModalitySplitObserver, Observer, observer_from_state, observer_state
 from edgeq.progress import progress
+from edgeq.protowalk import prune_to_outputs
 
 
 @dataclass
@@ -261,14 +262,21 @@ class Calibrator:
 
 
 def add_outputs(model: onnx.ModelProto, graph: gs.Graph, names: list[str]) -> None:
-    """Expose intermediate tensors as graph outputs (element type from graphsurgeon or float)."""
-    existing = {o.name for o in model.graph.output}
+    """Make ``names`` the graph's outputs (element type from graphsurgeon or float). The model's
+    own outputs that are not among them (the logits) are dropped, so onnxruntime prunes what only
+    they need: calibration never computes the vocabulary head unless it observes it."""
+    wanted = set(names)
+    kept = [o for o in model.graph.output if o.name in wanted]
+    del model.graph.output[:]
+    model.graph.output.extend(kept)
+    existing = {o.name for o in kept}
     tensors = graph.tensors()
     for name in names:
         if name in existing:
             continue
         elem = _elem_type(getattr(tensors.get(name), "dtype", None))
         model.graph.output.append(onnx.helper.make_tensor_value_info(name, elem, None))
+    prune_to_outputs(model)
 
 
 def feed_from_input(model: onnx.ModelProto, name: str) -> None:

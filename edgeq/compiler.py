@@ -125,8 +125,8 @@ def plan_compile(req: CompileRequest) -> CompilePlan:
     model, locations = ir.load_model_and_locations(req.model, load_external=False)
     ir.check_opset(model)
     part, why = _choose_path(req, model, passes + lowering + guard, locations)
-    if part is None:
-        del model  # read again with its weights (one copy: the skeleton of an inline model is the model)
+    if part is None and locations:  # in memory: read the weights too (an inline model has them already)
+        del model
         model, locations = ir.load_model_and_locations(req.model)
     windows = recipe.calibration.windows if req.calib_windows is None else req.calib_windows
     seq_len = recipe.calibration.seq_len if req.seq_len is None else req.seq_len

@@ -113,19 +113,8 @@ class Calibrator:
         if modified:
             raise RuntimeError(f"block-wise calibration: pass #{position} changed a block without calibrating on it")
         carry.stage, carry.calls = position, 0
-        request = carry.next_request()
-        model = ir.to_model(graph)
-        if carry.cut is not None:
-            feed_from_input(model, carry.cut)
-        add_outputs(model, graph, [carry.capture])
-        session = ir.make_session(model, optimize=True, consume=True)
-        del model
-        accepted = {i.name for i in session.get_inputs()}
-        for b, feeds in enumerate(self.data.batches):
-            feeds = {k: v for k, v in feeds.items() if k in accepted}
-            if carry.cut is not None:
-                feeds[carry.cut] = carry.states[request][b]
-            carry.captured[request].append(session.run([carry.capture], feeds)[0])
+        for _ in self._runs(graph, []):
+            pass
 
     def observe(
         self,
@@ -157,30 +146,12 @@ class Calibrator:
             self._record(cached)
             return cached
         start = time.perf_counter()
-        model = ir.to_model(graph)  # only when onnxruntime has to run
         if split_by:
             observers = {name: ModalitySplitObserver(factories[name](), factories[name]()) for name in names}
         else:
             observers = {name: factories[name]() for name in names}
         fetch = names + ([split_by] if split_by else [])
-        request = carry.next_request() if carry is not None else None
-        if carry is not None:
-            fetch = fetch + [carry.capture]
-            if carry.cut is not None:
-                feed_from_input(model, carry.cut)
-        add_outputs(model, graph, fetch)
-        session = ir.make_session(model, optimize=True, consume=True)
-        del model  # onnxruntime holds its own copy of the weights; free ours before running
-        accepted = {i.name for i in session.get_inputs()}
-        batches = self.data.batches if carry is not None else progress(self.data.batches, desc=f"calibrating {len(names)} tensors")
-        for b, feeds in enumerate(batches):  # (block-wise: one progress line per block instead)
-            if carry is not None:
-                feeds = {k: v for k, v in feeds.items() if k in accepted}
-                if carry.cut is not None:
-                    feeds[carry.cut] = carry.states[request][b]
-            values = session.run(fetch, feeds)
-            if carry is not None:
-                carry.captured[request].append(values.pop())
+        for _, values in self._runs(graph, fetch, f"calibrating {len(names)} tensors"):
             for name, value in zip(names, values):
                 if split_by:
                     observers[name].update_split(value, values[-1])
@@ -193,6 +164,34 @@ class Calibrator:
             self._save(key, observers)
         self._record(observers)
         return observers
+
+    def _runs(self, graph: gs.Graph, fetch: list[str], desc: str | None = None):
+        """One onnxruntime session over ``graph`` fetching ``fetch``: yields (feeds, values) per
+        calibration batch. Block-wise, the block's stream input is fed the carried states and its
+        output is kept for the next block (``StreamCarry``)."""
+        carry = self.carry
+        model = ir.to_model(graph)  # only when onnxruntime has to run
+        request = None
+        if carry is not None:
+            request = carry.next_request()
+            fetch = fetch + [carry.capture]
+            if carry.cut is not None:
+                feed_from_input(model, carry.cut)
+        add_outputs(model, graph, fetch)
+        session = ir.make_session(model, optimize=True, consume=True)
+        del model  # onnxruntime holds its own copy of the weights; free ours before running
+        accepted = {i.name for i in session.get_inputs()}
+        # (block-wise: one progress line per block instead of a bar per calibration)
+        batches = self.data.batches if carry is not None or desc is None else progress(self.data.batches, desc=desc)
+        for b, feeds in enumerate(batches):
+            if carry is not None:
+                feeds = {k: v for k, v in feeds.items() if k in accepted}
+                if carry.cut is not None:
+                    feeds[carry.cut] = carry.states[request][b]
+            values = session.run(fetch, feeds)
+            if carry is not None:
+                carry.captured[request].append(values.pop())
+            yield feeds, values
 
     def fetch(self, graph: gs.Graph, names: list[str], max_batches: int | None = None):
         """Yield ``(feeds, {name: value})`` for the calibration batches (at most ``max_batches``),

@@ -45,9 +45,9 @@ LAYER_NAME = re.compile(r"/(?:layers|h|layer|blocks)\.(\d+)/")
 # ops whose output does not depend on their input's values (shape machinery)
 SHAPE_ONLY = frozenset({"Shape", "Size"})
 # initializers at least this large go to the external data file as soon as their block is done
-# (quantization scales stay below it: per-channel scales of a 128k vocabulary are 0.5 MB, and the
-# encodings and target checks read them from the graph)
-SPILL_BYTES = 1 << 20
+# (the encodings and target checks read them back from it; shape tensors stay inline, as
+# onnxruntime's shape inference needs them in the graph)
+SPILL_BYTES = 1 << 16
 # prologue/epilogue tables at least this large get a stand-in between the first and last blocks
 STUB_ELEMENTS = 1 << 20
 STUB_ROWS = 64

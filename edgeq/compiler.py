@@ -224,7 +224,7 @@ def _run_blocks(plan: CompilePlan, ctx: PassContext, options: PipelineOptions, e
     part = plan.partition
     carry = None
     if plan.calibrator is not None:
-        carry = plan.calibrator.carry = StreamCarry(cut=None, capture=part.stream[1])
+        carry = plan.calibrator.carry = StreamCarry(cut=None, capture=part.stream[1], spill_dir=external_data.parent / "carry")
 
     block_options = dataclasses.replace(options, collect_garbage=True)
 

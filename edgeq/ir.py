@@ -491,7 +491,7 @@ def proto_bytes(model: onnx.ModelProto) -> int:
 
 # models at least this large reach onnxruntime through a temporary file when the caller gives
 # them up (``consume``): serialized bytes beside the proto and onnxruntime's copy would triple them
-CONSUME_VIA_FILE_BYTES = 256 * 2**20
+CONSUME_VIA_FILE_BYTES = 64 * 2**20
 
 
 def make_session(model: onnx.ModelProto, optimize: bool = False, threads: int | None = None, consume: bool = False):

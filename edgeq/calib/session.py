@@ -62,17 +62,21 @@ class StreamCarry:
     """Hidden states carried from one block to the next through a block-wise compile.
 
     ``cut``: the block graph's stream input, fed with the carried states (None for the first
-    block, whose input is the real embedding); ``capture``: the block's output. ``states`` holds,
-    per calibration request ``(pass position, call within the pass)``, one array per calibration
-    batch; ``captured`` fills up while the block runs and becomes the next block's ``states``.
+    block, whose input is the real embedding); ``capture``: the block's output. Per calibration
+    request ``(pass position, call within the pass)`` there is one array per calibration batch,
+    kept on disk under ``spill_dir`` (one batch in memory at a time: 64 windows of a 3B model's
+    hidden states are 400 MB per request): ``states`` are this block's inputs, ``captured`` its
+    outputs, which ``advance`` makes the next block's inputs.
     """
 
     cut: str | None
     capture: str
-    states: dict[tuple[int, int], list[np.ndarray]] = field(default_factory=dict)
-    captured: dict[tuple[int, int], list[np.ndarray]] = field(default_factory=dict)
+    spill_dir: Path
+    states: dict[tuple[int, int], int] = field(default_factory=dict)  # request -> batches on disk
+    captured: dict[tuple[int, int], int] = field(default_factory=dict)
     stage: int = 0
     calls: int = 0
+    generation: int = 0
 
     def next_request(self) -> tuple[int, int]:
         key = (self.stage, self.calls)
@@ -80,11 +84,27 @@ class StreamCarry:
         if self.cut is not None and key not in self.states:
             raise RuntimeError(f"block-wise calibration: request {key} has no carried states (a pass calibrates "
                                "a different number of times per block)")
-        self.captured[key] = []
+        self.captured[key] = 0
         return key
+
+    def _path(self, generation: int, key: tuple[int, int], batch: int) -> Path:
+        return self.spill_dir / f"g{generation}" / f"{key[0]}-{key[1]}-{batch}.npy"
+
+    def state(self, key: tuple[int, int], batch: int) -> np.ndarray:
+        return np.load(self._path(self.generation, key, batch))
+
+    def keep(self, key: tuple[int, int], value: np.ndarray) -> None:
+        path = self._path(self.generation + 1, key, self.captured[key])
+        path.parent.mkdir(parents=True, exist_ok=True)
+        np.save(path, value)
+        self.captured[key] += 1
 
     def advance(self, cut: str, capture: str) -> None:
         """Start the next block: its input is what this block produced."""
+        import shutil
+
+        shutil.rmtree(self.spill_dir / f"g{self.generation}", ignore_errors=True)
+        self.generation += 1
         self.states, self.captured = self.captured, {}
         self.cut, self.capture, self.stage, self.calls = cut, capture, 0, 0
 
@@ -187,10 +207,10 @@ class Calibrator:
             if carry is not None:
                 feeds = {k: v for k, v in feeds.items() if k in accepted}
                 if carry.cut is not None:
-                    feeds[carry.cut] = carry.states[request][b]
+                    feeds[carry.cut] = carry.state(request, b)
             values = session.run(fetch, feeds)
             if carry is not None:
-                carry.captured[request].append(values.pop())
+                carry.keep(request, values.pop())
             yield feeds, values
 
     def fetch(self, graph: gs.Graph, names: list[str], max_batches: int | None = None):

@@ -187,6 +187,7 @@ def main() -> int:
                     help="a tokenizer whose ids fit every preset's vocabulary (SmolLM2's 49,152)")
     ap.add_argument("--calib-windows", type=int, default=None)
     ap.add_argument("--blockwise", default="auto", choices=("auto", "on", "off"))
+    ap.add_argument("--sweep-only", action="store_true", help="run only --layers-sweep (and --ort), adding to --out")
     ap.add_argument("--ort", action="store_true", help="also run onnxruntime's quantize_static on the first preset")
     ap.add_argument("--rss-limit-gb", type=float, default=21.0, help="kill a run whose RSS passes this (default 21)")
     ap.add_argument("--keep-outputs", action="store_true")
@@ -204,7 +205,7 @@ def main() -> int:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(result, indent=1))
 
-    for preset in args.presets:
+    for preset in [] if args.sweep_only else args.presets:
         model = export(edgeq, preset, None, args.models)
         for recipe in args.recipes:
             result["runs"].append(compile_run(edgeq, model, recipe, args, preset))
@@ -215,6 +216,8 @@ def main() -> int:
         save()
     if args.ort:
         result["ort_quantize_static"] = ort_quantize_static(export(edgeq, args.presets[0], None, args.models), args)
+    elif args.out.is_file():
+        result["ort_quantize_static"] = json.loads(args.out.read_text()).get("ort_quantize_static")
     ok = [r for r in result["runs"] if r["exit_code"] == 0]
     for recipe in {r["recipe"] for r in ok}:
         rows = [r for r in ok if r["recipe"] == recipe]
@@ -222,8 +225,11 @@ def main() -> int:
             "seconds_vs_parameters_exponent": fit_power([r["parameters"] for r in rows], [r["seconds"] for r in rows]),
             "peak_rss_vs_parameters_exponent": fit_power([r["parameters"] for r in rows], [r["peak_rss_mb"] for r in rows]),
         }
+    # the sweep: one width, several layer counts (the full preset's run of the same recipe included)
     sweep = [r for r in result["sweep"] if r["exit_code"] == 0]
+    sweep += [r for r in ok if r["model"] == args.presets[0] and sweep and r["recipe"] == sweep[0]["recipe"]]
     if sweep:
+        result["fits"]["sweep"] = [{k: r[k] for k in ("model", "layers", "seconds", "peak_rss_mb")} for r in sweep]
         result["fits"]["seconds_vs_layers_exponent"] = fit_power([r["layers"] for r in sweep], [r["seconds"] for r in sweep])
     save()
     print(json.dumps(result["fits"], indent=1))

@@ -288,17 +288,19 @@ def block_model(skeleton: onnx.ModelProto, part: Partition, i: int, base_dir: Pa
                 if name in tables:
                     node.input[j] = stand_ins.setdefault(name, name if real_side == "none" else f"{name}__stand_in")
     values: dict[str, np.ndarray] = {}
+    data_types: dict[str, int] = {}
+    read_now = {name for n in g.node for name in n.input}
     for t in graph.initializer:
         if t.name not in used:
             continue
         if t.name in stand_ins:
             values[stand_ins[t.name]] = stand_in(t)
-        if t.name not in stand_ins or stand_ins[t.name] != t.name:
-            if any(t.name in n.input for n in g.node) or t.name not in tables:
-                values[t.name] = read_array(t, base_dir)
+            data_types[stand_ins[t.name]] = t.data_type
+        if t.name in read_now and stand_ins.get(t.name) != t.name:  # (a split tied table: both)
+            values[t.name] = read_array(t, base_dir)
+            data_types[t.name] = t.data_type
     for name, value in values.items():
-        ref = next(t for t in graph.initializer if t.name in (name, name.removesuffix("__stand_in")))
-        g.initializer.append(_declared(name, ref.data_type, value.shape))
+        g.initializer.append(_declared(name, data_types[name], value.shape))
     g.input.extend(graph.input)
     for out in graph.output:
         vi = g.output.add()

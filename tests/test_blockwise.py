@@ -145,3 +145,20 @@ def test_column_blocks_give_the_same_numbers(monkeypatch):
     for a, b in zip(blocks[1:], whole[1:]):
         np.testing.assert_array_equal(a, b)
     np.testing.assert_array_equal(rotate_rows(w, q), (q.T @ w.astype(np.float64)).astype(np.float32))
+
+
+def test_block_models_use_stand_ins_for_the_vocabulary_tables(tiny_models, monkeypatch, tmp_path):
+    """Between the first and the last block the embedding and head tables are small stand-ins; the
+    first block keeps the real embedding, the last the real head (tiny tables count as large here)."""
+    monkeypatch.setattr(blockwise, "STUB_ELEMENTS", 1000)  # the tiny vocabulary tables: 256 x 64
+    monkeypatch.setattr(blockwise, "STUB_ROWS", 8)
+    path = tiny_models["llama"]
+    skeleton = onnx.load(str(path), load_external_data=False)
+    part = blockwise.partition(skeleton)
+    shapes = []
+    for i in range(part.num_layers):
+        _, values = blockwise.block_model(skeleton, part, i, path.parent)
+        shapes.append(sorted(v.shape for v in values.values() if v.ndim == 2 and 256 in v.shape or 8 in v.shape))
+    embedding, head = (256, 64), (64, 256)
+    assert embedding in shapes[0] and head not in shapes[0]  # first block: the real embedding only
+    assert head in shapes[-1] and embedding not in shapes[-1]  # last block: the real head only

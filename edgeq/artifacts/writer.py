@@ -3,7 +3,9 @@
 Everything lands in a temporary folder next to the destination, renamed over it only when all of
 it is written (``ir.atomic_output_dir``), in this order: ``model.onnx`` + ``model.onnx.data``; an
 onnxruntime session on the saved model (the output must load; the same session measures the
-uint8 x int8 kernels' saturation risk for ``report.json``); ``encodings.json`` (from the
+uint8 x int8 kernels' saturation risk for ``report.json``; after a block-wise compile the weights
+file is moved in as it is, and the session only proves that the model loads, the risk having been
+taken block by block); ``encodings.json`` (from the
 encodings the compiler read once); ``aimet_encodings.json``; ``report.json``; ``manifest.json``
 last, so that it hashes the final file set, from the recipe and input hashes recorded at the start.
 """

@@ -15,6 +15,7 @@ import onnxruntime as ort
 import pytest
 
 from edgeq import blockwise, ir
+from edgeq.blockwise import assemble, block  # noqa: F401  (the modules whose limits the tests lower)
 from edgeq.cli import main
 
 RECIPES = ("mquant-w8a8", "gptq-w4a16", "w8a8", "quarot-w8a8")
@@ -67,7 +68,7 @@ def test_blockwise_equals_in_memory(tiny_models, tmp_path, capsys, monkeypatch, 
     """Same logits and the same encodings (scales, zero points) as the in-memory compile (its
     calibration sessions built from a file, as large blocks' are), with every
     initializer above 1 KB streamed to the external data file (the spill threshold lowered here)."""
-    monkeypatch.setattr(blockwise, "SPILL_BYTES", 1024)  # as ir.save_model: shape tensors stay inline
+    monkeypatch.setattr(blockwise.assemble, "SPILL_BYTES", 1024)  # as ir.save_model: shape tensors stay inline
     calib = _calib_for(tiny_models[arch], tmp_path)
     mem, _ = _compile(capsys, tiny_models[arch], tmp_path / "mem", recipe, calib, "off")
     monkeypatch.setattr(ir, "CONSUME_VIA_FILE_BYTES", 0)  # calibration sessions through a file, as for large blocks
@@ -150,8 +151,8 @@ def test_column_blocks_give_the_same_numbers(monkeypatch):
 def test_block_models_use_stand_ins_for_the_vocabulary_tables(tiny_models, monkeypatch, tmp_path):
     """Between the first and the last block the embedding and head tables are small stand-ins; the
     first block keeps the real embedding, the last the real head (tiny tables count as large here)."""
-    monkeypatch.setattr(blockwise, "STUB_ELEMENTS", 1000)  # the tiny vocabulary tables: 256 x 64
-    monkeypatch.setattr(blockwise, "STUB_ROWS", 8)
+    monkeypatch.setattr(blockwise.block, "STUB_ELEMENTS", 1000)  # the tiny vocabulary tables: 256 x 64
+    monkeypatch.setattr(blockwise.block, "STUB_ROWS", 8)
     path = tiny_models["llama"]
     skeleton = onnx.load(str(path), load_external_data=False)
     part = blockwise.partition(skeleton)

@@ -153,7 +153,8 @@ class Calibrator:
         names = sorted(factories)
         carry = self.carry
         if carry is not None and split_by:
-            raise NotImplementedError("block-wise calibration does not split by modality")
+            # passes that split by modality (msq, aifs) do not declare per_block, so never run block-wise
+            raise RuntimeError("block-wise calibration cannot split by modality (a pass without per_block ran block-wise)")
         # a block-wise compile needs every run (its output feeds the next block): no cache
         key = cached = None
         if carry is None:
@@ -218,7 +219,9 @@ class Calibrator:
         for methods whose statistics are not per-tensor observers (kvquant's attention samples).
         One onnxruntime session, counted in the log like ``observe``'s; nothing is cached."""
         if self.carry is not None:
-            raise NotImplementedError("block-wise calibration carries states through observe() only")
+            # fetch() serves kvquant, which does not declare per_block, so never runs block-wise
+            raise RuntimeError("block-wise calibration carries states through observe() only (a pass without per_block "
+                               "ran block-wise)")
         model = ir.to_model(graph)
         add_outputs(model, graph, names)
         start = time.perf_counter()

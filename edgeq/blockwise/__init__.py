@@ -1,0 +1,199 @@
+"""Block-wise compile: memory bounded by one decoder block, not by the model.
+
+The in-memory path imports the whole model into graphsurgeon and calibrates with one onnxruntime
+session over all of it: about 8x the model's size at peak, so a 1B model does not fit 24 GB. This
+path compiles one decoder block at a time instead:
+
+- ``partition`` splits the input graph (read without its weights) into a prologue (embedding, mask
+  and rotary computations), one node set per decoder layer, and an epilogue (final norm, head), and
+  checks the split by data flow: each layer reads the residual stream from the layer before it
+  (one tensor) plus tensors that do not depend on the stream's values (masks, rotary tables), and
+  the epilogue reads the last layer's output. A graph that does not split this way is refused
+  (``NotPartitionable``) and the compiler uses the in-memory path.
+- ``block_model`` builds, for layer i, a one-layer model: prologue -> layer i -> epilogue, its
+  weights read from the external data file for that block only. Between the first and the last
+  block the embedding and head tables are small stand-ins (the block's calibration feeds the
+  carried hidden states to the layer directly, and the stand-ins' rewrites are thrown away).
+- the recipe's passes run on that model unchanged (every pass declares ``per_block``); calibration
+  feeds the layer with the hidden states the previous block produced, one set per calibration
+  request (``edgeq.calib.session.StreamCarry``), so the statistics are the in-memory path's.
+- ``Assembler`` takes the block's nodes out of the result (a data-flow walk from the block's output
+  back to the prologue's tensors), renames what would clash with earlier blocks, writes the large
+  initializers straight into the output's external data file and keeps only the graph. The
+  prologue comes from the first block's result, the epilogue from the last's.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import onnx
+
+from edgeq.blockwise.assemble import Assembler, ancestors
+from edgeq.blockwise.block import block_graph, block_model
+from edgeq.blockwise.partition import NotPartitionable, Partition, partition
+
+__all__ = ["NotPartitionable", "Partition", "partition", "block_graph", "block_model", "compile_blocks",
+           "merge_records", "BlockProgress", "ancestors"]
+
+
+@dataclass
+class BlockProgress:
+    """One stderr line per block: elapsed time and an estimate of what is left."""
+
+    total: int
+    enabled: bool
+    started: float = field(default_factory=time.perf_counter)
+
+    def done(self, i: int, seconds: float, rss_mb: float) -> None:
+        if not self.enabled:
+            return
+        import sys
+
+        elapsed = time.perf_counter() - self.started
+        eta = elapsed / (i + 1) * (self.total - i - 1)
+        sys.stderr.write(f"block {i + 1}/{self.total}: {seconds:.1f} s, elapsed {_clock(elapsed)}, "
+                         f"ETA {_clock(eta)}, peak RSS {rss_mb:.0f} MB\n")
+        sys.stderr.flush()
+
+
+def _clock(seconds: float) -> str:
+    m, s = divmod(int(seconds + 0.5), 60)
+    return f"{m // 60}:{m % 60:02d}:{s:02d}" if m >= 60 else f"{m}:{s:02d}"
+
+
+def compile_blocks(skeleton: onnx.ModelProto, part: Partition, base_dir: Path, data_path: Path,
+                   run_block: Callable[[object, int], tuple[onnx.ModelProto, list[dict]]],
+                   carry, progress: BlockProgress) -> tuple[onnx.ModelProto, list[list[dict]], dict]:
+    """Compile every block with ``run_block(graph, i) -> (compiled model, pass records)``; returns
+    the assembled model (large initializers already in ``data_path``), the records per block and
+    the u8s8 worst-case bound of its linears.
+
+    ``carry``: the calibrator's ``StreamCarry`` (None without calibration), moved on per block."""
+    from edgeq.pipeline import peak_rss_mb
+
+    last = part.num_layers - 1
+    assembler = Assembler(skeleton, data_path)
+    records = []
+    u8s8 = U8S8Tally()
+    try:
+        for i in range(part.num_layers):
+            start = time.perf_counter()
+            if carry is not None and i > 0:
+                carry.advance(cut=part.stream[0], capture=part.stream[i + 1])
+            compiled, recs = run_block(block_graph(skeleton, part, i, base_dir), i)
+            records.append(recs)
+            _check_present(compiled, [part.stream[i + 1]] + ([part.stream[0]] if i > 0 else []), i)
+            base = set(part.prologue_outputs) | {o for k in part.support[i] for o in skeleton.graph.node[k].output}
+            base |= {t.name for t in skeleton.graph.input}
+            if i == 0:  # (a prologue tensor the passes made unused, a tied head's Transpose, may be gone)
+                assembler.add(compiled, ancestors(compiled, part.prologue_outputs, {t.name for t in skeleton.graph.input}),
+                              {}, "prologue")
+            targets = [part.stream[i + 1], *sorted(part.exported_support[i])]
+            block = ancestors(compiled, targets, base | {part.stream[0]})
+            kept = {n.name for n in block}
+            if i == 0:
+                kept |= {n.name for n in ancestors(compiled, part.prologue_outputs, set())}
+            if i == last:
+                kept |= {n.name for n in ancestors(compiled, [o.name for o in skeleton.graph.output], set())}
+            u8s8.add(compiled, kept)
+            assembler.add_missing(compiled, block, f"p{i}")
+            assembler.add(compiled, block, {part.stream[0]: part.stream[i]} if i > 0 else {}, f"b{i}")
+            if i == last:
+                stop = set(part.prologue_outputs) | {part.stream[-1]} | {t.name for t in skeleton.graph.input}
+                stop |= {name for s in part.exported_support for name in s}
+                epilogue = ancestors(compiled, [o.name for o in skeleton.graph.output], stop)
+                assembler.add_missing(compiled, epilogue, "pe")
+                assembler.add(compiled, epilogue, {}, "epilogue")
+            # nothing may keep a node of this block's model: any part keeps all of it alive
+            del compiled, block, recs
+            release_memory()
+            progress.done(i, time.perf_counter() - start, peak_rss_mb())
+        return assembler.finish(), records, u8s8.summary()
+    finally:
+        assembler.close()
+
+
+@dataclass
+class U8S8Tally:
+    """The u8s8 worst-case bound (``edgeq.targets.u8s8_sites.static_risk``) of the linears each
+    block contributes, taken while its weights are in memory: the writer then need not read the
+    whole output back to report it."""
+
+    linears: int = 0
+    at_risk: dict[str, int] = field(default_factory=dict)
+
+    def add(self, compiled: onnx.ModelProto, nodes: set[str]) -> None:
+        import onnx_graphsurgeon as gs
+
+        from edgeq.targets.u8s8_sites import find_u8s8_sites, static_risk
+
+        sites = [s for s in find_u8s8_sites(gs.import_onnx(compiled)) if s.node.name in nodes]
+        self.linears += len(sites)
+        self.at_risk.update(static_risk(sites))
+
+    def summary(self) -> dict:
+        return {"linears": self.linears, "linears_at_risk": len(self.at_risk), "saturation_free": not self.at_risk,
+                "at_risk": self.at_risk}
+
+
+def release_memory() -> None:
+    """Give freed memory back to the system between blocks: collect cycles, and ask glibc to
+    return its free heap (block-sized arrays freed in the middle of the heap otherwise stay in the
+    process's RSS and the next block's add up on top). A no-op where there is no glibc."""
+    import ctypes
+    import ctypes.util
+    import gc
+
+    gc.collect()
+    try:
+        ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+
+
+def _check_present(model: onnx.ModelProto, names: list[str], i: int) -> None:
+    have = {o for n in model.graph.node for o in n.output} | {t.name for t in model.graph.input}
+    missing = [n for n in names if n not in have]
+    if missing:
+        raise RuntimeError(f"block {i}: the passes removed the tensor(s) {missing[:3]} the block-wise compile stitches "
+                           "blocks at; compile with --blockwise off")
+
+
+def merge_records(per_block: list[list[dict]]) -> list[dict]:
+    """One record per pass for report.json: seconds summed over blocks, peak RSS the highest,
+    summaries merged (numbers summed, lists joined), and how many blocks the pass changed."""
+    merged = []
+    for recs in zip(*per_block):
+        first = dict(recs[0])
+        first["seconds"] = round(sum(r["seconds"] for r in recs), 3)
+        first["peak_rss_mb"] = max(r["peak_rss_mb"] for r in recs)
+        first["modified"] = any(r["modified"] for r in recs)
+        first["blocks_modified"] = sum(bool(r["modified"]) for r in recs)
+        for key in ("ops_added", "ops_removed"):
+            first[key] = _merge([r[key] for r in recs])
+        first["summary"] = _merge([r["summary"] for r in recs])
+        na = [r["not_applicable"] for r in recs if "not_applicable" in r]
+        if na and len(na) == len(recs):
+            first["not_applicable"] = na[0]
+        else:
+            first.pop("not_applicable", None)
+        merged.append(first)
+    return merged
+
+
+def _merge(values: list):
+    if all(isinstance(v, bool) for v in values):
+        return any(values)
+    if all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in values):
+        return round(sum(values), 6)
+    if all(isinstance(v, dict) for v in values):
+        keys = list(dict.fromkeys(k for v in values for k in v))
+        return {k: _merge([v[k] for v in values if k in v]) for k in keys}
+    if all(isinstance(v, list) for v in values):
+        return [x for v in values for x in v]
+    distinct = list(dict.fromkeys(map(str, values)))
+    return values[0] if len(distinct) == 1 else distinct

@@ -69,6 +69,7 @@ def test_blockwise_equals_in_memory(tiny_models, tmp_path, capsys, monkeypatch, 
     calibration sessions built from a file, as large blocks' are), with every
     initializer above 1 KB streamed to the external data file (the spill threshold lowered here)."""
     monkeypatch.setattr(blockwise.assemble, "SPILL_BYTES", 1024)  # as ir.save_model: shape tensors stay inline
+    monkeypatch.setenv("EDGEQ_PROGRESS", "1")  # CI turns progress off; the block lines are checked here
     calib = _calib_for(tiny_models[arch], tmp_path)
     mem, _ = _compile(capsys, tiny_models[arch], tmp_path / "mem", recipe, calib, "off")
     monkeypatch.setattr(ir, "CONSUME_VIA_FILE_BYTES", 0)  # calibration sessions through a file, as for large blocks

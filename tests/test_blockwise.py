@@ -88,10 +88,14 @@ def test_blockwise_equals_in_memory(tiny_models, tmp_path, capsys, monkeypatch, 
     assert sum(t.data_location == onnx.TensorProto.EXTERNAL for t in out.graph.initializer) > 10
     assert [p["name"] for p in mem["passes"]] == [p["name"] for p in blk["passes"]]
     assert all("peak_rss_mb" in p and "seconds" in p for p in blk["passes"])
-    # the u8s8 bound, taken block by block, counts the same linears as the whole-model probe
-    assert blk["u8s8"].get("linears") == mem["u8s8"].get("linears")
-    if mem["u8s8"]["linears"]:
-        assert blk["u8s8"]["saturation_free"] is mem["u8s8"]["saturation_free"] is True
+    # the u8s8 probe, taken block by block on the compiled blocks' hidden states, is the whole-model probe's
+    for key in ("linears", "worst_pair", "saturation_free", "linears_at_risk", "rows_probed", "int8_weight_range"):
+        assert blk["u8s8"].get(key) == mem["u8s8"].get(key), key
+    assert set(blk["u8s8"].get("per_linear", {})) == set(mem["u8s8"].get("per_linear", {}))
+    for name, record in mem["u8s8"].get("per_linear", {}).items():
+        assert blk["u8s8"]["per_linear"][name] == pytest.approx(record, rel=1e-5, abs=1e-7), name
+    if recipe != "gptq-w4a16":  # (weight-only: no integer linear to probe)
+        assert mem["u8s8"]["linears"] > 0 and "max_pair_rate" in blk["u8s8"]
 
 
 def test_auto_keeps_small_models_in_memory(tiny_models, calib, tmp_path, capsys):

@@ -120,6 +120,22 @@ def test_simulate_linear_rates():
     assert simulate_linear(signed, 0, full) == stats
 
 
+def test_simulate_linear_in_column_blocks_counts_the_same(monkeypatch):
+    """A vocabulary head is simulated a few columns at a time: the rates do not depend on the split."""
+    import edgeq.quant
+
+    rng = np.random.default_rng(2)
+    a = rng.integers(0, 256, (8, 40), dtype=np.uint8)
+    full = rng.integers(-127, 128, (40, 33))
+    w_zero_point = rng.integers(-3, 4, 33)
+    whole = simulate_linear(a, 120, full, w_zero_point)
+    monkeypatch.setattr(edgeq.quant, "COLUMN_BLOCK_ELEMENTS", 40 * 4)  # 9 blocks, the last one short
+    split = simulate_linear(a, 120, full, w_zero_point)
+    assert whole.pair_rate > 0
+    assert split.pair_rate == whole.pair_rate and split.output_rate == whole.output_rate
+    assert split.rel_error == pytest.approx(whole.rel_error, rel=1e-12)
+
+
 def _calib_npz(model_path, path):
     rng = np.random.default_rng(0)
     ids = rng.integers(0, 256, (2, 1, 32))

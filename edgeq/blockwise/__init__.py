@@ -67,10 +67,10 @@ def _clock(seconds: float) -> str:
 
 def compile_blocks(skeleton: onnx.ModelProto, part: Partition, base_dir: Path, data_path: Path,
                    run_block: Callable[[object, int], tuple[onnx.ModelProto, list[dict]]],
-                   carry, progress: BlockProgress) -> tuple[onnx.ModelProto, list[list[dict]], dict]:
+                   carry, progress: BlockProgress, probe_feeds: dict | None = None) -> tuple[onnx.ModelProto, list[list[dict]], dict]:
     """Compile every block with ``run_block(graph, i) -> (compiled model, pass records)``; returns
     the assembled model (large initializers already in ``data_path``), the records per block and
-    the u8s8 worst-case bound of its linears.
+    the u8s8 report of its linears (``U8S8Tally``: probed on ``probe_feeds``, else the bound).
 
     ``carry``: the calibrator's ``StreamCarry`` (None without calibration), moved on per block."""
     from edgeq.pipeline import peak_rss_mb
@@ -78,7 +78,7 @@ def compile_blocks(skeleton: onnx.ModelProto, part: Partition, base_dir: Path, d
     last = part.num_layers - 1
     assembler = Assembler(skeleton, data_path)
     records = []
-    u8s8 = U8S8Tally()
+    u8s8 = U8S8Tally(probe_feeds)
     try:
         for i in range(part.num_layers):
             start = time.perf_counter()
@@ -99,7 +99,7 @@ def compile_blocks(skeleton: onnx.ModelProto, part: Partition, base_dir: Path, d
                 kept |= {n.name for n in ancestors(compiled, part.prologue_outputs, set())}
             if i == last:
                 kept |= {n.name for n in ancestors(compiled, [o.name for o in skeleton.graph.output], set())}
-            u8s8.add(compiled, kept)
+            u8s8.add(compiled, kept, part.stream[0] if i > 0 else None, part.stream[i + 1])
             assembler.add_missing(compiled, block, f"p{i}")
             assembler.add(compiled, block, {part.stream[0]: part.stream[i]} if i > 0 else {}, f"b{i}")
             if i == last:
@@ -119,25 +119,41 @@ def compile_blocks(skeleton: onnx.ModelProto, part: Partition, base_dir: Path, d
 
 @dataclass
 class U8S8Tally:
-    """The u8s8 worst-case bound (``edgeq.targets.u8s8_sites.static_risk``) of the linears each
-    block contributes, taken while its weights are in memory: the writer then need not read the
-    whole output back to report it."""
+    """What report.json says about onnxruntime's uint8 x int8 kernels, taken block by block while
+    each block's weights are in memory (the writer then need not read the whole output back).
 
+    With ``feeds`` (the probe's calibration batch) every block's linears are probed as
+    ``edgeq.targets.u8s8_sites.probe_saturation`` probes the whole model: the compiled block runs
+    on the hidden states the previous compiled block produced (``stream``), so the records are the
+    in-memory path's. Without, the worst-case bound only."""
+
+    feeds: dict | None = None
+    per_linear: dict[str, dict] = field(default_factory=dict)
+    stream: object = None  # the compiled model's hidden states after the last block probed
     linears: int = 0
     at_risk: dict[str, int] = field(default_factory=dict)
 
-    def add(self, compiled: onnx.ModelProto, nodes: set[str]) -> None:
-        import onnx_graphsurgeon as gs
+    def add(self, compiled: onnx.ModelProto, nodes: set[str], cut: str | None, capture: str) -> None:
+        from edgeq.targets.u8s8_sites import find_u8s8_sites, probe_linears, static_risk
 
-        from edgeq.targets.u8s8_sites import find_u8s8_sites, static_risk
+        if self.feeds is not None:
+            records, self.stream = probe_linears(compiled, self.feeds, nodes=nodes, stream=(cut, capture),
+                                                 stream_value=self.stream)
+            self.per_linear.update(records)
+            return
+        import onnx_graphsurgeon as gs
 
         sites = [s for s in find_u8s8_sites(gs.import_onnx(compiled)) if s.node.name in nodes]
         self.linears += len(sites)
         self.at_risk.update(static_risk(sites))
 
     def summary(self) -> dict:
+        from edgeq.targets.u8s8_sites import summarize_probe
+
+        if self.feeds is not None:
+            return summarize_probe(self.per_linear)
         return {"linears": self.linears, "linears_at_risk": len(self.at_risk), "saturation_free": not self.at_risk,
-                "at_risk": self.at_risk}
+                "at_risk": self.at_risk, "note": "no calibration data: worst-case bound only, no saturation rates"}
 
 
 def release_memory() -> None:

@@ -36,7 +36,7 @@ from dataclasses import dataclass
 import numpy as np
 
 # the pair-bounded grid is quantization math (edgeq.quant); the kernel model is here
-from edgeq.quant import (PAIR_LIMIT, adjacent_pairs, fix_pairs, is_saturation_free, pair_bounded_scale, pair_magnitudes,
+from edgeq.quant import (PAIR_LIMIT, adjacent_pairs, column_blocks, fix_pairs, is_saturation_free, pair_bounded_scale, pair_magnitudes,
                          quantize_pair_bounded, worst_pair)
 
 INT16_MIN, INT16_MAX = -32768, 32767
@@ -85,23 +85,33 @@ class SaturationStats:
 
 def simulate_linear(a_codes: np.ndarray, a_zero_point: int, q_kn: np.ndarray, w_zero_point: np.ndarray | int = 0) -> SaturationStats:
     """Run the model on one linear: activation codes [M, K] (uint8, or int8 which onnxruntime
-    shifts to uint8 by +128 on x86), weight codes [K, N] int8."""
+    shifts to uint8 by +128 on x86), weight codes [K, N] int8. Taken in column blocks
+    (``edgeq.quant.column_blocks``): a vocabulary head's codes widened to int64 at once would be
+    gigabytes."""
     a = np.asarray(a_codes)
     zp = int(a_zero_point)
     if a.dtype == np.int8:
         a, zp = a.astype(np.int64) + 128, zp + 128
     a = a.astype(np.int64)
-    q = np.asarray(q_kn, np.int64)
-    kernel, saturated, total = vpmaddubsw_matmul(a, q)
-    exact = a @ q
-    wz = np.broadcast_to(np.asarray(w_zero_point, np.int64), (q.shape[1],))
-    # zero-point-corrected products (what the kernel hands to the float scale)
-    correction = zp * q.sum(axis=0)[None] + a.sum(axis=1, keepdims=True) * wz[None] - zp * wz[None] * q.shape[0]
-    ref = exact - correction
-    diff = (kernel - exact).astype(np.float64)
-    denom = float(np.linalg.norm(ref.astype(np.float64)))
+    a_rows = a.sum(axis=1, keepdims=True)
+    wz = np.broadcast_to(np.asarray(w_zero_point, np.int64), (q_kn.shape[1],))
+    saturated = total = changed = outputs = 0
+    diff_sq = ref_sq = 0.0
+    for cols in column_blocks(q_kn):
+        q = np.asarray(q_kn[:, cols], np.int64)
+        kernel, block_saturated, block_total = vpmaddubsw_matmul(a, q)
+        exact = a @ q
+        # zero-point-corrected products (what the kernel hands to the float scale)
+        correction = zp * q.sum(axis=0)[None] + a_rows * wz[None, cols] - zp * wz[None, cols] * q.shape[0]
+        ref = (exact - correction).astype(np.float64)
+        diff = (kernel - exact).astype(np.float64)
+        saturated, total = saturated + block_saturated, total + block_total
+        changed, outputs = changed + int(np.count_nonzero(diff)), outputs + diff.size
+        diff_sq += float(np.sum(diff * diff))
+        ref_sq += float(np.sum(ref * ref))
+    denom = float(np.sqrt(ref_sq))
     return SaturationStats(
         pair_rate=saturated / max(total, 1),
-        output_rate=float(np.count_nonzero(diff)) / max(diff.size, 1),
-        rel_error=float(np.linalg.norm(diff)) / denom if denom else 0.0,
+        output_rate=changed / max(outputs, 1),
+        rel_error=float(np.sqrt(diff_sq)) / denom if denom else 0.0,
     )

@@ -96,32 +96,66 @@ def probe_saturation(model: onnx.ModelProto, feeds: dict[str, np.ndarray], rows:
     """Per uint8 x int8 linear: the worst-case bound of its weight codes and what the VPMADDUBSW
     model (``edgeq.targets.saturation``) predicts on real activation codes (``rows`` token rows,
     evenly spaced, of one run on ``feeds``). The model runs in onnxruntime without graph
-    optimizations (exact QDQ), with the integer activations as extra outputs, removed afterwards.
-    Also proves that the model loads in onnxruntime."""
-    from edgeq.targets.saturation import PAIR_LIMIT, simulate_linear, worst_pair
+    optimizations (exact QDQ), with the integer activations as its outputs. Also proves that the
+    model loads in onnxruntime."""
+    per_linear, _ = probe_linears(model, feeds, rows=rows)
+    return summarize_probe(per_linear, rows)
 
-    graph = gs.import_onnx(model)
-    sites = find_u8s8_sites(graph)
-    names = sorted({s.activation.name for s in sites})
-    graph_outputs = {o.name for o in model.graph.output}
-    signed = {s.activation.name: s.activation_signed for s in sites}
-    extra = [onnx.helper.make_tensor_value_info(n, onnx.TensorProto.INT8 if signed[n] else onnx.TensorProto.UINT8, None)
-             for n in names if n not in graph_outputs]
-    model.graph.output.extend(extra)
-    try:
-        session = ir.make_session(model)
-    finally:
-        del model.graph.output[len(model.graph.output) - len(extra):]
-    if not sites:
-        return {"linears": 0}
-    fetched = dict(zip(names, session.run(names, feeds)))
+
+def probe_linears(model: onnx.ModelProto, feeds: dict[str, np.ndarray], *, nodes: set[str] | None = None,
+                  stream: tuple[str | None, str] | None = None, stream_value: np.ndarray | None = None,
+                  rows: int = 32) -> tuple[dict[str, dict], np.ndarray | None]:
+    """``probe_saturation``'s per-linear records, for the linears named in ``nodes`` (all when
+    None), and the value of a stream tensor: ``stream = (cut, capture)`` makes ``cut`` an input
+    fed ``stream_value`` (None: computed as usual) and returns ``capture``'s value. A block-wise
+    compile probes block by block this way, carrying the compiled model's hidden states, so the
+    records are those of the whole compiled model's run on ``feeds``."""
+    from edgeq.targets.saturation import simulate_linear, worst_pair
+
+    graph = gs.import_onnx(model)  # (its weights stay the model's tensors until exported)
+    sites = [s for s in find_u8s8_sites(graph) if nodes is None or s.node.name in nodes]
+    tensors = graph.tensors()
+    fetch = []
+    for name in sorted({s.activation.name for s in sites}):
+        signed = next(s.activation_signed for s in sites if s.activation.name == name)
+        tensors[name].dtype = np.int8 if signed else np.uint8
+        fetch.append(tensors[name])
+    cut, capture = stream if stream is not None else (None, None)
+    if capture is not None:
+        tensors[capture].dtype = tensors[capture].dtype or np.float32
+        fetch.append(tensors[capture])
+    if cut is not None:
+        tensors[cut].inputs.clear()
+        tensors[cut].dtype = np.float32
+        graph.inputs.append(tensors[cut])
+    graph.outputs = fetch or graph.outputs  # (no linear to probe: the session still proves the model loads)
+    graph.cleanup()  # only what the fetched tensors need (not the vocabulary head after its input)
+    session = ir.make_session(ir.to_model(graph), consume=True)
+    del graph, tensors, fetch
+    accepted = {i.name for i in session.get_inputs()}
+    run_feeds = {k: v for k, v in feeds.items() if k in accepted}
+    if cut is not None:
+        run_feeds[cut] = stream_value
+    names = [o.name for o in session.get_outputs()]
+    fetched = dict(zip(names, session.run(names, run_feeds))) if sites or capture is not None else {}
+    del session
     per_linear = {}
     for site in sites:
         q_kn = site.weight_kn()
         codes = fetched[site.activation.name].reshape(-1, q_kn.shape[0])
         pick = np.unique(np.linspace(0, codes.shape[0] - 1, min(rows, codes.shape[0])).astype(np.int64))
         stats = simulate_linear(codes[pick], site.activation_zero_point, q_kn, site.weight.zero_point)
-        per_linear[site.node.name] = {"worst_pair": int(worst_pair(q_kn).max(initial=0)), **stats.to_dict()}
+        per_linear[site.node.name] = {"worst_pair": int(worst_pair(q_kn).max(initial=0)), "rows_probed": len(pick),
+                                      **stats.to_dict()}
+    return per_linear, fetched.get(capture) if capture is not None else None
+
+
+def summarize_probe(per_linear: dict[str, dict], rows: int = 32) -> dict:
+    """The whole model's saturation summary from per-linear probe records."""
+    from edgeq.targets.saturation import PAIR_LIMIT
+
+    if not per_linear:
+        return {"linears": 0}
     worst = max(v["worst_pair"] for v in per_linear.values())
     return {
         "linears": len(per_linear),
@@ -129,12 +163,11 @@ def probe_saturation(model: onnx.ModelProto, feeds: dict[str, np.ndarray], rows:
         "worst_pair": worst,
         "saturation_free": worst <= PAIR_LIMIT,
         "linears_at_risk": sum(v["worst_pair"] > PAIR_LIMIT for v in per_linear.values()),
-        "rows_probed": int(min(rows, codes.shape[0])),
+        "rows_probed": max(v["rows_probed"] for v in per_linear.values()),
         "max_pair_rate": max(v["pair_rate"] for v in per_linear.values()),
         "max_rel_error": max(v["rel_error"] for v in per_linear.values()),
-        "per_linear": per_linear,
+        "per_linear": {k: {f: x for f, x in v.items() if f != "rows_probed"} for k, v in per_linear.items()},
     }
-
 
 
 # onnxruntime's integer linears after its QDQ fusion -> the input index of their second operand

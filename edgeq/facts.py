@@ -63,7 +63,11 @@ class JsonFact(Fact):
         return None if raw is None else json.loads(raw)
 
     def set(self, graph: gs.Graph, value) -> None:
-        self.write(graph, json.dumps(value, sort_keys=self.sort_keys))
+        self.write(graph, self.encode(value))
+
+    def encode(self, value) -> str:
+        """The metadata text of ``value`` (for a model built as a proto, not a graph)."""
+        return json.dumps(value, sort_keys=self.sort_keys)
 
 
 @dataclass(frozen=True)
@@ -94,5 +98,24 @@ KEEP_FLOAT = NameSetFact("edgeq.keep_float", "linears a method keeps in float: t
 WEIGHTS_QUANTIZED_FIRST = NameSetFact(
     "edgeq.weights_quantized_first",
     "linears whose weights a weight pass (gptq) quantized and whose activations qdq should still quantize")
+STAND_INS = JsonFact("edgeq.blockwise.stand_ins",
+                     "a block-wise compile's block model: small tables standing in for the vocabulary tables "
+                     "this block does not use -> the real table's shape (never in a compiled model)", sort_keys=True)
 VISUAL_SPAN_INPUTS = Fact("edgeq.visual_span_inputs",
                           "names of the inputs giving each row's visual span (written by the VLM exports)")
+
+
+def merge_part_metadata(into: dict[str, str], part: dict[str, str], discarded: set[str]) -> None:
+    """The metadata of a model assembled from compiled parts (``edgeq.blockwise``), one part at a
+    time: a name set is joined over the parts, less the names of the nodes a part's result was not
+    taken for (``discarded``: a middle block's stand-in head, and nodes named after one); the
+    stand-in record is dropped; every other fact is the same in every part."""
+    sets = {fact.key for fact in (KEEP_FLOAT, WEIGHTS_QUANTIZED_FIRST)}
+    for key, value in part.items():
+        if key == STAND_INS.key:
+            continue
+        if key not in sets:
+            into[key] = value
+            continue
+        taken = {name for name in json.loads(value) if not any(name.startswith(d) for d in discarded)}
+        into[key] = json.dumps(sorted(set(json.loads(into.get(key, "[]"))) | taken))

@@ -70,6 +70,10 @@ def test_blockwise_equals_in_memory(tiny_models, tmp_path, capsys, monkeypatch, 
     initializer above 1 KB streamed to the external data file (the spill threshold lowered here)."""
     monkeypatch.setattr(blockwise.assemble, "SPILL_BYTES", 1024)  # as ir.save_model: shape tensors stay inline
     monkeypatch.setenv("EDGEQ_PROGRESS", "1")  # CI turns progress off; the block lines are checked here
+    # the vocabulary tables (256 x 64) get stand-ins as a real vocabulary's would: the first block
+    # reads the real embedding and a stand-in head, the last the real head and a stand-in embedding
+    monkeypatch.setattr(blockwise.block, "STUB_ELEMENTS", 1000)
+    monkeypatch.setattr(blockwise.block, "STUB_ROWS", 8)
     calib = _calib_for(tiny_models[arch], tmp_path)
     mem, _ = _compile(capsys, tiny_models[arch], tmp_path / "mem", recipe, calib, "off")
     monkeypatch.setattr(ir, "CONSUME_VIA_FILE_BYTES", 0)  # calibration sessions through a file, as for large blocks
@@ -83,6 +87,10 @@ def test_blockwise_equals_in_memory(tiny_models, tmp_path, capsys, monkeypatch, 
     enc_b = json.loads((tmp_path / "blk" / "encodings.json").read_text())
     assert enc_a["activations"] == enc_b["activations"]
     assert enc_a["weights"] == enc_b["weights"]
+    # the facts passes leave for later compiles and tools are the same (a name set joined over the blocks)
+    meta_a, meta_b = ({p.key: p.value for p in onnx.load(str(tmp_path / d / "model.onnx"), load_external_data=False)
+                       .metadata_props} for d in ("mem", "blk"))
+    assert meta_a == meta_b
     # the weights live in the external data file, written block by block
     out = onnx.load(str(tmp_path / "blk" / "model.onnx"), load_external_data=False)
     assert sum(t.data_location == onnx.TensorProto.EXTERNAL for t in out.graph.initializer) > 10

@@ -76,6 +76,7 @@ def compile_blocks(skeleton: onnx.ModelProto, part: Partition, base_dir: Path, d
     from edgeq.pipeline import peak_rss_mb
 
     last = part.num_layers - 1
+    head_side = _head_side(skeleton, part) if last > 0 else set()
     assembler = Assembler(skeleton, data_path)
     records = []
     u8s8 = U8S8Tally(probe_feeds)
@@ -90,8 +91,8 @@ def compile_blocks(skeleton: onnx.ModelProto, part: Partition, base_dir: Path, d
             base = set(part.prologue_outputs) | {o for k in part.support[i] for o in skeleton.graph.node[k].output}
             base |= {t.name for t in skeleton.graph.input}
             if i == 0:  # (a prologue tensor the passes made unused, a tied head's Transpose, may be gone)
-                assembler.add(compiled, ancestors(compiled, part.prologue_outputs, {t.name for t in skeleton.graph.input}),
-                              {}, "prologue")
+                assembler.add(compiled, ancestors(compiled, [o for o in part.prologue_outputs if o not in head_side],
+                                                  {t.name for t in skeleton.graph.input}), {}, "prologue")
             targets = [part.stream[i + 1], *sorted(part.exported_support[i])]
             block = ancestors(compiled, targets, base | {part.stream[0]})
             kept = {n.name for n in block}
@@ -100,10 +101,13 @@ def compile_blocks(skeleton: onnx.ModelProto, part: Partition, base_dir: Path, d
             if i == last:
                 kept |= {n.name for n in ancestors(compiled, [o.name for o in skeleton.graph.output], set())}
             u8s8.add(compiled, kept, part.stream[0] if i > 0 else None, part.stream[i + 1])
+            discarded = ({skeleton.graph.node[k].name for k in part.prologue} if i > 0 else set()) | (
+                {skeleton.graph.node[k].name for k in part.epilogue} if i < last else set())
+            assembler.add_metadata(compiled, {name for name in discarded if name})
             assembler.add_missing(compiled, block, f"p{i}")
             assembler.add(compiled, block, {part.stream[0]: part.stream[i]} if i > 0 else {}, f"b{i}")
             if i == last:
-                stop = set(part.prologue_outputs) | {part.stream[-1]} | {t.name for t in skeleton.graph.input}
+                stop = set(part.prologue_outputs) - head_side | {part.stream[-1]} | {t.name for t in skeleton.graph.input}
                 stop |= {name for s in part.exported_support for name in s}
                 epilogue = ancestors(compiled, [o.name for o in skeleton.graph.output], stop)
                 assembler.add_missing(compiled, epilogue, "pe")
@@ -115,6 +119,16 @@ def compile_blocks(skeleton: onnx.ModelProto, part: Partition, base_dir: Path, d
         return assembler.finish(), records, u8s8.summary()
     finally:
         assembler.close()
+
+
+def _head_side(skeleton: onnx.ModelProto, part: Partition) -> set[str]:
+    """Prologue outputs only the epilogue reads (a tied head's transposed table): the first block
+    computes them from a stand-in, so they are taken from the last block, with the real head."""
+    nodes = skeleton.graph.node
+    inner = {k for ks in part.layers + part.support for k in ks}
+    layer_reads = {x for k in inner for x in nodes[k].input}
+    epilogue_reads = {x for k in part.epilogue for x in nodes[k].input}
+    return {o for o in part.prologue_outputs if o in epilogue_reads and o not in layer_reads}
 
 
 @dataclass

@@ -12,6 +12,7 @@ from typing import Iterable
 import onnx
 from onnx import TensorProto
 
+from edgeq import facts
 from edgeq.protowalk import upstream
 
 # initializers at least this large go to the external data file as soon as their block is done
@@ -94,8 +95,12 @@ class Assembler:
                 self.functions[(f.domain, f.name)] = _copied(f)
         for imp in model.opset_import:
             self.opsets[imp.domain] = max(self.opsets.get(imp.domain, 0), imp.version)
-        self.metadata.update({p.key: p.value for p in model.metadata_props})
         self.ir_version = max(self.ir_version, model.ir_version)
+
+    def add_metadata(self, model: onnx.ModelProto, discarded: set[str]) -> None:
+        """A block's facts (``facts.merge_part_metadata``); ``discarded``: the names of the input
+        graph's nodes whose compiled form is not taken from this block."""
+        facts.merge_part_metadata(self.metadata, {p.key: p.value for p in model.metadata_props}, discarded)
 
     def add_missing(self, model: onnx.ModelProto, nodes: list[onnx.NodeProto], label: str) -> None:
         """Prologue tensors that ``nodes`` read and no earlier part produced (a shared constant only

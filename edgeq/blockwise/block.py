@@ -9,6 +9,7 @@ import numpy as np
 import onnx
 from onnx import TensorProto
 
+from edgeq import facts
 from edgeq.blockwise.partition import Partition
 from edgeq.errors import UserInputError
 from edgeq.protowalk import upstream
@@ -49,6 +50,29 @@ def stand_in(tensor: TensorProto) -> np.ndarray:
     dims[axis] = min(dims[axis], STUB_ROWS)
     dtype = onnx.helper.tensor_dtype_to_np_dtype(tensor.data_type)
     return (np.random.default_rng(0).standard_normal(dims) * 0.02).astype(dtype)
+
+
+def _clamp_stand_in_lookups(g: onnx.GraphProto, stand_ins: set[str], embedding_side: set[int], inputs) -> None:
+    """An embedding lookup into a stand-in table gets its token ids clamped to the stand-in's rows:
+    a block fed the carried states does not use the lookup's values, but a graph may still compute
+    it (gemma2 reads the batch and sequence sizes off the embedding's output) and real ids would be
+    out of the stand-in's bounds."""
+    dtypes = {t.name: t.type.tensor_type.elem_type for t in inputs}
+    nodes = []
+    for k, node in enumerate(g.node):
+        if k in embedding_side and node.op_type == "Gather" and node.input[0] in stand_ins:
+            ids = node.input[1]
+            limit = f"{node.name or ids}__stand_in_last_row"
+            dtype = dtypes.get(ids, TensorProto.INT64)
+            g.initializer.append(onnx.numpy_helper.from_array(
+                np.array(STUB_ROWS - 1, onnx.helper.tensor_dtype_to_np_dtype(dtype)), limit))
+            clamped = onnx.helper.make_node("Min", [ids, limit], [f"{limit}__ids"], name=f"{limit}__clamp")
+            nodes.append(clamped)
+            node.input[1] = clamped.output[0]
+        nodes.append(node)
+    copies = [onnx.NodeProto.FromString(n.SerializeToString()) for n in nodes]
+    del g.node[:]
+    g.node.extend(copies)
 
 
 def _declared(name: str, data_type: int, dims) -> TensorProto:
@@ -121,6 +145,7 @@ def block_model(skeleton: onnx.ModelProto, part: Partition, i: int, base_dir: Pa
             for j, name in enumerate(node.input):
                 if name in tables:
                     node.input[j] = stand_ins.setdefault(name, name if real_side == "none" else f"{name}__stand_in")
+        _clamp_stand_in_lookups(g, set(stand_ins.values()), embedding_side, graph.input)
     values: dict[str, np.ndarray] = {}
     data_types: dict[str, int] = {}
     read_now = {name for n in g.node for name in n.input}
@@ -135,6 +160,9 @@ def block_model(skeleton: onnx.ModelProto, part: Partition, i: int, base_dir: Pa
             data_types[t.name] = t.data_type
     for name, value in values.items():
         g.initializer.append(_declared(name, data_types[name], value.shape))
+    real_shapes = {stand_ins[t.name]: list(t.dims) for t in graph.initializer if t.name in stand_ins}
+    if real_shapes:  # structure analysis sees the vocabulary through the stand-ins (a head stays lm_head)
+        model.metadata_props.add(key=facts.STAND_INS.key, value=facts.STAND_INS.encode(real_shapes))
     g.input.extend(graph.input)
     for out in graph.output:
         vi = g.output.add()

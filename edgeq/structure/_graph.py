@@ -73,6 +73,7 @@ class Walker:
         self.graph = graph
         self.index = GraphIndex(graph)
         self.graph_outputs = frozenset(t.name for t in graph.outputs)
+        self._stand_ins: dict | None = None
         self._position: dict[int, int] | None = None
 
     def producer(self, name: str) -> gs.Node | None:
@@ -106,6 +107,16 @@ class Walker:
                 return None
             tensor = node.inputs[0]
         return None
+
+    def stand_in_shape(self, name: str) -> tuple[int, ...] | None:
+        """The real shape of a vocabulary table a block-wise compile replaced with a small stand-in
+        (``facts.STAND_INS``); None for any other tensor."""
+        if self._stand_ins is None:
+            from edgeq import facts
+
+            self._stand_ins = facts.STAND_INS.get(self.graph) or {}
+        shape = self._stand_ins.get(name)
+        return None if shape is None else tuple(int(d) for d in shape)
 
     def is_const(self, tensor: gs.Tensor) -> bool:
         return self.const_source(tensor) is not None

@@ -345,7 +345,9 @@ def assign_roles(w: Walker, linears: list[Linear], blocks: list[Block],
             lin = dataclasses.replace(lin, role=role, block=b.name, layer=b.layer, role_source="structure")
         elif reaches_graph_output(w, w.index.tensors[lin.output]):
             lin = tie(w, lin, embeddings, check_values=True)
-            role = "lm_head" if lin.tied_embedding or lin.n == vocab else "classifier"
+            real = w.stand_in_shape(lin.weight)  # (a block-wise block's small stand-in head)
+            n = lin.n if real is None else real[0] if lin.weight_transposed else real[-1]
+            role = "lm_head" if lin.tied_embedding or n == vocab else "classifier"
             lin = dataclasses.replace(lin, role=role, role_source="structure")
         else:
             lin = _name_hint(tie(w, lin, embeddings, check_values=False))

@@ -164,7 +164,7 @@ def find_embeddings(w: Walker) -> list[Embedding]:
         src = w.const_source(table)
         if src is None or w.is_const(idx) or not _is_float(w.const_dtype(src)):
             continue
-        shape = w.const_shape(src)
+        shape = w.stand_in_shape(src.name) or w.const_shape(src)
         if shape is not None and len(shape) == 2:
             found.append(Embedding(node.name, src.name, int(shape[0]), int(shape[1])))
     return found

@@ -185,6 +185,21 @@ def to_model(graph: gs.Graph) -> onnx.ModelProto:
     return model
 
 
+def pruned_copy(graph: gs.Graph, outputs: list[str]) -> gs.Graph:
+    """A copy of ``graph`` (nodes and tensors copied, weights shared) cut down to what computes
+    ``outputs``, with the model attributes ``to_model`` restores: exporting it serializes only the
+    weights those outputs need (a calibration run does not write out a 1 GB vocabulary head to
+    prune it afterwards). Element types of the outputs are left to the caller."""
+    part = graph.copy()
+    attrs = getattr(graph, "_edgeq_model_attrs", None)
+    if attrs is not None:
+        part._edgeq_model_attrs = attrs  # noqa: SLF001 (kept with the graph on purpose)
+    tensors = part.tensors()
+    part.outputs = [tensors[name] for name in outputs]
+    part.cleanup(remove_unused_graph_inputs=False)
+    return part
+
+
 def _restore_model_attrs(model: onnx.ModelProto, graph: gs.Graph, attrs: dict) -> None:
     opsets = dict(attrs["opsets"])
     for imp in model.opset_import:

@@ -159,7 +159,9 @@ class Calibrator:
         key = cached = None
         if carry is None:
             start = time.perf_counter()
-            key = self._cache_key(graph, names, settings_key + (f":split={split_by}" if split_by else ""))
+            # (the observer kind per tensor: a site observed with less state must not answer for more)
+            kinds = ",".join(str(getattr(factories[name], "kind", "")) for name in names)
+            key = self._cache_key(graph, names, settings_key + (f":split={split_by}" if split_by else "") + f":{kinds}")
             self.log.fingerprint_seconds += time.perf_counter() - start
             cached = self._load(key, names)
         if cached is not None:
@@ -191,13 +193,14 @@ class Calibrator:
         calibration batch. Block-wise, the block's stream input is fed the carried states and its
         output is kept for the next block (``StreamCarry``)."""
         carry = self.carry
-        model = ir.to_model(graph)  # only when onnxruntime has to run
         request = None
         if carry is not None:
             request = carry.next_request()
             fetch = fetch + [carry.capture]
-            if carry.cut is not None:
-                feed_from_input(model, carry.cut)
+        cut = carry.cut if carry is not None else None
+        model = ir.to_model(ir.pruned_copy(graph, fetch))  # only when onnxruntime has to run
+        if cut is not None:
+            feed_from_input(model, cut)
         add_outputs(model, graph, fetch)
         session = ir.make_session(model, optimize=True, consume=True)
         del model  # onnxruntime holds its own copy of the weights; free ours before running

@@ -104,16 +104,21 @@ class IntColumns:
         return q, (q - zp) * scale
 
 
-def inverse_hessian_factor(h: np.ndarray, damp: float) -> tuple[np.ndarray, np.ndarray]:
+def inverse_hessian_factor(h: np.ndarray, damp: float, in_place: bool = False) -> tuple[np.ndarray, np.ndarray]:
     """(upper Cholesky factor of H^-1 after damping, dead-input mask). Inputs never seen (zero
-    diagonal) get a unit diagonal; their weights are zeroed by the caller."""
-    h = np.array(h, np.float64, copy=True)
+    diagonal) get a unit diagonal; their weights are zeroed by the caller. ``in_place``: ``h`` (a
+    float64 array of the caller's own) is damped where it is. Each K x K intermediate is freed as
+    soon as the next exists: at K = 8192 one is 0.5 GB."""
+    h = np.asarray(h, np.float64) if in_place else np.array(h, np.float64, copy=True)
     dead = np.diag(h) == 0
     h[dead, dead] = 1.0
     h[np.diag_indices_from(h)] += damp * float(np.mean(np.diag(h)))
     lower = np.linalg.cholesky(h)
-    inv_lower = np.linalg.solve(lower, np.eye(len(h)))
+    del h
+    inv_lower = np.linalg.solve(lower, np.eye(len(lower)))
+    del lower
     h_inv = inv_lower.T @ inv_lower
+    del inv_lower
     return np.linalg.cholesky(h_inv).T, dead
 
 
@@ -199,8 +204,9 @@ def gptq_quantize(w_kn: np.ndarray, hessian: np.ndarray, spec: QuantSpec, group_
     diag = np.diag(np.asarray(hessian, np.float64))
     perm = column_order(diag, group_size, order)
     inv_perm = np.argsort(perm)
-    h = np.asarray(hessian, np.float64)[np.ix_(perm, perm)]
-    u, dead = inverse_hessian_factor(h, damp)
+    h = np.asarray(hessian, np.float64)[np.ix_(perm, perm)]  # (a copy of its own)
+    u, dead = inverse_hessian_factor(h, damp, in_place=True)
+    del h
     w = w[:, perm]
     w[:, dead] = 0.0
     groups = group_slices(k, group_size)
@@ -240,7 +246,7 @@ def _gptq_subsets(w_kn: np.ndarray, hessian: np.ndarray, subsets: list[tuple[np.
     diag = np.diag(np.asarray(hessian, np.float64))
     perm = column_order(diag, 0, order)
     inv_perm = np.argsort(perm)
-    u, dead = inverse_hessian_factor(np.asarray(hessian, np.float64)[np.ix_(perm, perm)], damp)
+    u, dead = inverse_hessian_factor(np.asarray(hessian, np.float64)[np.ix_(perm, perm)], damp, in_place=True)
     scale = np.zeros((len(subsets), n), np.float64)
     zp = np.zeros((len(subsets), n), np.int64)
     for g, (cols, cq) in enumerate(subsets):

@@ -19,6 +19,7 @@ while keeping these weights. The ``dpq`` pass subclasses this one (other grid, F
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import dataclass
 
@@ -26,7 +27,7 @@ import numpy as np
 import onnx_graphsurgeon as gs
 
 from edgeq import facts, ir
-from edgeq.calib.observers import HessianObserver
+from edgeq.calib.observers import HessianObserver, PlainHessianObserver
 from edgeq.errors import UserInputError
 from edgeq.passes.methods.gptq import ORDERS, ColumnQuantizer, GptqResult, IntColumns, gptq_quantize
 from edgeq.passbase import Exactness, Pass, PassConfig, PassContext, PassResult
@@ -132,7 +133,12 @@ class GptqRewrite(Pass):
         if cfg.lowering == "matmulnbits" and any(lin.op != "MatMul" for lin in linears):
             raise UserInputError(f"{self.name}: lowering 'matmulnbits' handles MatMul linears only; this model has Gemm linears")
         sites = sorted({lin.input for lin in linears})
-        hessians = ctx.require_calibrator(self.name).observe(graph, {s: HessianObserver for s in sites}, "gptq:hessian+sink")
+        # the first-token term only where a sink-weighted linear reads the input
+        sink_sites = {lin.input for lin in linears if lin.role in cfg.sink_roles} if cfg.sink_weight != 1.0 else set()
+        hessians = ctx.require_calibrator(self.name).observe(
+            graph, {s: HessianObserver if s in sink_sites else PlainHessianObserver for s in sites}, "gptq:hessian+sink")
+        readers_left = {s: sum(lin.input == s for lin in linears) for s in sites}
+        hessian_tokens = int(next(iter(hessians.values())).count)
         nodes = {n.name: n for n in graph.nodes}
         ensure_opset(graph, self.spec(False))
         start = time.perf_counter()
@@ -145,13 +151,18 @@ class GptqRewrite(Pass):
                 w = np.asarray(index.constant_value(index.tensors[lin.weight]), np.float32)
                 stored_nk = lin.op == "Gemm" and lin.weight_transposed
                 w_kn = w.T if lin.weight_transposed else w  # the math's [K, N]
-                obs = hessians[lin.input]
-                h = obs.hessian_with_sink(cfg.sink_weight if lin.role in cfg.sink_roles else 1.0)
+                h = hessians[lin.input].hessian_with_sink(cfg.sink_weight if lin.role in cfg.sink_roles else 1.0)
                 res = gptq_quantize(w_kn, h, self.spec(False), group, cfg.block_size, cfg.damp,
                                     order=cfg.order, columns=self.columns(w_kn))
                 ratios.append(_output_error(w_kn, res.dequantized, h) / max(_output_error(w_kn, _rtn(w_kn, self.spec(False)), h), 1e-30))
-                results[lin.node] = res
+                del h
                 done[key] = self.write_weight(graph, index, lin, w_kn, res, stored_nk)
+                if cfg.lowering == "matmulnbits":  # (the integers, small; not the float weight)
+                    results[lin.node] = dataclasses.replace(res, q=res.q.astype(np.int8), dequantized=None)
+                del res, w, w_kn
+            readers_left[lin.input] -= 1
+            if not readers_left[lin.input]:
+                del hessians[lin.input]  # a K x K float64 per input: freed once its last linear is done
             node = nodes[lin.node]
             node.inputs[1] = done[key]
             if lin.op == "Gemm":
@@ -169,7 +180,7 @@ class GptqRewrite(Pass):
             "weight": f"{cfg.weight_dtype} {'symmetric' if cfg.weight_symmetric else 'asymmetric'} "
                       + (f"per-group ({cfg.group_size})" if group else "per-channel")
                       + (f", order {cfg.order}" if cfg.order != "natural" else "") + (", mse range" if cfg.mse else ""),
-            "hessian_tokens": int(next(iter(hessians.values())).count),
+            "hessian_tokens": hessian_tokens,
             "sink_weight": cfg.sink_weight,
             "seconds": round(seconds, 1),
             "output_error_vs_rtn": {"median": float(np.median(ratios)), "max": float(np.max(ratios))},

@@ -540,6 +540,78 @@ def make_session(model: onnx.ModelProto, optimize: bool = False, threads: int | 
         return ort.InferenceSession(str(path), so, providers=["CPUExecutionProvider"])
 
 
+def graph_session(graph: gs.Graph, prepare=None, optimize: bool = False, threads: int | None = None):
+    """An onnxruntime CPU session on a graphsurgeon graph whose large constants go straight from
+    numpy into an external data file: they are never serialized into protobuf (an export holds
+    the bytes, the tensor proto, the graph's and the model's copy; 3 GB at peak for a block with a
+    1 GB vocabulary table), so onnxruntime's copy is the only other one. ``prepare(model)`` edits
+    the exported graph (outputs, inputs) before the session is built; ``graph`` is unchanged."""
+    import onnxruntime as ort
+
+    so = ort.SessionOptions()
+    so.log_severity_level = 3
+    if not optimize:
+        so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    if threads:
+        so.intra_op_num_threads = threads
+    with tempfile.TemporaryDirectory(prefix="edgeq-session-") as tmp:
+        path = Path(tmp) / "model.onnx"
+        with _constants_as_external_data(graph, path.parent / ("model.onnx" + EXTERNAL_DATA_SUFFIX)):
+            model = to_model(graph)
+        if prepare is not None:
+            prepare(model)
+        onnx.save_model(model, str(path))
+        del model
+        return ort.InferenceSession(str(path), so, providers=["CPUExecutionProvider"])
+
+
+@contextlib.contextmanager
+def _constants_as_external_data(graph: gs.Graph, data_path: Path, min_bytes: int = 1024):
+    """While open, the graph's large numpy constants read as references into ``data_path``, where
+    their bytes are written from the arrays' own buffers; their arrays are put back on exit."""
+    from onnx_graphsurgeon.ir.tensor import LazyValues
+
+    swapped = []
+    try:
+        with open(data_path, "wb") as f:
+            offset = 0
+            for tensor in graph.tensors().values():
+                if not isinstance(tensor, gs.Constant):
+                    continue
+                values = tensor._values  # noqa: SLF001 (a lazy proto's bytes are written, not loaded)
+                if isinstance(values, LazyValues):
+                    proto = values.tensor
+                    if proto.data_location == onnx.TensorProto.EXTERNAL or len(proto.raw_data) < min_bytes:
+                        continue
+                    data_type, dims, data = proto.data_type, list(proto.dims), memoryview(proto.raw_data)
+                elif isinstance(values, np.ndarray):
+                    if values.nbytes < min_bytes or tensor.export_dtype != tensor.dtype or values.dtype == object:
+                        continue
+                    array = np.ascontiguousarray(values)
+                    data_type, dims = onnx.helper.np_dtype_to_tensor_dtype(values.dtype), list(values.shape)
+                    data = memoryview(array.reshape(-1).view(np.uint8))
+                else:
+                    continue
+                pad = -offset % 64
+                f.write(b"\0" * pad)
+                offset += pad
+                f.write(data)
+                ref = onnx.TensorProto()
+                ref.name, ref.data_type = tensor.name, data_type
+                ref.dims.extend(dims)
+                ref.data_location = onnx.TensorProto.EXTERNAL
+                for key, value in (("location", data_path.name), ("offset", str(offset)), ("length", str(data.nbytes))):
+                    ref.external_data.add(key=key, value=value)
+                offset += data.nbytes
+                del data
+                swapped.append((tensor, values))
+                tensor._values = LazyValues(ref)  # noqa: SLF001
+        yield
+    finally:
+        for tensor, values in swapped:
+            tensor._values = values  # noqa: SLF001
+
+
 @dataclass(frozen=True)
 class InputSpec:
     """A graph input described like onnxruntime's NodeArg (name, 'tensor(int64)', shape with

@@ -110,3 +110,41 @@ def test_graph_index_lookups():
     assert [n.name for n in idx.consumers("x")] == ["mm"]
     assert idx.constant_value(idx.tensors["w"]).shape == (64, 4)
     assert idx.constant_value(idx.tensors["x"]) is None
+
+
+def test_graph_session_hands_large_constants_over_through_a_file(monkeypatch):
+    """Numpy constants and in-memory tensor protos above 1 KB reach onnxruntime as external data
+    written from their own buffers; the session computes what the exported model computes and the
+    graph keeps its values (the same objects)."""
+    import onnx_graphsurgeon as gs
+    from onnx_graphsurgeon.ir.tensor import LazyValues
+
+    rng = np.random.default_rng(0)
+    w = rng.standard_normal((64, 300)).astype(np.float32)  # 75 KB numpy
+    lazy = LazyValues(numpy_helper.from_array(rng.standard_normal(300).astype(np.float32), "b"))  # 1.2 KB proto
+    small = rng.standard_normal((1, 1)).astype(np.float32)  # under the threshold: inline
+    x = gs.Variable("x", np.float32, (2, 64))
+    y = gs.Variable("y", np.float32, None)
+    mm, added = gs.Variable("mm", np.float32, None), gs.Variable("added", np.float32, None)
+    w_c, b_c, s_c = gs.Constant("w", w), gs.Constant("b", lazy), gs.Constant("s", small)
+    graph = gs.Graph(nodes=[gs.Node("MatMul", inputs=[x, w_c], outputs=[mm]),
+                            gs.Node("Add", inputs=[mm, b_c], outputs=[added]),
+                            gs.Node("Add", inputs=[added, s_c], outputs=[y])],
+                     inputs=[x], outputs=[y], opset=17)
+    import contextlib
+
+    written, real = [], ir._constants_as_external_data
+
+    @contextlib.contextmanager
+    def spy(graph_, data_path, *args):
+        with real(graph_, data_path, *args):
+            yield
+            written.append(data_path.stat().st_size)
+
+    monkeypatch.setattr(ir, "_constants_as_external_data", spy)
+    feeds = {"x": rng.standard_normal((2, 64)).astype(np.float32)}
+    got = ir.graph_session(graph).run(["y"], feeds)[0]
+    assert written and w.nbytes + 1200 <= written[0] < w.nbytes + 1200 + 256  # both large ones, not the small one
+    want = ir.make_session(ir.to_model(graph)).run(["y"], feeds)[0]
+    np.testing.assert_array_equal(got, want)
+    assert w_c._values is w and b_c._values is lazy and s_c._values is small

@@ -198,12 +198,14 @@ class Calibrator:
             request = carry.next_request()
             fetch = fetch + [carry.capture]
         cut = carry.cut if carry is not None else None
-        model = ir.to_model(ir.pruned_copy(graph, fetch))  # only when onnxruntime has to run
-        if cut is not None:
-            feed_from_input(model, cut)
-        add_outputs(model, graph, fetch)
-        session = ir.make_session(model, optimize=True, consume=True)
-        del model  # onnxruntime holds its own copy of the weights; free ours before running
+
+        def prepare(model: onnx.ModelProto) -> None:
+            if cut is not None:
+                feed_from_input(model, cut)
+            add_outputs(model, graph, fetch)
+
+        # only what the fetches need, the weights handed to onnxruntime through a file (its copy is the only one)
+        session = ir.graph_session(ir.pruned_copy(graph, fetch), prepare, optimize=True)
         accepted = {i.name for i in session.get_inputs()}
         # (block-wise: one progress line per block instead of a bar per calibration)
         batches = self.data.batches if carry is not None or desc is None else progress(self.data.batches, desc=desc)

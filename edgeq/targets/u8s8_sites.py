@@ -130,7 +130,7 @@ def probe_linears(model: onnx.ModelProto, feeds: dict[str, np.ndarray], *, nodes
         graph.inputs.append(tensors[cut])
     graph.outputs = fetch or graph.outputs  # (no linear to probe: the session still proves the model loads)
     graph.cleanup()  # only what the fetched tensors need (not the vocabulary head after its input)
-    session = ir.make_session(ir.to_model(graph), consume=True)
+    session = ir.graph_session(graph)
     del graph, tensors, fetch
     accepted = {i.name for i in session.get_inputs()}
     run_feeds = {k: v for k, v in feeds.items() if k in accepted}

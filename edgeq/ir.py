@@ -527,7 +527,7 @@ def make_session(model: onnx.ModelProto, optimize: bool = False, threads: int | 
         so.intra_op_num_threads = threads
     size = proto_bytes(model)
     if consume and size >= CONSUME_VIA_FILE_BYTES:
-        with tempfile.TemporaryDirectory(prefix="edgeq-session-") as tmp:
+        with tempfile.TemporaryDirectory(prefix="edgeq-session-") as tmp, _temporary_files(tmp):
             path = Path(tmp) / "model.onnx"
             onnx.save_model(model, str(path), save_as_external_data=True, all_tensors_to_one_file=True,
                             location="model.onnx" + EXTERNAL_DATA_SUFFIX, size_threshold=1024, convert_attribute=False)
@@ -554,7 +554,7 @@ def graph_session(graph: gs.Graph, prepare=None, optimize: bool = False, threads
         so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
     if threads:
         so.intra_op_num_threads = threads
-    with tempfile.TemporaryDirectory(prefix="edgeq-session-") as tmp:
+    with tempfile.TemporaryDirectory(prefix="edgeq-session-") as tmp, _temporary_files(tmp):
         path = Path(tmp) / "model.onnx"
         with _constants_as_external_data(graph, path.parent / ("model.onnx" + EXTERNAL_DATA_SUFFIX)):
             model = to_model(graph)
@@ -563,6 +563,18 @@ def graph_session(graph: gs.Graph, prepare=None, optimize: bool = False, threads
         onnx.save_model(model, str(path))
         del model
         return ort.InferenceSession(str(path), so, providers=["CPUExecutionProvider"])
+
+
+@contextlib.contextmanager
+def _temporary_files(where: str):
+    """A full disk (or a file size limit) while writing temporary files is the environment's
+    problem, not a bug: one line and exit 2 (``UserInputError``)."""
+    try:
+        yield
+    except OSError as exc:
+        if exc.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
+            raise UserInputError(f"cannot write temporary files in {Path(where).parent}: {exc.strerror or exc}") from None
+        raise
 
 
 @contextlib.contextmanager

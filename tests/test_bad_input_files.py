@@ -236,4 +236,5 @@ def test_compile_past_the_file_size_limit(toy, tmp_path):
         pytest.fail(f"a failed compile left {sorted(left)} beside the output folder")
     assert done.returncode == 2, err
     assert len(err.splitlines()) == 1, err
-    assert "cannot write the output" in err and os.strerror(errno.EFBIG) in err, err
+    # (the first write past the limit: a calibration session's temporary weights file, or the output)
+    assert ("cannot write the output" in err or "cannot write temporary files" in err) and os.strerror(errno.EFBIG) in err, err

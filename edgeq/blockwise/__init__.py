@@ -206,6 +206,10 @@ def merge_records(per_block: list[list[dict]]) -> list[dict]:
         for key in ("ops_added", "ops_removed"):
             first[key] = _merge([r[key] for r in recs])
         first["summary"] = _merge([r["summary"] for r in recs])
+        if len(recs) > 1:
+            first["summary_scope"] = (f"summed over {len(recs)} block models, each the prologue, one layer and the "
+                                      "epilogue: what a pass counts in the embedding, final norm and head (or their "
+                                      "stand-ins) is counted once per block")
         na = [r["not_applicable"] for r in recs if "not_applicable" in r]
         if na and len(na) == len(recs):
             first["not_applicable"] = na[0]

@@ -191,8 +191,13 @@ def main() -> int:
     ap.add_argument("--ort", action="store_true", help="also run onnxruntime's quantize_static on the first preset")
     ap.add_argument("--rss-limit-gb", type=float, default=21.0, help="kill a run whose RSS passes this (default 21)")
     ap.add_argument("--keep-outputs", action="store_true")
+    ap.add_argument("--combine", type=Path, nargs="*", default=[],
+                    help="compile nothing: gather the runs, sweeps and onnxruntime run of these result files "
+                         "into --out and fit the slopes over all of them")
     ap.add_argument("--out", type=Path, required=True)
     args = ap.parse_args()
+    if args.combine:
+        return combine(args.combine, args.out)
     edgeq = str(Path(sys.executable).with_name("edgeq"))
     args.models.mkdir(parents=True, exist_ok=True)
     args.work.mkdir(parents=True, exist_ok=True)
@@ -218,8 +223,34 @@ def main() -> int:
         result["ort_quantize_static"] = ort_quantize_static(export(edgeq, args.presets[0], None, args.models), args)
     elif args.out.is_file():
         result["ort_quantize_static"] = json.loads(args.out.read_text()).get("ort_quantize_static")
+    fit_slopes(result, args.presets[0])
+    save()
+    print(json.dumps(result["fits"], indent=1))
+    return 0
+
+
+def combine(files: list[Path], out: Path) -> int:
+    """One result from several runs of this script (e.g. the 3B preset run on its own): runs and
+    sweeps joined, the slopes fitted over all of them. Each run keeps the machine it came from."""
+    result = {"machine": machine_info(), "command": " ".join(sys.argv), "note": "random weights: memory and time only",
+              "combined_from": [str(f) for f in files], "runs": [], "sweep": [], "fits": {}, "ort_quantize_static": None}
+    for f in files:
+        part = json.loads(f.read_text())
+        for key in ("runs", "sweep"):
+            result[key] += [{**r, "machine": part.get("machine"), "source": f.name} for r in part.get(key, [])]
+        result["ort_quantize_static"] = result["ort_quantize_static"] or part.get("ort_quantize_static")
+    sweep_model = next((r["model"].rsplit("-L", 1)[0] for r in result["sweep"]), "")
+    fit_slopes(result, sweep_model)
+    out.write_text(json.dumps(result, indent=1))
+    print(json.dumps(result["fits"], indent=1))
+    return 0
+
+
+def fit_slopes(result: dict, sweep_preset: str) -> None:
+    """Peak RSS and seconds against parameters per recipe (over the presets), and seconds against
+    layers over the sweep of one width (its full preset's run included)."""
     ok = [r for r in result["runs"] if r["exit_code"] == 0]
-    for recipe in {r["recipe"] for r in ok}:
+    for recipe in sorted({r["recipe"] for r in ok}):
         rows = [r for r in ok if r["recipe"] == recipe]
         result["fits"][recipe] = {
             "seconds_vs_parameters_exponent": fit_power([r["parameters"] for r in rows], [r["seconds"] for r in rows]),
@@ -227,13 +258,10 @@ def main() -> int:
         }
     # the sweep: one width, several layer counts (the full preset's run of the same recipe included)
     sweep = [r for r in result["sweep"] if r["exit_code"] == 0]
-    sweep += [r for r in ok if r["model"] == args.presets[0] and sweep and r["recipe"] == sweep[0]["recipe"]]
+    sweep += [r for r in ok if r["model"] == sweep_preset and sweep and r["recipe"] == sweep[0]["recipe"]]
     if sweep:
         result["fits"]["sweep"] = [{k: r[k] for k in ("model", "layers", "seconds", "peak_rss_mb")} for r in sweep]
         result["fits"]["seconds_vs_layers_exponent"] = fit_power([r["layers"] for r in sweep], [r["seconds"] for r in sweep])
-    save()
-    print(json.dumps(result["fits"], indent=1))
-    return 0
 
 
 if __name__ == "__main__":

@@ -21,7 +21,9 @@ another); exact QDQ against no optimization at all (the same arithmetic in anoth
 moves it as much. The flips are zero-mean, so over 8 windows they average down below the issue's
 bound of 0.5% (40 windows: 0.02%), which is asserted, or three times the graph's own float-order
 noise where that is larger (plain W8A8 without rotation sits so close to its rounding boundaries
-that float order alone moves it ~1%). A saturating kernel moves perplexity by over 100%.
+that float order alone moves it ~1%); a graph past both on 8 windows is measured again on 40, where
+the bound must hold (quarot-w8a8 on an AVX-512 VNNI machine: +0.65% on 8 windows, +0.21% on 40). A
+saturating kernel moves perplexity by over 100%.
 """
 
 import json
@@ -42,6 +44,7 @@ RECIPES_8BIT = ["w8a8", "w8a8-mse", "quarot-w8a8", "mquant-w8a8", "mquant-w4a8",
                 "mquant-w8a8-a16down"]
 GAP = 0.005  # the issue's bound: onnxruntime defaults within 0.5% of exact QDQ
 WINDOWS = 8  # enough for rounding flips to average below GAP (module docstring)
+RECHECK_WINDOWS = 40  # where 8 are not (quarot-w8a8 on this export, VNNI: +0.65% on 8, +0.46% on 24, +0.21% on 40)
 SATURATED = 0.05  # the full-range form on a saturating CPU: far above any rounding effect
 
 
@@ -52,9 +55,9 @@ def _compile(smollm2_dir, out, recipe, *extra):
     return out
 
 
-def _gap(path, tokenizer) -> tuple[float, float]:
-    kernels = perplexity(path, DATA / "test.txt", tokenizer, windows=WINDOWS)["ppl"]
-    exact = perplexity(path, DATA / "test.txt", tokenizer, windows=WINDOWS, exact_qdq=True)["ppl"]
+def _gap(path, tokenizer, windows: int = WINDOWS) -> tuple[float, float]:
+    kernels = perplexity(path, DATA / "test.txt", tokenizer, windows=windows)["ppl"]
+    exact = perplexity(path, DATA / "test.txt", tokenizer, windows=windows, exact_qdq=True)["ppl"]
     return kernels, exact
 
 
@@ -74,7 +77,12 @@ def _within_rounding(path, tokenizer, kernels: float, exact: float) -> None:
     if abs(kernels / exact - 1) <= GAP:
         return
     noise = _float_noise(path, tokenizer, exact)
-    assert abs(kernels / exact - 1) <= 3 * noise, (kernels, exact, noise, machine_info()["u8s8_kernel"])
+    if abs(kernels / exact - 1) <= 3 * noise:
+        return
+    # rounding flips are zero-mean and average down over more windows; a saturating kernel's gap does not
+    kernels, exact = _gap(path, tokenizer, RECHECK_WINDOWS)
+    print(f"kernel gap over {RECHECK_WINDOWS} windows {kernels / exact - 1:+.3%}")
+    assert abs(kernels / exact - 1) <= GAP, (kernels, exact, noise, machine_info()["u8s8_kernel"])
 
 
 def _float_noise(path, tokenizer, exact: float) -> float:

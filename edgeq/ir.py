@@ -519,12 +519,7 @@ def make_session(model: onnx.ModelProto, optimize: bool = False, threads: int | 
     """
     import onnxruntime as ort
 
-    so = ort.SessionOptions()
-    so.log_severity_level = 3
-    if not optimize:
-        so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
-    if threads:
-        so.intra_op_num_threads = threads
+    so = _session_options(optimize, threads)
     size = proto_bytes(model)
     if consume and size >= CONSUME_VIA_FILE_BYTES:
         with tempfile.TemporaryDirectory(prefix="edgeq-session-") as tmp, _temporary_files(tmp):
@@ -540,12 +535,7 @@ def make_session(model: onnx.ModelProto, optimize: bool = False, threads: int | 
         return ort.InferenceSession(str(path), so, providers=["CPUExecutionProvider"])
 
 
-def graph_session(graph: gs.Graph, prepare=None, optimize: bool = False, threads: int | None = None):
-    """An onnxruntime CPU session on a graphsurgeon graph whose large constants go straight from
-    numpy into an external data file: they are never serialized into protobuf (an export holds
-    the bytes, the tensor proto, the graph's and the model's copy; 3 GB at peak for a block with a
-    1 GB vocabulary table), so onnxruntime's copy is the only other one. ``prepare(model)`` edits
-    the exported graph (outputs, inputs) before the session is built; ``graph`` is unchanged."""
+def _session_options(optimize: bool, threads: int | None):
     import onnxruntime as ort
 
     so = ort.SessionOptions()
@@ -554,6 +544,18 @@ def graph_session(graph: gs.Graph, prepare=None, optimize: bool = False, threads
         so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
     if threads:
         so.intra_op_num_threads = threads
+    return so
+
+
+def graph_session(graph: gs.Graph, prepare=None, optimize: bool = False, threads: int | None = None):
+    """An onnxruntime CPU session on a graphsurgeon graph whose large constants go straight from
+    numpy into an external data file: they are never serialized into protobuf (an export holds
+    the bytes, the tensor proto, the graph's and the model's copy; 3 GB at peak for a block with a
+    1 GB vocabulary table), so onnxruntime's copy is the only other one. ``prepare(model)`` edits
+    the exported graph (outputs, inputs) before the session is built; ``graph`` is unchanged."""
+    import onnxruntime as ort
+
+    so = _session_options(optimize, threads)
     with tempfile.TemporaryDirectory(prefix="edgeq-session-") as tmp, _temporary_files(tmp):
         path = Path(tmp) / "model.onnx"
         with _constants_as_external_data(graph, path.parent / ("model.onnx" + EXTERNAL_DATA_SUFFIX)):

@@ -28,6 +28,7 @@ import onnx_graphsurgeon as gs
 from google.protobuf.message import DecodeError
 
 from edgeq.errors import UserInputError
+from edgeq.session_files import constants_as_external_data, temporary_files
 from edgeq.protowalk import proto_nodes  # noqa: F401  (re-exported: ir is where graph code looks)
 
 EXTERNAL_DATA_SUFFIX = ".data"
@@ -522,7 +523,7 @@ def make_session(model: onnx.ModelProto, optimize: bool = False, threads: int | 
     so = _session_options(optimize, threads)
     size = proto_bytes(model)
     if consume and size >= CONSUME_VIA_FILE_BYTES:
-        with tempfile.TemporaryDirectory(prefix="edgeq-session-") as tmp, _temporary_files(tmp):
+        with tempfile.TemporaryDirectory(prefix="edgeq-session-") as tmp, temporary_files(tmp):
             path = Path(tmp) / "model.onnx"
             onnx.save_model(model, str(path), save_as_external_data=True, all_tensors_to_one_file=True,
                             location="model.onnx" + EXTERNAL_DATA_SUFFIX, size_threshold=1024, convert_attribute=False)
@@ -556,74 +557,15 @@ def graph_session(graph: gs.Graph, prepare=None, optimize: bool = False, threads
     import onnxruntime as ort
 
     so = _session_options(optimize, threads)
-    with tempfile.TemporaryDirectory(prefix="edgeq-session-") as tmp, _temporary_files(tmp):
+    with tempfile.TemporaryDirectory(prefix="edgeq-session-") as tmp, temporary_files(tmp):
         path = Path(tmp) / "model.onnx"
-        with _constants_as_external_data(graph, path.parent / ("model.onnx" + EXTERNAL_DATA_SUFFIX)):
+        with constants_as_external_data(graph, path.parent / ("model.onnx" + EXTERNAL_DATA_SUFFIX)):
             model = to_model(graph)
         if prepare is not None:
             prepare(model)
         onnx.save_model(model, str(path))
         del model
         return ort.InferenceSession(str(path), so, providers=["CPUExecutionProvider"])
-
-
-@contextlib.contextmanager
-def _temporary_files(where: str):
-    """A full disk (or a file size limit) while writing temporary files is the environment's
-    problem, not a bug: one line and exit 2 (``UserInputError``)."""
-    try:
-        yield
-    except OSError as exc:
-        if exc.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
-            raise UserInputError(f"cannot write temporary files in {Path(where).parent}: {exc.strerror or exc}") from None
-        raise
-
-
-@contextlib.contextmanager
-def _constants_as_external_data(graph: gs.Graph, data_path: Path, min_bytes: int = 1024):
-    """While open, the graph's large numpy constants read as references into ``data_path``, where
-    their bytes are written from the arrays' own buffers; their arrays are put back on exit."""
-    from onnx_graphsurgeon.ir.tensor import LazyValues
-
-    swapped = []
-    try:
-        with open(data_path, "wb") as f:
-            offset = 0
-            for tensor in graph.tensors().values():
-                if not isinstance(tensor, gs.Constant):
-                    continue
-                values = tensor._values  # noqa: SLF001 (a lazy proto's bytes are written, not loaded)
-                if isinstance(values, LazyValues):
-                    proto = values.tensor
-                    if proto.data_location == onnx.TensorProto.EXTERNAL or len(proto.raw_data) < min_bytes:
-                        continue
-                    data_type, dims, data = proto.data_type, list(proto.dims), memoryview(proto.raw_data)
-                elif isinstance(values, np.ndarray):
-                    if values.nbytes < min_bytes or tensor.export_dtype != tensor.dtype or values.dtype == object:
-                        continue
-                    array = np.ascontiguousarray(values)
-                    data_type, dims = onnx.helper.np_dtype_to_tensor_dtype(values.dtype), list(values.shape)
-                    data = memoryview(array.reshape(-1).view(np.uint8))
-                else:
-                    continue
-                pad = -offset % 64
-                f.write(b"\0" * pad)
-                offset += pad
-                f.write(data)
-                ref = onnx.TensorProto()
-                ref.name, ref.data_type = tensor.name, data_type
-                ref.dims.extend(dims)
-                ref.data_location = onnx.TensorProto.EXTERNAL
-                for key, value in (("location", data_path.name), ("offset", str(offset)), ("length", str(data.nbytes))):
-                    ref.external_data.add(key=key, value=value)
-                offset += data.nbytes
-                del data
-                swapped.append((tensor, values))
-                tensor._values = LazyValues(ref)  # noqa: SLF001
-        yield
-    finally:
-        for tensor, values in swapped:
-            tensor._values = values  # noqa: SLF001
 
 
 @dataclass(frozen=True)

@@ -133,7 +133,7 @@ def test_graph_session_hands_large_constants_over_through_a_file(monkeypatch):
                      inputs=[x], outputs=[y], opset=17)
     import contextlib
 
-    written, real = [], ir._constants_as_external_data
+    written, real = [], ir.constants_as_external_data
 
     @contextlib.contextmanager
     def spy(graph_, data_path, *args):
@@ -141,7 +141,7 @@ def test_graph_session_hands_large_constants_over_through_a_file(monkeypatch):
             yield
             written.append(data_path.stat().st_size)
 
-    monkeypatch.setattr(ir, "_constants_as_external_data", spy)
+    monkeypatch.setattr(ir, "constants_as_external_data", spy)
     feeds = {"x": rng.standard_normal((2, 64)).astype(np.float32)}
     got = ir.graph_session(graph).run(["y"], feeds)[0]
     assert written and w.nbytes + 1200 <= written[0] < w.nbytes + 1200 + 256  # both large ones, not the small one

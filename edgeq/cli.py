@@ -61,13 +61,20 @@ def _add_compile(sub) -> None:
                    help="compile one decoder block at a time: weights read per block and written out as each block "
                         "is done, calibration carried from block to block, so memory stays near one block's instead "
                         "of several times the model's (same numbers as in memory). auto (default): for models of "
-                        "1 GB or more whose graph splits into blocks and whose recipe passes all run per block; "
+                        "256 MB or more whose graph splits into blocks and whose recipe passes all run per block; "
                         "one progress line per block with an ETA")
+    p.add_argument("--static", metavar="prefill=S,context=C",
+                   help="write the deployable static pair instead of one dynamic graph: OUT/prefill.onnx (S tokens "
+                        "per run) and OUT/decode.onnx (1 token per run) over a fixed KV cache of C slots per layer, "
+                        "every shape static, sharing one weights file (OUT/weights.data), from one recipe run. "
+                        "MODEL must have a KV cache (`edgeq export smollm2 --with-past`); run the result with "
+                        "`edgeq generate OUT`. The graph contract is in the README (Deploying an LLM)")
     p.set_defaults(func=_run_compile)
 
 
 def _run_compile(args) -> int:
     from edgeq.compiler import CompileRequest, compile_model
+    from edgeq.static.specialize import parse_static
     from edgeq.recipes import DEFAULT_RECIPE
     from edgeq.targets import TargetUnreachable
 
@@ -76,7 +83,7 @@ def _run_compile(args) -> int:
         tokenizer=args.tokenizer, calib_windows=args.calib_windows, seq_len=args.seq_len,
         dump_each=args.dump_each, verify=args.verify, check_numerics=args.check_numerics,
         use_cache=not args.no_cache, target=args.target, allow_partial=args.allow_partial,
-        blockwise=args.blockwise,
+        blockwise=args.blockwise, static=parse_static(args.static) if args.static is not None else None,
     )
     try:
         report = compile_model(req)
@@ -94,8 +101,10 @@ def _run_compile(args) -> int:
         print(f"edgeq: warning: essential pass '{miss['pass']}' did not apply ({miss['reason']}: {miss['detail']}); "
               f"the model was written without it (--allow-partial)", file=sys.stderr)
     if target:
-        print(f"  target {target['name']}: {len(target['lowering'])} lowering pass(es), clean")
-    print(f"wrote {args.out}/model.onnx in {report['seconds_total']:.1f} s (peak RSS {report['peak_rss_mb']:.0f} MB, "
+        graphs = " (both graphs)" if "static" in report else ""
+        print(f"  target {target['name']}: {len(target['lowering'])} lowering pass(es), clean{graphs}")
+    written = "prefill.onnx + decode.onnx + weights.data" if "static" in report else "model.onnx"
+    print(f"wrote {args.out}/{written} in {report['seconds_total']:.1f} s (peak RSS {report['peak_rss_mb']:.0f} MB, "
           f"model {report['input_size_mb']:.0f} MB -> {report['output_size_mb']:.0f} MB)")
     return 0
 
@@ -164,10 +173,12 @@ def build_parser() -> argparse.ArgumentParser:
     _add_compile(sub)
     _add_inspect(sub)
     from edgeq.evaluate.cli import register as register_eval
+    from edgeq.generation.cli import register as register_generate
     from edgeq.models.cli import register as register_export
     from edgeq.targets.cli import register as register_targets
 
     register_eval(sub)
+    register_generate(sub)
     register_export(sub)
     _add_recipes(sub)
     register_targets(sub)

@@ -66,6 +66,7 @@ class CompileRequest:
     target: str | None = None
     allow_partial: bool = False  # write the model even when an essential pass did not apply
     blockwise: str = "auto"  # "auto" | "on" | "off": compile one decoder block at a time
+    static: tuple[int, int] | None = None  # (prefill, context): write the static prefill/decode pair
 
 
 @dataclass
@@ -88,10 +89,15 @@ class CompilePlan:
     partition: object | None = None  # edgeq.blockwise.Partition when compiling block-wise
     blockwise_reason: str = ""  # why this path was chosen (report.json)
     u8s8_from_blocks: dict | None = None  # block-wise: the u8s8 report, taken block by block
+    static_shape: object | None = None  # edgeq.static.specialize.StaticShape with --static
 
 
 def compile_model(req: CompileRequest) -> dict:
     plan = plan_compile(req)
+    if plan.static_shape is not None:
+        from edgeq.static.compile import run_static
+
+        return run_static(plan)
     if plan.partition is None:
         model, records, encodings, target = run_plan(plan)
         return write_plan(plan, model, records, encodings, target)
@@ -124,7 +130,19 @@ def plan_compile(req: CompileRequest) -> CompilePlan:
     guard = [get_pass("u8s8-safe-weights")()] if int8_weights == "u8s8-safe" else []
     model, locations = ir.load_model_and_locations(req.model, load_external=False)
     ir.check_opset(model)
+    static_shape = None
+    if req.static is not None:
+        from edgeq.static.specialize import cache_layout
+
+        static_shape = cache_layout(model, *req.static)
+        if recipe.kv_cache.dtype != "float32":
+            static_shape = dataclasses.replace(static_shape, cache_dtype=recipe.kv_cache.dtype)
+        if req.blockwise == "on":
+            raise UserInputError("--static compiles in memory: drop --blockwise on")
+        req = dataclasses.replace(req, blockwise="off")
     part, why = _choose_path(req, model, passes + lowering + guard, locations)
+    if static_shape is not None:
+        why = "--static: the with-past graph compiles in memory"
     if part is None and locations:  # in memory: read the weights too (an inline model has them already)
         del model
         model, locations = ir.load_model_and_locations(req.model)
@@ -145,7 +163,7 @@ def plan_compile(req: CompileRequest) -> CompilePlan:
     fingerprint = ir.model_fingerprint(model, req.model.resolve().parent)
     return CompilePlan(req, recipe, profile, passes + lowering + guard, (len(passes), len(lowering)), int8_weights,
                        model, input_model_record(req.model, locations), fingerprint, calibrator,
-                       calibration, sample, started, part, why)
+                       calibration, sample, started, part, why, static_shape=static_shape)
 
 
 def _choose_path(req: CompileRequest, skeleton: onnx.ModelProto, passes: list[Pass], locations: set[str]):
@@ -192,26 +210,35 @@ def run_plan(plan: CompilePlan, external_data: Path | None = None) -> tuple[onnx
     n_recipe, n_lowering = plan.counts
     stages = {"recipe": records[:n_recipe], "lowering": records[n_recipe:n_recipe + n_lowering],
               "guard": records[n_recipe + n_lowering:]}
+    ir.set_metadata(model, "edgeq.version", edgeq.__version__)
+    ir.set_metadata(model, "edgeq.recipe", plan.recipe.name)
+    if plan.static_shape is not None:  # the static graphs are read and checked once specialized
+        return model, stages, None, None
     encodings = collect_encodings(model, str(external_data.parent) if external_data is not None else "")
-    target = None
     if plan.profile is not None and external_data is not None:
         # the target checks read weights from the graph: bring the streamed ones back (output-sized)
         onnx.load_external_data_for_model(model, str(external_data.parent))
-    if plan.profile is not None:
-        result = check_model(model, plan.profile, encodings)
-        if not result.clean:
-            raise TargetUnreachable(result)
-        ir.set_metadata(model, "edgeq.target", plan.profile.name)
-        target = {"name": plan.profile.name, "description": plan.profile.description,
-                  "lowering": stages["lowering"], "check": result.to_dict()}
-        if plan.profile.ort_kernels:  # after the check: the profile is stated in edgeq ops
-            from edgeq.runtime_ops.ort_kernels import use_ort_kernels
-
-            model = use_ort_kernels(model)
-            target["ort_kernels"] = sorted({n.op_type for n in model.graph.node if n.domain == "edgeq.ort"})
-    ir.set_metadata(model, "edgeq.version", edgeq.__version__)
-    ir.set_metadata(model, "edgeq.recipe", plan.recipe.name)
+    model, target = reach_target(plan, model, encodings, stages["lowering"])
     return model, stages, encodings, target
+
+
+def reach_target(plan: CompilePlan, model: onnx.ModelProto, encodings: dict, lowering: list) -> tuple[onnx.ModelProto, dict | None]:
+    """With a target: check ``model`` against its profile (``TargetUnreachable`` when it is not
+    clean), mark it, and select the profile's onnxruntime kernels; returns (model, target summary)."""
+    if plan.profile is None:
+        return model, None
+    result = check_model(model, plan.profile, encodings)
+    if not result.clean:
+        raise TargetUnreachable(result)
+    ir.set_metadata(model, "edgeq.target", plan.profile.name)
+    target = {"name": plan.profile.name, "description": plan.profile.description,
+              "lowering": lowering, "check": result.to_dict()}
+    if plan.profile.ort_kernels:  # after the check: the profile is stated in edgeq ops
+        from edgeq.runtime_ops.ort_kernels import use_ort_kernels
+
+        model = use_ort_kernels(model)
+        target["ort_kernels"] = sorted({n.op_type for n in model.graph.node if n.domain == "edgeq.ort"})
+    return model, target
 
 
 def _run_blocks(plan: CompilePlan, ctx: PassContext, options: PipelineOptions, external_data: Path):
@@ -255,8 +282,8 @@ def _staging_dir(out_dir: Path) -> Path:
     return Path(tempfile.mkdtemp(prefix=f".{out.name}.weights-", dir=out.parent))
 
 
-def write_plan(plan: CompilePlan, model: onnx.ModelProto, stages: dict, encodings: dict, target: dict | None,
-               external_data: Path | None = None) -> dict:
+def build_report(plan: CompilePlan, stages: dict, target: dict | None) -> tuple[dict, dict]:
+    """report.json's body and its u8s8 section, before the writer adds what it measures."""
     calibration = plan.calibration
     if plan.calibrator is not None:
         log = plan.calibrator.log
@@ -282,6 +309,12 @@ def write_plan(plan: CompilePlan, model: onnx.ModelProto, stages: dict, encoding
     u8s8 = {"int8_weight_range": plan.int8_weights, "guard": stages["guard"][0] if stages["guard"] else None}
     if plan.u8s8_from_blocks is not None:
         u8s8.update(plan.u8s8_from_blocks)  # (block-wise: probed block by block)
+    return report, u8s8
+
+
+def write_plan(plan: CompilePlan, model: onnx.ModelProto, stages: dict, encodings: dict, target: dict | None,
+               external_data: Path | None = None) -> dict:
+    report, u8s8 = build_report(plan, stages, target)
     return write_outputs(plan.req.out_dir, model, report, encodings=encodings, recipe=plan.recipe,
                          input_model=plan.input_model, target=plan.profile.name if plan.profile else None,
                          u8s8=u8s8, probe_feeds=plan.sample, started=plan.started, external_data=external_data)

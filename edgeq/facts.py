@@ -91,6 +91,8 @@ MSQ = KeyValueFact("edgeq.msq", "per-modality static scales are in (layout, lowe
 RESQ = JsonFact("edgeq.resq", "ResQ projections are folded in: the subspace layout, or why they could not be",
                 sort_keys=True)
 RESQ_QDQ = JsonFact("edgeq.resq_qdq", "ResQ mixed-precision quantization is in (activation mode)")
+STATIC = JsonFact("edgeq.static", "a static prefill or decode graph: its role and fixed cache layout "
+                  "(prefill, context, layers, kv_heads, head_dim, cache_dtype)", sort_keys=True)
 KVQUANT = JsonFact("edgeq.kvquant", "the visual KV cache is quantized: the calibrated cache layout", sort_keys=True)
 
 # ------------------------------------------------------------------ facts for later passes

@@ -6,6 +6,8 @@ A recipe names a pipeline of passes with their configs and the calibration defau
     [calibration]
     windows = 16
     seq_len = 512
+    [kv_cache]          # optional: the cache of a static pair (compile --static), "float32" or "int8"
+    dtype = "int8"
     [[pass]]
     name = "qdq"
     activation_dtype = "int8"
@@ -46,6 +48,18 @@ class CalibrationSettings:
 
 
 @dataclass(frozen=True)
+class KvCacheSettings:
+    """The cache of a static pair (``compile --static``): ``int8`` stores it in 8 bits with one
+    calibrated scale per layer and K/V (``edgeq.static.kv_cache_int8``); other compiles ignore it."""
+
+    dtype: str = "float32"
+
+    def __post_init__(self):
+        if self.dtype not in ("float32", "int8"):
+            raise ValueError(f"dtype must be float32 or int8, got '{self.dtype}'")
+
+
+@dataclass(frozen=True)
 class PassSpec:
     name: str
     config: PassConfig
@@ -61,6 +75,7 @@ class Recipe:
     description: str
     calibration: CalibrationSettings
     passes: tuple[PassSpec, ...]
+    kv_cache: KvCacheSettings = KvCacheSettings()
     origin: str = "text"  # "builtin", the file's path, or "text" (parsed from a string)
     sha256: str = ""  # of the TOML text (what manifest.json records)
 
@@ -78,8 +93,9 @@ def load_recipe(name_or_path: str) -> Recipe:
 
 def parse_recipe(text: str, name: str, source: str = "recipe") -> Recipe:
     data = parse_toml(text, source)
-    _reject_unknown(data, {"description", "calibration", "pass"}, source)
+    _reject_unknown(data, {"description", "calibration", "kv_cache", "pass"}, source)
     calibration = _build_dataclass(CalibrationSettings, data.get("calibration", {}), f"{source} [calibration]")
+    kv_cache = _build_dataclass(KvCacheSettings, data.get("kv_cache", {}), f"{source} [kv_cache]")
     raw_passes = data.get("pass", [])
     if not isinstance(raw_passes, list) or not raw_passes:
         raise UserInputError(f"{source}: needs at least one [[pass]] table")
@@ -98,7 +114,7 @@ def parse_recipe(text: str, name: str, source: str = "recipe") -> Recipe:
             raise UserInputError(f"{source}: pass '{pass_cls.name}' needs {', '.join(repr(m) for m in missing)} "
                                  f"earlier in the recipe")
         specs.append(PassSpec(pass_cls.name, config, essential))
-    return Recipe(name, str(data.get("description", "")), calibration, tuple(specs),
+    return Recipe(name, str(data.get("description", "")), calibration, tuple(specs), kv_cache,
                   sha256=hashlib.sha256(text.encode()).hexdigest())
 
 

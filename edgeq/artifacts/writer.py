@@ -106,3 +106,34 @@ def _json_default(obj):
     if hasattr(obj, "item"):
         return obj.item()
     return str(obj)
+
+
+def write_static_outputs(out_dir: Path, models: dict[str, onnx.ModelProto], report: dict, *, encodings: dict, recipe,
+                         input_model: dict, target: str | None, u8s8: dict, started: float,
+                         extra_files: list[Path] = ()) -> dict:
+    """The folder of a static pair (``compile --static``): ``prefill.onnx`` and ``decode.onnx``
+    over one ``weights.data`` (``edgeq.static.shared_weights``), each proven to load; one
+    ``encodings.json`` (the two graphs carry the same quantization parameters, checked by the
+    caller); the tokenizer files (``extra_files``) so that ``edgeq generate`` runs on the folder
+    alone; report and manifest as for one model."""
+    from edgeq.static.shared_weights import save_sharing_weights
+
+    with ir.atomic_output_dir(out_dir) as tmp:
+        report["static"]["weights"] = save_sharing_weights(models, tmp)
+        first = tmp / next(iter(models))
+        report["u8s8"] = _u8s8_report(first, None, u8s8)  # (the worst-case bound; the same weights in both)
+        for name in list(models)[1:]:
+            _check_loads(tmp / name)
+        for file in extra_files:
+            (tmp / file.name).write_bytes(file.read_bytes())
+        (tmp / "encodings.json").write_text(json.dumps(encodings, indent=1))
+        report["quantized_tensors"] = {"activations": len(encodings["activations"]), "weights": len(encodings["weights"])}
+        write_aimet(tmp / "aimet_encodings.json", encodings, version="1.0.0", strict=False)
+        report["aimet_unsupported"] = aimet_unsupported(encodings, "1.0.0")
+        report["seconds_total"] = round(time.perf_counter() - started, 2)
+        report["peak_rss_mb"] = peak_rss_mb()
+        report["input_size_mb"] = round(sum(f["size"] for f in input_model["files"].values()) / 2**20, 1)
+        report["output_size_mb"] = round(sum(f.stat().st_size for f in tmp.iterdir() if f.suffix in (".onnx", ".data")) / 2**20, 1)
+        (tmp / "report.json").write_text(json.dumps(report, indent=1, default=_json_default))
+        write_manifest(input_model, recipe, target, tmp)
+    return report

@@ -93,7 +93,33 @@ def check_model(model: onnx.ModelProto, profile: TargetProfile, encodings: dict 
         violations += _check_pow2(graph, profile)
     if profile.int8_weight_range == "u8s8-safe":
         violations += _check_u8s8(model)
+    if profile.static_shapes:
+        violations += _check_static_shapes(model)
     return CheckResult(profile.name, violations)
+
+
+def _check_static_shapes(model: onnx.ModelProto) -> list[Violation]:
+    """One violation per graph input or output whose shape is not static, and one for all the
+    intermediate values shape inference leaves dynamic (a dynamic graph has thousands)."""
+    inferred = _infer(_skeleton(model), data_prop=True)
+    shapes = {}
+    for vi in (*inferred.graph.input, *inferred.graph.value_info, *inferred.graph.output):
+        tt = vi.type.tensor_type
+        shapes[vi.name] = [d.dim_value if d.HasField("dim_value") else (d.dim_param or "?") for d in tt.shape.dim] \
+            if tt.HasField("shape") else None
+    out = []
+    inits = {t.name for t in model.graph.initializer}
+    for vi in (*model.graph.input, *model.graph.output):
+        dims = shapes.get(vi.name)
+        if vi.name not in inits and (dims is None or not all(isinstance(d, int) and d > 0 for d in dims)):
+            out.append(Violation(vi.name, "static-shape", f"tensor {vi.name}: shape {dims if dims is not None else 'unknown'} is not "
+                                 "static (compile an LLM with --static prefill=S,context=C)"))
+    inner = [o for n in model.graph.node for o in n.output if o and o not in {vi.name for vi in model.graph.output}
+             and not (shapes.get(o) and all(isinstance(d, int) for d in shapes[o]))]
+    if inner:
+        out.append(Violation(inner[0], "static-shape", f"{len(inner)} intermediate tensors have no static shape "
+                             f"after shape inference (first: {inner[0]})"))
+    return out
 
 
 def _check_u8s8(model: onnx.ModelProto) -> list[Violation]:
@@ -147,7 +173,18 @@ def _integer_side_tensors(graph: onnx.GraphProto) -> set[str]:
 
 def tensor_types(model: onnx.ModelProto) -> dict[str, int]:
     """name -> onnx element type of every main-graph tensor whose type is declared or inferable."""
-    types: dict[str, int] = {}
+    types = {init.name: init.data_type for init in model.graph.initializer}
+    inferred = _infer(_skeleton(model))
+    for vi in (*inferred.graph.input, *inferred.graph.value_info, *inferred.graph.output):
+        elem = vi.type.tensor_type.elem_type
+        if elem:
+            types.setdefault(vi.name, elem)
+    return types
+
+
+def _skeleton(model: onnx.ModelProto) -> onnx.ModelProto:
+    """The graph without its large initializers (declared as inputs instead): what type and shape
+    inference need, without copying weights."""
     skeleton = onnx.ModelProto()
     skeleton.ir_version = model.ir_version
     skeleton.opset_import.extend(model.opset_import)
@@ -159,21 +196,19 @@ def tensor_types(model: onnx.ModelProto) -> dict[str, int]:
     g.value_info.extend(model.graph.value_info)
     declared = {vi.name for vi in model.graph.input}
     for init in model.graph.initializer:
-        types[init.name] = init.data_type
         small = int(np.prod(init.dims)) <= _SMALL_INITIALIZER and init.data_location != onnx.TensorProto.EXTERNAL
         if small:
             g.initializer.append(init)
         elif init.name not in declared:
             g.input.append(onnx.helper.make_tensor_value_info(init.name, init.data_type, list(init.dims)))
+    return skeleton
+
+
+def _infer(skeleton: onnx.ModelProto, data_prop: bool = False) -> onnx.ModelProto:
     try:
-        inferred = onnx.shape_inference.infer_shapes(skeleton, check_type=False, strict_mode=False)
+        return onnx.shape_inference.infer_shapes(skeleton, check_type=False, strict_mode=False, data_prop=data_prop)
     except Exception:  # noqa: BLE001 (inference is best effort: declared types still count)
-        inferred = skeleton
-    for vi in (*inferred.graph.input, *inferred.graph.value_info, *inferred.graph.output):
-        elem = vi.type.tensor_type.elem_type
-        if elem:
-            types.setdefault(vi.name, elem)
-    return types
+        return skeleton
 
 
 def _check_dtypes(model: onnx.ModelProto, profile: TargetProfile, integer_side: set[str]) -> list[Violation]:

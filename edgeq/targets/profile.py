@@ -93,6 +93,9 @@ class TargetProfile:
     # "u8s8-safe": int8 weights of uint8 x int8 linears on the grid no CPU kernel saturates (and
     # ``edgeq check`` flags those that could); "full-vnni-only": the full int8 grid
     int8_weight_range: str = "u8s8-safe"
+    # every tensor's shape fixed at compile time (NPU compilers refuse dynamic ones): shape inference
+    # must leave no symbolic or unknown dimension (an LLM gets there with ``compile --static``)
+    static_shapes: bool = False
 
     def allows_op(self, domain: str, op_type: str) -> bool:
         if domain in ("", "ai.onnx"):
@@ -109,7 +112,8 @@ _TOP_KEYS = {"description", "lowering", "ops", "edgeq_ops", "domains", "dtypes",
              "activations", "weights"}
 _QUANT_KEYS = {"dtypes", "symmetric", "granularity"}
 # optional keys: they never allow anything, so leaving them out cannot silently widen a profile
-_OPTIONAL_KEYS = {"ort_kernels", "int8_weight_range"}
+# (static_shapes restricts; a profile opts into it)
+_OPTIONAL_KEYS = {"ort_kernels", "int8_weight_range", "static_shapes"}
 
 
 def builtin_target_names() -> list[str]:
@@ -158,6 +162,7 @@ def parse_target(text: str, name: str, source: str = "target") -> TargetProfile:
         weights=_quant_rules(data, "weights", source),
         ort_kernels=_typed(optional, "ort_kernels", bool, source) if "ort_kernels" in optional else False,
         int8_weight_range=_weight_range(optional, source),
+        static_shapes=_typed(optional, "static_shapes", bool, source) if "static_shapes" in optional else False,
     )
 
 

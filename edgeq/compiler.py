@@ -95,9 +95,7 @@ class CompilePlan:
 def compile_model(req: CompileRequest) -> dict:
     plan = plan_compile(req)
     if plan.static_shape is not None:
-        from edgeq.static.compile import run_static
-
-        return run_static(plan)
+        return _compile_static(plan)
     if plan.partition is None:
         model, records, encodings, target = run_plan(plan)
         return write_plan(plan, model, records, encodings, target)
@@ -239,6 +237,39 @@ def reach_target(plan: CompilePlan, model: onnx.ModelProto, encodings: dict, low
         model = use_ort_kernels(model)
         target["ort_kernels"] = sorted({n.op_type for n in model.graph.node if n.domain == "edgeq.ort"})
     return model, target
+
+
+def _compile_static(plan: CompilePlan) -> dict:
+    """``--static``: the recipe once on the with-past graph (one calibration), then the prefill and
+    decode graphs specialized from its result (``edgeq.static``), each checked against the target,
+    written over one weights file. With the recipe's ``[kv_cache] dtype = "int8"`` the cache scales
+    come from the same calibration windows."""
+    from edgeq.artifacts.writer import write_static_outputs
+    from edgeq.static.compile import kv_scales, pair_encodings, static_report, tokenizer_files
+    from edgeq.static.specialize import build_pair
+
+    shape = plan.static_shape
+    model, stages, _, _ = run_plan(plan)
+    scales = None
+    if shape.cache_dtype == "int8":
+        if plan.calibrator is None:
+            raise UserInputError("an int8 KV cache needs calibration data: pass --calib FILE")
+        scales = kv_scales(plan.calibrator, model, shape.layers)
+    pair = build_pair(model, shape, scales)
+    del model
+    encodings = pair_encodings(pair)
+    target, checks = None, {}
+    for name in pair:
+        pair[name], target = reach_target(plan, pair[name], encodings, stages["lowering"])
+        if target is not None:
+            checks[name] = target.pop("check")
+    if target is not None:
+        target["check"] = checks
+    report, u8s8 = build_report(plan, stages, target)
+    report["static"] = static_report(shape, pair, scales)
+    return write_static_outputs(plan.req.out_dir, pair, report, encodings=encodings, recipe=plan.recipe,
+                                input_model=plan.input_model, target=plan.profile.name if plan.profile else None,
+                                u8s8=u8s8, started=plan.started, extra_files=tokenizer_files(plan.req.model))
 
 
 def _run_blocks(plan: CompilePlan, ctx: PassContext, options: PipelineOptions, external_data: Path):

@@ -274,8 +274,25 @@ def test_check_exit_codes(toy, tmp_path, capsys):
         assert code == 2 and len(err.splitlines()) == 1 and needle in err
 
 
+def _fixed_shapes(model_path, batch: int = 1, seq: int = 16) -> None:
+    """The toy's [batch, seq] inputs fixed (QNN-like targets take static shapes only)."""
+    model = onnx.load(str(model_path))
+    for vi in (*model.graph.input, *model.graph.output):
+        for dim, value in zip(vi.type.tensor_type.shape.dim, (batch, seq)):
+            dim.Clear()
+            dim.dim_value = value
+    onnx.save(model, str(model_path))
+
+
+def test_qnn_like_target_refuses_dynamic_shapes(toy, tmp_path, capsys):
+    code, _, err = _compile(capsys, toy, tmp_path / "htp", "--target", "qnn-htp")
+    assert code == 3 and "static-shape" in err and "input_ids: shape ['batch', 'seq'] is not static" in err
+    assert not (tmp_path / "htp").exists()
+
+
 def test_compile_with_target_records_it(toy, tmp_path, capsys):
     out = tmp_path / "htp"
+    _fixed_shapes(toy[0])
     code, text, err = _compile(capsys, toy, out, "--target", "qnn-htp")
     assert code == 0, err
     report = json.loads((out / "report.json").read_text())

@@ -42,7 +42,11 @@ def register(subparsers: Any) -> argparse.ArgumentParser:
         epilog="example: edgeq eval ppl out/model.onnx --text data/wikitext-2/test.txt "
         "--tokenizer out/ --windows 40",
     )
-    ppl.add_argument("model", metavar="MODEL.onnx", help="model to evaluate")
+    ppl.add_argument(
+        "model", metavar="MODEL",
+        help="model to evaluate: a .onnx file, or a folder holding a static pair (prefill.onnx + decode.onnx, "
+        "edgeq compile --static) or a model.onnx",
+    )
     ppl.add_argument("--text", required=True, metavar="FILE", help="UTF-8 text file (e.g. data/wikitext-2/test.txt)")
     ppl.add_argument(
         "--tokenizer", required=True, metavar="DIR", help="folder holding the model's tokenizer.json (or the file)"
@@ -73,6 +77,14 @@ def register(subparsers: Any) -> argparse.ArgumentParser:
         f"and flag a gap above {KERNEL_GAP * 100:.1f}%% (the CPU's integer kernels lose accuracy: see the README, "
         "'Integer kernels and your CPU'); use 8 or more windows: below that, last-bit rounding differences "
         "between integer and float accumulation alone can move perplexity by ~0.5%%",
+    )
+    ppl.add_argument(
+        "--through", choices=("prefill", "decode"), default=None,
+        help="teacher-forced through the deployment's graphs, window by window (batch 1): 'prefill' feeds each "
+        "window through the prefill graph in prefill-length chunks, 'decode' (the default for a static pair) "
+        "its first chunk through the prefill graph and then every next true token one at a time through the "
+        "decode graph, as generation does; same windows and NLL, so the figure compares with the model.onnx one. "
+        "Also for a model.onnx with a KV cache (decode: the first token as prefill)",
     )
     ppl.add_argument("--json", action="store_true", help="print one JSON object instead of a line")
     ppl.set_defaults(func=run_ppl)
@@ -144,12 +156,47 @@ def _json_safe(value: Any) -> Any:
     return value
 
 
+def _ppl_route(args: argparse.Namespace) -> tuple[str | None, str]:
+    """(--through to use or None for the plain full-window run, the model file whose kernels run):
+    a folder is a static pair (teacher-forced, --through decode by default) or holds model.onnx."""
+    from pathlib import Path
+
+    from edgeq.generation.decoders import resolve_model
+
+    path = Path(args.model)
+    family, files = resolve_model(path) if path.is_dir() else ("dynamic", [path])
+    if family == "static-pair":
+        through = args.through or "decode"
+        return through, str(files[0] if through == "prefill" else files[1])
+    return args.through, str(files[0])
+
+
 def run_ppl(args: argparse.Namespace) -> int:
     from edgeq.evaluate.ppl import perplexity
 
+    through, model_file = _ppl_route(args)
+    if through is not None and args.batch_size != 1:
+        raise UserInputError(f"--through runs one window at a time (batch 1), got --batch-size {args.batch_size}")
+
     def run(exact_qdq: bool) -> dict:
+        if through is not None:
+            from edgeq.generation.teacher_forced import perplexity_through
+
+            return perplexity_through(
+                args.model,
+                args.text,
+                args.tokenizer,
+                windows=args.windows,
+                offset=args.offset,
+                seq_len=args.seq_len,
+                threads=args.threads,
+                special_tokens=args.special_tokens,
+                through=through,
+                exact_qdq=exact_qdq,
+                optimize=not args.no_optimize,
+            )
         return perplexity(
-            args.model,
+            model_file,
             args.text,
             args.tokenizer,
             windows=args.windows,
@@ -169,13 +216,15 @@ def run_ppl(args: argparse.Namespace) -> int:
         result.update({"ppl_exact_qdq": exact["ppl"], "kernel_gap": gap, "kernel_gap_flagged": abs(gap) > KERNEL_GAP})
         from edgeq.targets.u8s8_sites import ort_fused_u8s8
 
-        fused = ort_fused_u8s8(args.model)  # what this onnxruntime actually runs as uint8 x int8
+        fused = ort_fused_u8s8(model_file)  # what this onnxruntime actually runs as uint8 x int8
         result["ort_u8s8_linears"] = len(fused)
         result["ort_u8s8_at_risk"] = sorted(name for name, v in fused.items() if v["saturation_free"] is False)
     if args.json:
         print(json.dumps(_json_safe(result)))
         return 0
     mode = " (exact QDQ)" if args.exact_qdq else " (no optimization)" if args.no_optimize else ""
+    if through is not None:
+        mode += f" (through {through}, {result['mode']})"
     print(
         f"ppl {result['ppl']:.3f}{mode} over {result['tokens']} tokens "
         f"({result['windows']} windows of {result['seq_len']}) in {result['seconds']:.1f} s"

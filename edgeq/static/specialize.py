@@ -18,7 +18,9 @@ every input dimension and folds the shape machinery away at compile time:
   least to itself, so no row is fully masked and the guard never fires. ``IsNaN`` is outside
   NPU op sets;
 - each ``present.{i}.*`` output becomes the new entries only ([1, H, W, D], the last input of the
-  cache ``Concat``) instead of the whole concatenated cache.
+  cache ``Concat``) instead of the whole concatenated cache;
+- grouped-query attention reads the cache once per KV head instead of repeating it for every
+  query head (``edgeq.static.grouped_attention``, exact).
 
 Why the host writes the new entries (instead of an in-graph ScatterND at the position): a graph
 that updates the cache must take the whole cache in and return the whole cache out every step
@@ -50,6 +52,7 @@ from onnx import shape_inference
 from edgeq import ir
 from edgeq.errors import UserInputError
 from edgeq.facts import STATIC
+from edgeq.static.grouped_attention import group_queries
 from edgeq.kv_cache import PAST_PREFIX, PRESENT_PREFIX
 
 ROLES = ("prefill", "decode")
@@ -139,6 +142,7 @@ def specialize(model: onnx.ModelProto, shape: StaticShape, role: str,
     del fixed
     _drop_nan_guards(graph)
     _new_entries_as_outputs(graph)
+    group_queries(graph)
     if kv_scales:
         from edgeq.static.kv_cache_int8 import quantize_cache
 

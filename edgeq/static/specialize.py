@@ -194,7 +194,7 @@ def _never_fold(node: gs.Node) -> bool:
 
 def _fold(model: onnx.ModelProto) -> gs.Graph:
     """Shape inference and constant folding until the node count stops falling."""
-    graph = ir.to_graph(shape_inference.infer_shapes(model, data_prop=True))
+    graph = ir.to_graph(infer_shapes(model))
     before = None
     with _quiet_onnxruntime():
         for _ in range(_FOLD_ROUNDS):
@@ -203,8 +203,25 @@ def _fold(model: onnx.ModelProto) -> gs.Graph:
             if len(graph.nodes) == before:
                 break
             before = len(graph.nodes)
-            graph = ir.to_graph(shape_inference.infer_shapes(ir.to_model(graph), data_prop=True))
+            graph = ir.to_graph(infer_shapes(ir.to_model(graph)))
     return graph
+
+
+def infer_shapes(model: onnx.ModelProto) -> onnx.ModelProto:
+    """onnx shape inference with data propagation, and onnxruntime's symbolic inference when an
+    op of another domain has no onnx shape function (com.microsoft's MatMulNBits after
+    gptq-w4a16): without it nothing after that op gets a shape, and no Shape node there folds."""
+    inferred = shape_inference.infer_shapes(model, data_prop=True)
+    g = inferred.graph
+    shaped = {vi.name for vi in (*g.value_info, *g.output) if vi.type.tensor_type.HasField("shape")}
+    if any(o and o not in shaped for n in g.node if n.domain not in ("", "ai.onnx") for o in n.output):
+        from onnxruntime.tools.symbolic_shape_infer import SymbolicShapeInference
+
+        try:
+            inferred = SymbolicShapeInference.infer_shapes(model, auto_merge=False)
+        except Exception:  # noqa: BLE001 (it refuses graphs it cannot finish; onnx's result stands)
+            pass
+    return inferred
 
 
 def _drop_nan_guards(graph: gs.Graph) -> None:
@@ -255,11 +272,7 @@ def _source_name(tensor: gs.Tensor) -> str:
 def _with_static_shapes(model: onnx.ModelProto) -> onnx.ModelProto:
     """Shapes inferred onto every value (onnxruntime's symbolic inference where onnx lacks an
     op's shape function, e.g. MatMulNBits); a dimension left symbolic or unknown is a bug here."""
-    inferred = shape_inference.infer_shapes(model, data_prop=True)
-    if unknown_shapes(inferred):
-        from onnxruntime.tools.symbolic_shape_infer import SymbolicShapeInference
-
-        inferred = SymbolicShapeInference.infer_shapes(model, auto_merge=False)
+    inferred = infer_shapes(model)
     left = unknown_shapes(inferred)
     forbidden = sorted({n.op_type for n in inferred.graph.node if n.op_type in FORBIDDEN_OPS})
     if left or forbidden:
@@ -292,7 +305,7 @@ def unknown_shapes(model: onnx.ModelProto) -> list[str]:
 def check_static(model: onnx.ModelProto) -> list[str]:
     """One line per way ``model`` is not static: a value without a static shape (after shape
     inference), or a forbidden op. Empty for a graph an NPU compiler takes."""
-    inferred = shape_inference.infer_shapes(model, data_prop=True)
+    inferred = infer_shapes(model)
     lines = [f"{name}: shape not static" for name in unknown_shapes(inferred)]
     lines += [f"{n.name or n.op_type}: {n.op_type} is not allowed in a static graph" for n in model.graph.node
               if n.op_type in FORBIDDEN_OPS]

@@ -41,7 +41,9 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import re
+import tempfile
 from dataclasses import asdict, dataclass
 
 import numpy as np
@@ -217,10 +219,16 @@ def infer_shapes(model: onnx.ModelProto) -> onnx.ModelProto:
     if any(o and o not in shaped for n in g.node if n.domain not in ("", "ai.onnx") for o in n.output):
         from onnxruntime.tools.symbolic_shape_infer import SymbolicShapeInference
 
-        try:
-            inferred = SymbolicShapeInference.infer_shapes(model, auto_merge=False)
-        except Exception:  # noqa: BLE001 (it refuses graphs it cannot finish; onnx's result stands)
-            pass
+        # on failure it saves the model into the working directory: give it a scratch one
+        cwd = os.getcwd()
+        with tempfile.TemporaryDirectory(prefix="edgeq-shapes-") as scratch:
+            os.chdir(scratch)
+            try:
+                inferred = SymbolicShapeInference.infer_shapes(model, auto_merge=False)
+            except Exception:  # noqa: BLE001 (it refuses graphs it cannot finish; onnx's result stands)
+                pass
+            finally:
+                os.chdir(cwd)
     return inferred
 
 

@@ -118,7 +118,36 @@ def measure(name: str, path: Path, prompt_file: Path, args, genai_python: Path |
             "output_ids": row.get("output_ids")}
 
 
+def genai_perplexity(path: Path, args) -> dict:
+    """Perplexity of onnxruntime-genai's build through its ONNX graph in plain onnxruntime (one
+    pass per window, empty cache): its cache inputs declare a symbolic head size, which the
+    generic decoders refuse, so the cache shape comes from its genai_config.json."""
+    import numpy as np
+    import onnxruntime as ort
+
+    from edgeq.evaluate.ppl import window_nll
+    from edgeq.textdata import token_windows
+
+    decoder = json.loads((path / "genai_config.json").read_text())["model"]["decoder"]
+    session = ort.InferenceSession(str(path / "model.onnx"), providers=["CPUExecutionProvider"])
+    names = [i.name for i in session.get_inputs()]
+    empty = np.zeros((1, decoder["num_key_value_heads"], 0, decoder["head_size"]), np.float32)
+    nll = tokens = 0
+    for ids in token_windows(DATA / "test.txt", args.tokenizer, 512, args.ppl_windows):
+        feeds = {"input_ids": ids[None], "attention_mask": np.ones((1, ids.size), np.int64)}
+        feeds.update({n: empty for n in names if n.startswith("past_key_values.")})
+        logits = session.run(["logits"], feeds)[0][0].astype(np.float32)
+        nll += window_nll(logits, ids)
+        tokens += ids.size - 1
+    return {"ppl": round(float(np.exp(nll / tokens)), 3), "ppl_how": "onnxruntime on the genai model.onnx, one pass per window"}
+
+
 def perplexity(name: str, path: Path, args) -> dict:
+    if name == "ort-genai-int4":
+        try:
+            return genai_perplexity(path, args)
+        except Exception as exc:  # noqa: BLE001 (a peer failing is a row, not a crash)
+            return {"ppl": None, "ppl_error": f"{type(exc).__name__}: {exc}"}
     target = path / "model.onnx" if (path / "model.onnx").is_file() else path
     cmd = EDGEQ + ["eval", "ppl", str(target), "--text", str(DATA / "test.txt"), "--tokenizer",
                    str(args.tokenizer), "--windows", str(args.ppl_windows), "--json"]
@@ -128,6 +157,25 @@ def perplexity(name: str, path: Path, args) -> dict:
     if code != 0:
         return {"ppl": None, "ppl_error": (err.strip().splitlines() or [f"exit {code}"])[-1]}
     return {"ppl": round(json.loads(out)["ppl"], 3)}
+
+
+def update_perplexities(args) -> int:
+    result = json.loads(args.ppl_only.read_text())
+    reference = None
+    for row in result["rows"]:
+        if "path" not in row:
+            continue
+        for key in ("ppl", "ppl_error", "ppl_how"):
+            row.pop(key, None)
+        row.update(perplexity(row["model"], Path(row["path"]), args))
+        if row["model"] == "fp32-dynamic":
+            reference = row.get("ppl")
+        if reference and row.get("ppl"):
+            row["ppl_ratio_to_fp32"] = round(row["ppl"] / reference, 4)
+        print(json.dumps({k: v for k, v in row.items() if not isinstance(v, dict)}), file=sys.stderr)
+    result["settings"]["ppl_windows"], result["settings"]["ppl_through"] = args.ppl_windows, args.ppl_through
+    args.out.write_text(json.dumps(result, indent=1))
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -148,7 +196,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--ppl-through", choices=("prefill", "decode"), default="prefill")
     ap.add_argument("--skip-ppl", action="store_true")
     ap.add_argument("--skip-genai", action="store_true")
+    ap.add_argument("--ppl-only", type=Path, metavar="RESULTS",
+                    help="recompute only the perplexities of an existing results file (written to --out)")
     args = ap.parse_args(argv)
+    if args.ppl_only:
+        return update_perplexities(args)
     if not (args.tokenizer / "tokenizer.json").is_file():
         ap.error(f"no tokenizer.json in {args.tokenizer}: run `edgeq export smollm2 -o artifacts/smollm2` first")
 

@@ -24,6 +24,7 @@ from edgeq.generation import generate, open_decoder
 from edgeq.static.specialize import check_static, describe, parse_static
 
 PREFILL, CONTEXT = 8, 48
+REPO = Path(__file__).resolve().parents[1]
 ROLES = ("prefill", "decode")
 
 
@@ -208,7 +209,9 @@ def test_smollm2_static_tokens_equal_dynamic(smollm2_past_dir, tmp_path):
     assert main(["compile", str(smollm2_past_dir / "model.onnx"), "--recipe", "fp32", "--static",
                  "prefill=32,context=256", "-o", str(out)]) == 0
     tok = load_tokenizer(smollm2_past_dir)
-    prompts = STATIC_PROMPTS[:7] + [" ".join(STATIC_PROMPTS)]  # the last: longer than the prefill length
+    lines = [line for line in (REPO / "data" / "wikitext-2" / "test.txt").read_text().splitlines()
+             if line.strip() and not line.strip().startswith("=")]
+    prompts = [" ".join(line.split()[:12]) for line in lines[:7]] + [" ".join(lines[7:12])]  # the last: > prefill
     dynamic = open_decoder(smollm2_past_dir / "model.onnx", optimize=False)
     static = open_decoder(out, optimize=False)
     for text in prompts:
@@ -217,13 +220,3 @@ def test_smollm2_static_tokens_equal_dynamic(smollm2_past_dir, tmp_path):
     assert len(tok.encode(prompts[-1]).ids) > 32
 
 
-STATIC_PROMPTS = [
-    "The capital of France is",
-    "def fibonacci(n):",
-    "Once upon a time, in a small village by the sea,",
-    "The three laws of thermodynamics state that",
-    "Translate to French: I would like a cup of coffee.",
-    "A recipe for pancakes: first,",
-    "The main difference between a CPU and a GPU is",
-    "In 1969, the Apollo 11 mission",
-]

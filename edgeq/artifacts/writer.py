@@ -44,17 +44,24 @@ def write_outputs(out_dir: Path, model: onnx.ModelProto, report: dict, *, encodi
             report["u8s8"] = u8s8
         else:
             report["u8s8"] = _u8s8_report(model_path, probe_feeds, u8s8)
-        (tmp / "encodings.json").write_text(json.dumps(encodings, indent=1))
-        report["quantized_tensors"] = {"activations": len(encodings["activations"]), "weights": len(encodings["weights"])}
-        write_aimet(tmp / "aimet_encodings.json", encodings, version="1.0.0", strict=False)
-        report["aimet_unsupported"] = aimet_unsupported(encodings, "1.0.0")
-        report["seconds_total"] = round(time.perf_counter() - started, 2)
-        report["peak_rss_mb"] = peak_rss_mb()
-        report["input_size_mb"] = round(sum(f["size"] for f in input_model["files"].values()) / 2**20, 1)
-        report["output_size_mb"] = round(model_bytes(model_path) / 2**20, 1)
-        (tmp / "report.json").write_text(json.dumps(report, indent=1, default=_json_default))
-        write_manifest(input_model, recipe, target, tmp)
+        _write_rest(tmp, report, encodings, recipe, input_model, target, started, model_bytes(model_path))
     return report
+
+
+def _write_rest(tmp: Path, report: dict, encodings: dict, recipe, input_model: dict, target: str | None,
+                started: float, output_bytes: int) -> None:
+    """What every output folder gets after its graphs: encodings (ours and AIMET's), report (with
+    time, peak RSS and sizes) and, last, the manifest hashing the final file set."""
+    (tmp / "encodings.json").write_text(json.dumps(encodings, indent=1))
+    report["quantized_tensors"] = {"activations": len(encodings["activations"]), "weights": len(encodings["weights"])}
+    write_aimet(tmp / "aimet_encodings.json", encodings, version="1.0.0", strict=False)
+    report["aimet_unsupported"] = aimet_unsupported(encodings, "1.0.0")
+    report["seconds_total"] = round(time.perf_counter() - started, 2)
+    report["peak_rss_mb"] = peak_rss_mb()
+    report["input_size_mb"] = round(sum(f["size"] for f in input_model["files"].values()) / 2**20, 1)
+    report["output_size_mb"] = round(output_bytes / 2**20, 1)
+    (tmp / "report.json").write_text(json.dumps(report, indent=1, default=_json_default))
+    write_manifest(input_model, recipe, target, tmp)
 
 
 def model_bytes(path: Path) -> int:
@@ -126,14 +133,6 @@ def write_static_outputs(out_dir: Path, models: dict[str, onnx.ModelProto], repo
             _check_loads(tmp / name)
         for file in extra_files:
             (tmp / file.name).write_bytes(file.read_bytes())
-        (tmp / "encodings.json").write_text(json.dumps(encodings, indent=1))
-        report["quantized_tensors"] = {"activations": len(encodings["activations"]), "weights": len(encodings["weights"])}
-        write_aimet(tmp / "aimet_encodings.json", encodings, version="1.0.0", strict=False)
-        report["aimet_unsupported"] = aimet_unsupported(encodings, "1.0.0")
-        report["seconds_total"] = round(time.perf_counter() - started, 2)
-        report["peak_rss_mb"] = peak_rss_mb()
-        report["input_size_mb"] = round(sum(f["size"] for f in input_model["files"].values()) / 2**20, 1)
-        report["output_size_mb"] = round(sum(f.stat().st_size for f in tmp.iterdir() if f.suffix in (".onnx", ".data")) / 2**20, 1)
-        (tmp / "report.json").write_text(json.dumps(report, indent=1, default=_json_default))
-        write_manifest(input_model, recipe, target, tmp)
+        graphs = sum(f.stat().st_size for f in tmp.iterdir() if f.suffix in (".onnx", ".data"))
+        _write_rest(tmp, report, encodings, recipe, input_model, target, started, graphs)
     return report

@@ -10,7 +10,7 @@ DATA := data/wikitext-2
 RECIPE ?= mquant-w8a8
 WINDOWS ?= 40
 
-.PHONY: install demo test bench clean
+.PHONY: install demo test bench peers clean
 
 install: $(VENV)/.installed
 
@@ -37,6 +37,11 @@ test: install
 
 bench: install $(ART)/smollm2/model.onnx
 	$(PY) benchmarks/foundation.py --model-dir $(ART)/smollm2 --out $(ART)/bench-foundation.json
+
+# edgeq against the tools users would pick instead (each peer in its own venv under .venvs/,
+# versions in benchmarks/peers/pins.toml); a peer that cannot be installed is a row with its error
+peers: install $(ART)/smollm2/model.onnx
+	$(PY) benchmarks/peers.py --out benchmarks/results/peers-$$(date +%F).json
 
 clean:
 	rm -rf $(ART) .cache

@@ -14,7 +14,9 @@ Per row: the quantize or compile step in its own process, wall time and peak RSS
 (``os.wait4``); then, here in edgeq's venv, perplexity on the 40 windows with onnxruntime's
 defaults and with exact QDQ (no integer-kernel fusion: ``session.disable_quant_qdq``), and CPU
 latency of one 512-token forward pass at batch 1, as interleaved medians over all ONNX models
-(every model timed once per round). OpenVINO outputs are evaluated by their adapter with the
+(every model timed once per round). The exact-QDQ perplexity is measured for the W8A8 rows, where
+onnxruntime's integer kernels replace the Q/DQ arithmetic (4-bit rows run MatMulNBits either way).
+OpenVINO outputs are evaluated by their adapter with the
 OpenVINO runtime (perplexity and latency; no exact-QDQ figure exists there). A peer that cannot be
 installed or fails on a setting is a row with its error, never a missing row; a machine where no
 peer installs still gets the edgeq rows and exit 0.
@@ -54,17 +56,26 @@ EDGEQ_SETTINGS = [
 DATA = REPO / "data" / "wikitext-2"
 
 
-def run_measured(cmd: list[str], log: Path, env: dict | None = None) -> dict:
-    """Run ``cmd`` to completion, its output into ``log``; exit code, wall seconds and the child's
-    peak RSS (MiB, os.wait4), and its last stdout line."""
+def run_measured(cmd: list[str], log: Path, env: dict | None = None, timeout_s: float | None = None) -> dict:
+    """Run ``cmd`` to completion (killed after ``timeout_s``), its stderr into ``log``; exit code,
+    wall seconds, the child's peak RSS (MiB, os.wait4), its last stdout line, and whether it timed out."""
     start = time.perf_counter()
+    timed_out = False
     with open(log, "w") as err, tempfile.TemporaryFile() as out:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=err, cwd=REPO, env=env)
-        _, status, usage = os.wait4(proc.pid, 0)
+        proc = subprocess.Popen(cmd, stdout=out, stderr=err, cwd=REPO, env=env, start_new_session=True)
+        while True:
+            pid, status, usage = os.wait4(proc.pid, os.WNOHANG)
+            if pid:
+                break
+            if timeout_s is not None and time.perf_counter() - start > timeout_s and not timed_out:
+                timed_out = True
+                os.killpg(proc.pid, 9)
+            time.sleep(0.5)
         out.seek(0)
         lines = out.read().decode(errors="replace").strip().splitlines()
     return {"code": os.waitstatus_to_exitcode(status), "seconds": round(time.perf_counter() - start, 1),
-            "peak_rss_mb": round(usage.ru_maxrss / 1024, 1), "last_line": lines[-1] if lines else ""}
+            "peak_rss_mb": round(usage.ru_maxrss / 1024, 1), "last_line": lines[-1] if lines else "",
+            "timed_out": timed_out}
 
 
 def _last_error(log: Path) -> str:
@@ -83,7 +94,7 @@ def data_files(work: Path, tokenizer: Path) -> tuple[Path, Path]:
     return calib, evaluation
 
 
-def peer_rows(peer: str, model: Path, calib: Path, evaluation: Path, work: Path) -> list[dict]:
+def peer_rows(peer: str, model: Path, calib: Path, evaluation: Path, work: Path, timeout_s: float) -> list[dict]:
     """One row per setting of an adapter peer: quantized (timed) and, for OpenVINO outputs, evaluated."""
     from venvs import ensure_venv
 
@@ -102,9 +113,11 @@ def peer_rows(peer: str, model: Path, calib: Path, evaluation: Path, work: Path)
         log = work / peer / f"{spec['setting']}.log"
         print(f"[peers] {peer} {spec['setting']}: quantizing", file=sys.stderr)
         run = run_measured([str(python), adapter, "quantize", "--setting", spec["setting"], "--model", str(model),
-                            "--calib-ids", str(calib), "--out", str(out)], log)
+                            "--calib-ids", str(calib), "--out", str(out)], log, timeout_s=timeout_s)
         row.update(compile_s=run["seconds"], peak_rss_mb=run["peak_rss_mb"])
-        if run["code"] != 0:
+        if run["timed_out"]:
+            row["error"] = f"did not finish within the benchmark's limit of {timeout_s / 60:.0f} min (--timeout-min)"
+        elif run["code"] != 0:
             row["error"] = _last_error(log)
             rows.append(row)
             continue
@@ -120,7 +133,8 @@ def peer_rows(peer: str, model: Path, calib: Path, evaluation: Path, work: Path)
                 row["error"] = f"evaluate failed: {done.stderr.strip().splitlines()[-1] if done.stderr.strip() else done.returncode}"
             else:
                 result = json.loads(done.stdout.strip().splitlines()[-1])
-                row.update(ppl=result.get("ppl"), runtime_latency_ms=result.get("latency_ms"), runtime=result.get("runtime"))
+                row.update(ppl=result.get("ppl"), runtime_latency_ms=result.get("latency_ms"), runtime=result.get("runtime"),
+                           runtime_defaults=result.get("runtime_defaults"))
         rows.append(row)
     return rows
 
@@ -233,6 +247,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--windows", type=int, default=40, help="evaluation windows (of the 40 prepared)")
     ap.add_argument("--latency-repeats", type=int, default=7)
     ap.add_argument("--plot", type=Path, default=None, help="PNG (default: beside --out)")
+    ap.add_argument("--timeout-min", type=float, default=30, help="a peer setting still quantizing after this is a row "
+                    "with that error (default 30; edgeq's own compiles are not limited)")
     args = ap.parse_args(argv)
     model = args.model_dir / "model.onnx"
     if not model.is_file():
@@ -245,7 +261,7 @@ def main(argv: list[str] | None = None) -> int:
     rows: list[dict] = []
     for peer in args.peers:
         if peer in ADAPTER_PEERS:
-            rows += peer_rows(peer, model, calib, evaluation, args.work)
+            rows += peer_rows(peer, model, calib, evaluation, args.work, args.timeout_min * 60)
         elif peer == "ort-genai":
             rows += genai_rows(args.work)
         elif peer == "edgeq":
@@ -261,7 +277,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"[peers] perplexity: {row['tool']} {row['setting']}", file=sys.stderr)
         try:
             row["ppl"] = onnx_perplexity(Path(row["path"]), windows, exact_qdq=False)
-            row["ppl_exact"] = onnx_perplexity(Path(row["path"]), windows, exact_qdq=True)
+            if row["category"] == "w8a8":  # where onnxruntime fuses Q/DQ into integer kernels
+                row["ppl_exact"] = onnx_perplexity(Path(row["path"]), windows, exact_qdq=True)
         except Exception as exc:  # noqa: BLE001 (a model that does not run is a row with its error)
             row["error"] = f"evaluation failed: {type(exc).__name__}: {str(exc).splitlines()[0][:300]}"
     print("[peers] latency (interleaved)", file=sys.stderr)

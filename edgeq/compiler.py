@@ -38,6 +38,7 @@ from edgeq.artifacts.writer import write_outputs
 from edgeq.calib.dataset import build_calibration_set
 from edgeq.calib.session import Calibrator
 from edgeq.errors import UserInputError
+from edgeq.fingerprint import model_fingerprint
 from edgeq.passbase import Pass, PassContext
 from edgeq.pipeline import Pipeline, PipelineOptions
 from edgeq.recipes import DEFAULT_RECIPE, Recipe, load_recipe
@@ -158,7 +159,7 @@ def plan_compile(req: CompileRequest) -> CompilePlan:
         calibrator = Calibrator(data, use_cache=req.use_cache)
         sample = data.batches[0]
         calibration = {"data": data.description, "samples": data.samples, "tokens": data.tokens}
-    fingerprint = ir.model_fingerprint(model, req.model.resolve().parent)
+    fingerprint = model_fingerprint(model, req.model.resolve().parent)
     return CompilePlan(req, recipe, profile, passes + lowering + guard, (len(passes), len(lowering)), int8_weights,
                        model, input_model_record(req.model, locations), fingerprint, calibrator,
                        calibration, sample, started, part, why, static_shape=static_shape)

@@ -28,6 +28,7 @@ import onnx_graphsurgeon as gs
 
 from edgeq import ir
 from edgeq.calib.observers import ModalitySplitObserver, Observer, observer_from_state, observer_state
+from edgeq.fingerprint import graph_fingerprint
 from edgeq.progress import progress
 from edgeq.protowalk import prune_to_outputs
 
@@ -249,7 +250,7 @@ class Calibrator:
         """The graph's fingerprint (taken on the graphsurgeon graph: no export, untouched weights
         hashed once per compile), the data's, the settings and the tensors."""
         h = hashlib.sha256()
-        for part in (ir.graph_fingerprint(graph, self._fingerprint_memo), self.data.fingerprint, settings_key, *names):
+        for part in (graph_fingerprint(graph, self._fingerprint_memo), self.data.fingerprint, settings_key, *names):
             h.update(part.encode())
             h.update(b"\0")
         return h.hexdigest()[:32]

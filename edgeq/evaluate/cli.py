@@ -179,35 +179,13 @@ def run_ppl(args: argparse.Namespace) -> int:
         raise UserInputError(f"--through runs one window at a time (batch 1), got --batch-size {args.batch_size}")
 
     def run(exact_qdq: bool) -> dict:
+        common = dict(windows=args.windows, offset=args.offset, seq_len=args.seq_len, threads=args.threads,
+                      special_tokens=args.special_tokens, exact_qdq=exact_qdq, optimize=not args.no_optimize)
         if through is not None:
             from edgeq.generation.teacher_forced import perplexity_through
 
-            return perplexity_through(
-                args.model,
-                args.text,
-                args.tokenizer,
-                windows=args.windows,
-                offset=args.offset,
-                seq_len=args.seq_len,
-                threads=args.threads,
-                special_tokens=args.special_tokens,
-                through=through,
-                exact_qdq=exact_qdq,
-                optimize=not args.no_optimize,
-            )
-        return perplexity(
-            model_file,
-            args.text,
-            args.tokenizer,
-            windows=args.windows,
-            offset=args.offset,
-            seq_len=args.seq_len,
-            batch_size=args.batch_size,
-            threads=args.threads,
-            special_tokens=args.special_tokens,
-            exact_qdq=exact_qdq,
-            optimize=not args.no_optimize,
-        )
+            return perplexity_through(args.model, args.text, args.tokenizer, through=through, **common)
+        return perplexity(model_file, args.text, args.tokenizer, batch_size=args.batch_size, **common)
 
     result = run(args.exact_qdq)
     if args.kernel_check:

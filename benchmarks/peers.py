@@ -247,6 +247,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--windows", type=int, default=40, help="evaluation windows (of the 40 prepared)")
     ap.add_argument("--latency-repeats", type=int, default=7)
     ap.add_argument("--plot", type=Path, default=None, help="PNG (default: beside --out)")
+    ap.add_argument("--resume", action="store_true", help="reuse the quantize/compile rows of peers an interrupted "
+                    "run finished (artifacts/peers/rows-partial.json); the figures then come from two runs")
     ap.add_argument("--timeout-min", type=float, default=30, help="a peer setting still quantizing after this is a row "
                     "with that error (default 30; edgeq's own compiles are not limited)")
     args = ap.parse_args(argv)
@@ -259,15 +261,24 @@ def main(argv: list[str] | None = None) -> int:
     windows = np.load(evaluation)[: args.windows]
     info = machine_info()
     rows: list[dict] = []
+    partial = args.work / "rows-partial.json"  # the quantize/compile rows so far: an interrupted run keeps them
+    done = json.loads(partial.read_text()) if args.resume and partial.is_file() else {}
     for peer in args.peers:
+        if peer in done:
+            print(f"[peers] {peer}: rows from the interrupted run (--resume)", file=sys.stderr)
+            rows += [{**r, "resumed": True} for r in done[peer]]
+            continue
         if peer in ADAPTER_PEERS:
-            rows += peer_rows(peer, model, calib, evaluation, args.work, args.timeout_min * 60)
+            got = peer_rows(peer, model, calib, evaluation, args.work, args.timeout_min * 60)
         elif peer == "ort-genai":
-            rows += genai_rows(args.work)
+            got = genai_rows(args.work)
         elif peer == "edgeq":
-            rows += edgeq_rows(model, args.work)
+            got = edgeq_rows(model, args.work)
         else:
             ap.error(f"unknown peer {peer}")
+        rows += got
+        done[peer] = got
+        partial.write_text(json.dumps(done, indent=1))
     fp32 = {"tool": "fp32", "setting": "fp32", "category": "fp32", "weight_bits": 32, "activation_bits": 32,
             "format": "onnx", "path": str(args.model_dir), "error": None}
     rows.insert(0, fp32)

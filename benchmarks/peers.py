@@ -221,6 +221,20 @@ def onnx_perplexity(path: Path, windows: np.ndarray, exact_qdq: bool) -> float:
     return round(float(np.exp(nll / tokens)), 3)
 
 
+def add_perplexities(rows: list[dict], windows: np.ndarray) -> None:
+    """Perplexity of every ONNX row that ran (and its exact-QDQ value for W8A8 rows), in place."""
+    for row in rows:
+        if row.get("error") or row.get("format") != "onnx" or not row.get("path"):
+            continue
+        print(f"[peers] perplexity: {row['tool']} {row['setting']}", file=sys.stderr)
+        try:
+            row["ppl"] = onnx_perplexity(Path(row["path"]), windows, exact_qdq=False)
+            if row["category"] == "w8a8":  # where onnxruntime fuses Q/DQ into integer kernels
+                row["ppl_exact"] = onnx_perplexity(Path(row["path"]), windows, exact_qdq=True)
+        except Exception as exc:  # noqa: BLE001 (a model that does not run is a row with its error)
+            row["error"] = f"evaluation failed: {type(exc).__name__}: {str(exc).splitlines()[0][:300]}"
+
+
 def latencies(rows: list[dict], ids: np.ndarray, repeats: int) -> None:
     """512-token forward pass, batch 1: every ONNX model once per round, interleaved; medians."""
     timed = [r for r in rows if r.get("path") and r.get("format") == "onnx" and not r.get("error")]
@@ -243,7 +257,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results" / f"peers-{time.strftime('%Y-%m-%d')}.json")
     ap.add_argument("--work", type=Path, default=REPO / "artifacts" / "peers")
     ap.add_argument("--model-dir", type=Path, default=REPO / "artifacts" / "smollm2")
-    ap.add_argument("--peers", nargs="+", default=[*ADAPTER_PEERS, "ort-genai", "edgeq"])
+    ap.add_argument("--peers", nargs="+", default=["edgeq", "ort-genai", "nncf", "quark", "ort-quant"])
     ap.add_argument("--windows", type=int, default=40, help="evaluation windows (of the 40 prepared)")
     ap.add_argument("--latency-repeats", type=int, default=7)
     ap.add_argument("--plot", type=Path, default=None, help="PNG (default: beside --out)")
@@ -260,7 +274,10 @@ def main(argv: list[str] | None = None) -> int:
     calib, evaluation = data_files(args.work, args.model_dir)
     windows = np.load(evaluation)[: args.windows]
     info = machine_info()
-    rows: list[dict] = []
+    fp32 = {"tool": "fp32", "setting": "fp32", "category": "fp32", "weight_bits": 32, "activation_bits": 32,
+            "format": "onnx", "path": str(args.model_dir), "error": None}
+    add_perplexities([fp32], windows)
+    rows: list[dict] = [fp32]
     partial = args.work / "rows-partial.json"  # the quantize/compile rows so far: an interrupted run keeps them
     done = json.loads(partial.read_text()) if args.resume and partial.is_file() else {}
     for peer in args.peers:
@@ -276,22 +293,11 @@ def main(argv: list[str] | None = None) -> int:
             got = edgeq_rows(model, args.work)
         else:
             ap.error(f"unknown peer {peer}")
+        add_perplexities(got, windows)
         rows += got
         done[peer] = got
         partial.write_text(json.dumps(done, indent=1))
-    fp32 = {"tool": "fp32", "setting": "fp32", "category": "fp32", "weight_bits": 32, "activation_bits": 32,
-            "format": "onnx", "path": str(args.model_dir), "error": None}
-    rows.insert(0, fp32)
-    for row in rows:
-        if row.get("error") or row.get("format") != "onnx" or not row.get("path"):
-            continue
-        print(f"[peers] perplexity: {row['tool']} {row['setting']}", file=sys.stderr)
-        try:
-            row["ppl"] = onnx_perplexity(Path(row["path"]), windows, exact_qdq=False)
-            if row["category"] == "w8a8":  # where onnxruntime fuses Q/DQ into integer kernels
-                row["ppl_exact"] = onnx_perplexity(Path(row["path"]), windows, exact_qdq=True)
-        except Exception as exc:  # noqa: BLE001 (a model that does not run is a row with its error)
-            row["error"] = f"evaluation failed: {type(exc).__name__}: {str(exc).splitlines()[0][:300]}"
+    fp32 = rows[0]
     print("[peers] latency (interleaved)", file=sys.stderr)
     latencies(rows, windows[0], args.latency_repeats)
     for row in rows:

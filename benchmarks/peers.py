@@ -265,7 +265,11 @@ def main(argv: list[str] | None = None) -> int:
                     "run finished (artifacts/peers/rows-partial.json); the figures then come from two runs")
     ap.add_argument("--timeout-min", type=float, default=30, help="a peer setting still quantizing after this is a row "
                     "with that error (default 30; edgeq's own compiles are not limited)")
+    ap.add_argument("--table", type=Path, metavar="RESULTS", help="print the README table of a results file and exit")
     args = ap.parse_args(argv)
+    if args.table:
+        print(markdown_table(args.table))
+        return 0
     model = args.model_dir / "model.onnx"
     if not model.is_file():
         print(f"exporting SmolLM2 to {args.model_dir}", file=sys.stderr)
@@ -316,6 +320,23 @@ def main(argv: list[str] | None = None) -> int:
     print(f"wrote {args.out}", file=sys.stderr)
     plot(args.out, args.plot or args.out.with_suffix(".png"))
     return 0
+
+
+def markdown_table(results: Path) -> str:
+    """The README table of a results file (``--table``)."""
+    data = json.loads(results.read_text())
+    lines = ["| tool | setting | W/A bits | ppl (x fp32) | exact-QDQ ppl | compile s | peak RSS MiB | ORT latency ms | other runtime ms | error |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for r in data["rows"]:
+        ratio = f" ({r['ppl_ratio']:.3f})" if r.get("ppl_ratio") else ""
+        ppl = f"{r['ppl']:.3f}{ratio}" if r.get("ppl") else "-"
+        cells = [r["tool"], r.get("setting") or "-", f"{r.get('weight_bits', '-')}/{r.get('activation_bits', '-')}", ppl,
+                 f"{r['ppl_exact']:.3f}" if r.get("ppl_exact") else "-", str(r.get("compile_s") or "-"),
+                 str(r.get("peak_rss_mb") or "-"), str(r.get("latency_ms") or "-"),
+                 f"{r['runtime_latency_ms']:.0f} ({r.get('runtime', '')})" if r.get("runtime_latency_ms") else "-",
+                 (r.get("error") or "")[:160].replace("|", "/")]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
 
 
 def plot(results: Path, png: Path) -> None:

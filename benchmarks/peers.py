@@ -11,7 +11,7 @@ and ``evaluate`` for OpenVINO outputs). onnxruntime-genai's model builder is the
 (int4 only), built by ``benchmarks/peers/build_ortgenai.py``.
 
 Per row: the quantize or compile step in its own process, wall time and peak RSS read from outside
-(``os.wait4``); then, here in edgeq's venv, perplexity on the 40 windows with onnxruntime's
+(GNU time, which starts the step); then, here in edgeq's venv, perplexity on the 40 windows with onnxruntime's
 defaults and with exact QDQ (no integer-kernel fusion: ``session.disable_quant_qdq``), and CPU
 latency of one 512-token forward pass at batch 1, as interleaved medians over all ONNX models
 (every model timed once per round). The exact-QDQ perplexity is measured for the W8A8 rows, where
@@ -58,13 +58,18 @@ DATA = REPO / "data" / "wikitext-2"
 
 def run_measured(cmd: list[str], log: Path, env: dict | None = None, timeout_s: float | None = None) -> dict:
     """Run ``cmd`` to completion (killed after ``timeout_s``), its stderr into ``log``; exit code,
-    wall seconds, the child's peak RSS (MiB, os.wait4), its last stdout line, and whether it timed out."""
+    wall seconds, its peak RSS (MiB, GNU time), its last stdout line, and whether it timed out."""
     start = time.perf_counter()
     timed_out = False
+    # peak RSS from GNU time, a small process that starts the command: os.wait4 on a child of this
+    # (by then large) process reports at least this process's own size, since the child's
+    # high-water mark starts from the parent's image it was forked from
+    rss_file = Path(tempfile.mkstemp(prefix="peers-rss-")[1])
+    cmd = ["/usr/bin/time", "-f", "%M", "-o", str(rss_file), *cmd]
     with open(log, "w") as err, tempfile.TemporaryFile() as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=err, cwd=REPO, env=env, start_new_session=True)
         while True:
-            pid, status, usage = os.wait4(proc.pid, os.WNOHANG)
+            pid, status, _ = os.wait4(proc.pid, os.WNOHANG)
             if pid:
                 break
             if timeout_s is not None and time.perf_counter() - start > timeout_s and not timed_out:
@@ -73,8 +78,13 @@ def run_measured(cmd: list[str], log: Path, env: dict | None = None, timeout_s: 
             time.sleep(0.5)
         out.seek(0)
         lines = out.read().decode(errors="replace").strip().splitlines()
+    try:
+        peak_kb = float(rss_file.read_text().split()[-1])
+    except (OSError, ValueError, IndexError):  # killed before GNU time wrote it
+        peak_kb = float("nan")
+    rss_file.unlink(missing_ok=True)
     return {"code": os.waitstatus_to_exitcode(status), "seconds": round(time.perf_counter() - start, 1),
-            "peak_rss_mb": round(usage.ru_maxrss / 1024, 1), "last_line": lines[-1] if lines else "",
+            "peak_rss_mb": round(peak_kb / 1024, 1), "last_line": lines[-1] if lines else "",
             "timed_out": timed_out}
 
 

@@ -28,6 +28,7 @@ and returns the last position's logits, ``step(token)`` feeds one more token and
 
 from __future__ import annotations
 
+import abc
 import json
 import os
 from pathlib import Path
@@ -80,7 +81,7 @@ def _check_decoder_graph(session: Any, label: str) -> tuple[list[str], list[str]
     return inputs, outputs
 
 
-class Decoder:
+class Decoder(abc.ABC):
     """One interface over the graph kinds (see the module docstring). Subclasses set ``mode``,
     ``context`` (tokens the cache holds; None: unbounded), ``prefill_length`` (S of a static pair,
     else None) and ``vocab``."""
@@ -111,13 +112,13 @@ class Decoder:
         """Feed ``ids`` after the tokens held (normally after ``reset``); float32 [vocab] logits of the last."""
         return self.prefill_all(ids)[-1]
 
+    @abc.abstractmethod
     def prefill_all(self, ids: Sequence[int] | np.ndarray) -> np.ndarray:
         """Feed ``ids``; float32 [len(ids), vocab] logits of every one of them."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def step(self, token: int) -> np.ndarray:
         """Feed one token; float32 [vocab] logits of it."""
-        raise NotImplementedError
 
 
 class RecomputeDecoder(Decoder):

@@ -112,7 +112,9 @@ def _read_text(text_path: str | os.PathLike) -> tuple[Path, bytes]:
     return path, data
 
 
-def _cache_dir() -> Path | None:
+def cache_root() -> Path | None:
+    """``$EDGEQ_CACHE_DIR`` (default ``~/.cache/edgeq``); ``None`` when it is set to an empty string
+    (caching off)."""
     value = os.environ.get("EDGEQ_CACHE_DIR")
     if value is None:
         return Path.home() / ".cache" / "edgeq"
@@ -149,7 +151,7 @@ def tokenize_file(
     tok_file = _tokenizer_file(tokenizer_dir)
 
     cache_file = None
-    cache = _cache_dir()
+    cache = cache_root()
     if cache is not None:
         try:
             import tokenizers

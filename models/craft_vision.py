@@ -90,7 +90,8 @@ def load_vgg_backbone(path: str | os.PathLike | None = None) -> list:
 
 
 def vgg_features(layers: list, images: np.ndarray, chunk: int = 4) -> np.ndarray:
-    """Backbone output for ``images`` [N, 224, 224, 3] (RGB in [0, 1]): [N, 14, 14, 512].
+    """Backbone output for ``images`` [N, H, W, 3] (RGB in [0, 1]): [N, H/16, W/16, 512]
+    (224x224 images, the composed VLM's, give [N, 14, 14, 512]).
 
     The map is the output of CRAFT's ``slice4``: conv5_2 + BatchNorm at stride 16, before its
     ReLU, i.e. the 512-channel feature CRAFT's own decoder consumes at that resolution. Signed
@@ -117,7 +118,8 @@ def vgg_features(layers: list, images: np.ndarray, chunk: int = 4) -> np.ndarray
                     h = F.relu(h)
             out.append(h.permute(0, 2, 3, 1).numpy())
     feats = np.concatenate(out, axis=0)
-    assert feats.shape[1:] == (GRID, GRID, FEATURE_CHANNELS), feats.shape
+    height, width = np.shape(images)[1:3]
+    assert feats.shape[1:] == (height // FEATURE_STRIDE, width // FEATURE_STRIDE, FEATURE_CHANNELS), feats.shape
     return feats
 
 

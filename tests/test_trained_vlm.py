@@ -171,6 +171,29 @@ def test_training_is_deterministic_and_resumes_exactly(smollm2_dir, tmp_path, mo
     assert not (tmp_path / "c" / "checkpoint.pt").exists()
 
 
+def test_shared_prefix_scoring_equals_a_full_pass_per_question(smollm2_dir):
+    import torch
+
+    from edgeq.models.vlm_training import DEFAULT, VisionLanguageModel, pad_batch, projector_module, scored_logits
+
+    chat = ChatFormat(smollm2_dir / "tokenizer.json", DEFAULT.visual_tokens)
+    questions = [q for q in easy_vqa.load_questions("test") if q.image in (0, 1, 2)]
+    features = np.random.default_rng(1).standard_normal((3, DEFAULT.visual_tokens, 512)).astype(np.float16)
+    torch.manual_seed(0)
+    model = VisionLanguageModel(_tiny_lm(chat.tokenizer.get_vocab_size()), projector_module(64), chat.visual_start,
+                                DEFAULT.visual_tokens)
+    shared = {i: (logits, target) for i, logits, target in
+              scored_logits(model, chat, questions, features, {0: 0, 1: 1, 2: 2}, 2, batch=5, images_per_prefix=2)}
+    assert sorted(shared) == list(range(len(questions)))
+    with torch.no_grad():
+        for i, q in enumerate(questions):
+            ids, labels, mask = pad_batch([chat.conversation([(q.text, q.answer)])], 2)
+            logits, target = model.answer_logits(torch.from_numpy(ids), torch.from_numpy(labels), torch.from_numpy(mask),
+                                                 torch.from_numpy(features[[q.image]].astype(np.float32)))
+            assert torch.equal(target, shared[i][1])
+            torch.testing.assert_close(shared[i][0], logits, atol=1e-4, rtol=1e-4)
+
+
 def test_export_without_a_cache_folder_exits_2_and_writes_nothing(tmp_path):
     out = tmp_path / "vlm"
     env = {**os.environ, "EDGEQ_CACHE_DIR": "", "EDGEQ_PROGRESS": "0"}

@@ -73,7 +73,8 @@ def _subset(inputs: dict, meta: dict, samples: int) -> tuple[dict, dict]:
             {k: (v if k == "pad_embedding" else v[rows]) for k, v in meta.items()})
 
 
-def accuracy_part(model_dir: Path, work: Path, inputs: dict, meta: dict, skip_compile: bool) -> tuple[dict, dict]:
+def accuracy_part(model_dir: Path, work: Path, inputs: dict, meta: dict, skip_compile: bool,
+                  bits_list: tuple[str, ...] = BITS) -> tuple[dict, dict]:
     from edgeq.models.trained_vlm import vqa_accuracy
 
     fp32 = model_dir / "model.onnx"
@@ -82,7 +83,7 @@ def accuracy_part(model_dir: Path, work: Path, inputs: dict, meta: dict, skip_co
     rows = {"fp32": {k: ref[k] for k in ("accuracy", "per_type")}}
     print(f"fp32: accuracy {ref['accuracy']:.4f} {ref['per_type']} ({time.perf_counter() - start:.0f} s)", flush=True)
     graphs = {}
-    for bits in BITS:
+    for bits in bits_list:
         for variant in VARIANTS:
             out = work / f"{bits}-{variant.replace('+', '-')}"
             if not skip_compile:
@@ -218,6 +219,7 @@ def main(argv=None) -> int:
     p.add_argument("--range-samples", type=int, default=16)
     p.add_argument("--repeats", type=int, default=30)
     p.add_argument("--parts", default=",".join(PARTS), help=f"comma-separated subset of {','.join(PARTS)}")
+    p.add_argument("--bits", default=",".join(BITS), help=f"comma-separated subset of {','.join(BITS)}")
     p.add_argument("--skip-compile", action="store_true", help="reuse the graphs already in --work")
     a = p.parse_args(argv)
 
@@ -235,10 +237,12 @@ def main(argv=None) -> int:
         results["ranges"] = ranges_part(a.model_dir, inputs, meta, a.range_samples)
     if "accuracy" in parts:
         sub_inputs, sub_meta = _subset(inputs, meta, a.samples)
-        results["accuracy"], graphs = accuracy_part(a.model_dir, a.work, sub_inputs, sub_meta, a.skip_compile)
+        results["accuracy"], graphs = accuracy_part(a.model_dir, a.work, sub_inputs, sub_meta, a.skip_compile,
+                                                    tuple(b for b in a.bits.split(",") if b))
         results["accuracy_samples"] = len(sub_meta["labels"])
-        report = json.loads((graphs["w8a8/msq+aifs"] / "report.json").read_text())
-        results["msq_calibration_ranges_w8a8"] = range_table(report)
+        if "w8a8/msq+aifs" in graphs:
+            report = json.loads((graphs["w8a8/msq+aifs"] / "report.json").read_text())
+            results["msq_calibration_ranges_w8a8"] = range_table(report)
     if "latency" in parts:
         results["latency"] = latency_part(a.model_dir, a.work, inputs, a.repeats, a.skip_compile)
     if "kv" in parts:

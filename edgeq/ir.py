@@ -156,6 +156,13 @@ def to_graph(model: onnx.ModelProto) -> gs.Graph:
     return graph
 
 
+def _kept_model_attrs(graph: gs.Graph) -> dict | None:
+    """What ``to_graph`` remembered, or None for a graph built otherwise. Read from the instance
+    dict: graphsurgeon's ``Graph.__getattr__`` logs an "[E] Function ... was not registered" line
+    for every missing attribute before raising."""
+    return vars(graph).get("_edgeq_model_attrs")
+
+
 def _model_attrs(model: onnx.ModelProto) -> dict:
     return {
         "ir_version": model.ir_version,
@@ -174,7 +181,7 @@ def to_model(graph: gs.Graph) -> onnx.ModelProto:
     Domains used by the graph but not imported by the original (e.g. ``edgeq``) are added by
     graphsurgeon; the default domain keeps ``graph.opset`` (passes may raise it).
     """
-    attrs = getattr(graph, "_edgeq_model_attrs", None)
+    attrs = _kept_model_attrs(graph)
     model = gs.export_onnx(graph, do_type_check=False)
     if attrs is not None:
         _restore_model_attrs(model, graph, attrs)
@@ -191,7 +198,7 @@ def pruned_copy(graph: gs.Graph, outputs: list[str]) -> gs.Graph:
     weights those outputs need (a calibration run does not write out a 1 GB vocabulary head to
     prune it afterwards). Element types of the outputs are left to the caller."""
     part = graph.copy()
-    attrs = getattr(graph, "_edgeq_model_attrs", None)
+    attrs = _kept_model_attrs(graph)
     if attrs is not None:
         part._edgeq_model_attrs = attrs  # noqa: SLF001 (kept with the graph on purpose)
     tensors = part.tensors()
@@ -224,14 +231,14 @@ def _restore_model_attrs(model: onnx.ModelProto, graph: gs.Graph, attrs: dict) -
 
 def graph_metadata(graph: gs.Graph) -> dict[str, str]:
     """The model metadata carried with an imported graph (what ``to_model`` writes back)."""
-    attrs = getattr(graph, "_edgeq_model_attrs", None)
+    attrs = _kept_model_attrs(graph)
     return dict(attrs["metadata"]) if attrs else {}
 
 
 def set_graph_metadata(graph: gs.Graph, key: str, value: str) -> None:
     """Record a fact about the graph in its model metadata (e.g. that a rotation was applied),
     so that passes stay idempotent across save/load."""
-    attrs = getattr(graph, "_edgeq_model_attrs", None)
+    attrs = _kept_model_attrs(graph)
     if attrs is None:
         attrs = graph._edgeq_model_attrs = {"metadata": [], "opsets": {}, "ir_version": 8, "producer_name": "edgeq",
                                             "producer_version": "", "doc_string": "", "model_version": 0}
@@ -272,7 +279,7 @@ class Boundary:
 
 def drop_domain_import(graph: gs.Graph, domain: str) -> None:
     """Forget the opset import of ``domain`` (a lowering left no node of it)."""
-    attrs = getattr(graph, "_edgeq_model_attrs", None)
+    attrs = _kept_model_attrs(graph)
     if attrs is not None:
         attrs["opsets"].pop(domain, None)
     domains = getattr(graph, "import_domains", None)

@@ -159,7 +159,8 @@ def prepare(settings: TrainSettings, hf: Path, log=print) -> dict:
     chat = ChatFormat(hf / "tokenizer.json", settings.visual_tokens)
     lm = _load_lm(hf, "sdpa")
     pad_id = int(lm.config.pad_token_id if lm.config.pad_token_id is not None else lm.config.eos_token_id)
-    kept = [q for q in train_q if q.image in set(train_images)]
+    chosen = set(train_images)
+    kept = [q for q in train_q if q.image in chosen]
     if not (cache / "trained.pt").is_file():
         log(f"trained VLM: training into {cache} (resumes from its checkpoint if interrupted)")
     summary = train_stages(settings, lm, chat, pad_id, kept, train_images, feats_train, cache) \

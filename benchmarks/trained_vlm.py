@@ -190,7 +190,11 @@ def kv_part(model_dir: Path, samples: int) -> dict:
                 "per_type": {t: round(float(np.mean([c for c, q in zip(correct, types) if q == t])), 4)
                              for t in QUESTION_TYPES if t in types}}
 
-    table = {"float cache": score(float_session)}
+    from edgeq.models.trained_vlm import vqa_accuracy
+
+    no_cache = vqa_accuracy(_session(model_dir / "model.onnx"), inputs, meta)
+    table = {"no-cache graph (one pass)": {k: no_cache[k] for k in ("accuracy", "per_type")},
+             "float cache": score(float_session)}
     print(f"kv float cache: {table['float cache']} ({time.perf_counter() - start:.0f} s)", flush=True)
     cfg = json.loads((past_dir / "config.json").read_text())
     kvh, d, layers = cfg["num_key_value_heads"], cfg["hidden_size"] // cfg["num_attention_heads"], cfg["num_hidden_layers"]

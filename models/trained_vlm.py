@@ -163,7 +163,8 @@ def prepare(settings: TrainSettings, hf: Path, log=print) -> dict:
     kept = [q for q in train_q if q.image in chosen]
     if not (cache / "trained.pt").is_file():
         log(f"trained VLM: training into {cache} (resumes from its checkpoint if interrupted)")
-    summary = train_stages(settings, lm, chat, pad_id, kept, train_images, feats_train, cache) \
+    stage1_dir = cache.parent / f"stage1-{settings.stage1_key()}"
+    summary = train_stages(settings, lm, chat, pad_id, kept, train_images, feats_train, cache, stage1_dir) \
         if not (cache / "trained.pt").is_file() else torch.load(cache / "trained.pt", weights_only=False)["summary"]
     trained = torch.load(cache / "trained.pt", map_location="cpu", weights_only=False)
     merged = merged_language_model(lm, settings, trained["lora"])

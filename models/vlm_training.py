@@ -51,7 +51,7 @@ class TrainSettings:
     stage1_images: int | None = 2000  # None: all 4,000 train images
     stage1_batch: int = 16
     stage1_lr: float = 1e-3
-    stage2_images: int | None = None
+    stage2_images: int | None = 2000
     stage2_questions_per_image: int | None = 3  # None: all (~9.6) of an image's questions
     stage2_batch: int = 8
     stage2_lr: float = 2e-4
@@ -64,11 +64,19 @@ class TrainSettings:
     def visual_tokens(self) -> int:
         return (self.image_size // 16) ** 2
 
-    def key(self, extra: dict | None = None) -> str:
-        """Cache key: the settings (checkpointing aside), the format version and ``extra``."""
-        fields = {k: v for k, v in asdict(self).items() if k != "checkpoint_every"}
-        text = json.dumps({"format": FORMAT_VERSION, **fields, **(extra or {})}, sort_keys=True)
-        return hashlib.sha256(text.encode()).hexdigest()[:16]
+    def key(self) -> str:
+        """Cache key of the whole run: the settings (checkpointing aside) and the format version."""
+        return _hash({k: v for k, v in asdict(self).items() if k != "checkpoint_every"})
+
+    def stage1_key(self) -> str:
+        """Cache key of stage 1 alone (what it depends on), so runs that differ only after stage 1
+        share it."""
+        return _hash({k: v for k, v in asdict(self).items() if k in ("seed", "image_size") or k.startswith("stage1_")})
+
+
+def _hash(fields: dict) -> str:
+    text = json.dumps({"format": FORMAT_VERSION, **fields}, sort_keys=True)
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
 DEFAULT = TrainSettings()
@@ -302,9 +310,9 @@ def merged_language_model(lm, settings: TrainSettings, lora_state: dict):
 
 
 def train(settings: TrainSettings, lm, chat: ChatFormat, pad_id: int, train_questions: Sequence[Question],
-          train_images: Sequence[int], features: np.ndarray, workdir: Path) -> dict:
-    """Stage 1 then stage 2 into ``workdir`` (``stage1.pt``, ``trained.pt``, ``checkpoint.pt``
-    while running). Returns the training summary; ``trained.pt`` holds ``projector`` and ``lora``
+          train_images: Sequence[int], features: np.ndarray, workdir: Path, stage1_dir: Path | None = None) -> dict:
+    """Stage 1 into ``stage1_dir`` (default ``workdir``: ``stage1.pt``, ``checkpoint.pt`` while
+    running), then stage 2 into ``workdir`` (``trained.pt``, ``checkpoint.pt`` while running). Returns the training summary; ``trained.pt`` holds ``projector`` and ``lora``
     state dicts. ``features`` rows follow ``train_images``."""
     import torch
     from peft import get_peft_model, get_peft_model_state_dict, set_peft_model_state_dict
@@ -323,7 +331,9 @@ def train(settings: TrainSettings, lm, chat: ChatFormat, pad_id: int, train_ques
     for q in train_questions:
         by_image.setdefault(q.image, []).append((q.text, q.answer))
 
-    stage1_file = workdir / "stage1.pt"
+    stage1_dir = stage1_dir or workdir
+    stage1_dir.mkdir(parents=True, exist_ok=True)
+    stage1_file = stage1_dir / "stage1.pt"
     n1 = len(train_images) if settings.stage1_images is None else min(settings.stage1_images, len(train_images))
     if stage1_file.is_file():
         saved = torch.load(stage1_file, map_location="cpu", weights_only=False)
@@ -336,9 +346,11 @@ def train(settings: TrainSettings, lm, chat: ChatFormat, pad_id: int, train_ques
         batches = conversation_batches(list(train_images[:n1]), turns, chat, settings.stage1_batch, rng)
         summary["stage1"] = run_stage(
             "stage 1 (projector, captions)", model, list(projector.parameters()), batches, features, settings.stage1_lr,
-            pad_id, checkpoint, projector.state_dict, projector.load_state_dict, settings.checkpoint_every)
+            pad_id, stage1_dir / "checkpoint.pt", projector.state_dict, projector.load_state_dict,
+            settings.checkpoint_every)
         summary["stage1"]["images"] = n1
         _save_atomic({"projector": projector.state_dict(), "summary": summary["stage1"]}, stage1_file)
+        (stage1_dir / "checkpoint.pt").unlink(missing_ok=True)
 
     n2 = len(train_images) if settings.stage2_images is None else min(settings.stage2_images, len(train_images))
     torch.manual_seed(settings.seed + 1)  # LoRA's A init

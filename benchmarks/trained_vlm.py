@@ -213,6 +213,57 @@ def kv_part(model_dir: Path, samples: int) -> dict:
             "path": "float prefill of the user prefix and the image; question and answer through the decode graph"}
 
 
+def markdown(results: dict) -> str:
+    """The README tables of a results file."""
+    out = []
+    m = results["metrics"]
+    out.append("| question type | questions | accuracy | answer prior |\n| --- | --- | --- | --- |")
+    for t, row in m["per_type"].items():
+        out.append(f"| {t} | {row['questions']} | {row['accuracy']:.3f} | {row['prior_accuracy']:.3f} |")
+    out.append(f"| all | {m['questions']} | **{m['accuracy']:.3f}** | {m['prior_accuracy']:.3f} |\n")
+    if "ranges" in results:
+        out.append("| site role | graph | visual absmax | text absmax | visual/text | text absmax without the first token | "
+                   "visual/text |\n| --- | --- | --- | --- | --- | --- | --- |")
+        graphs = results["ranges"]["graphs"]
+        for role in graphs["fp32"]:
+            for label in ("fp32", "rotated"):
+                r = graphs[label].get(role)
+                if r:
+                    out.append(f"| {role} | {label} | {r['visual_absmax_median']:.2f} | {r['text_absmax_median']:.2f} | "
+                               f"{r['visual_over_text_median']:.2f} | {r['text_after_first_median']:.2f} | "
+                               f"{r['visual_over_text_after_first_median']:.2f} |")
+        out.append("")
+    if "accuracy" in results:
+        acc = results["accuracy"]
+        bits = [b for b in BITS if f"{b}/single" in acc]
+        head = " | ".join(f"{b.upper()} accuracy | KL | top-1" for b in bits)
+        out.append(f"| activations | {head} |\n| --- |" + " --- | --- | --- |" * len(bits))
+        names = {"single": "single static scale per site", "msq": "MSQ without AIFS (interleaved)",
+                 "msq+aifs": "MSQ + AIFS (mquant-*-vlm recipe)", "token": "per-token dynamic (reference)"}
+        out.append(f"| fp32 | " + " | ".join(f"{acc['fp32']['accuracy']:.3f} | - | -" for _ in bits) + " |")
+        for v in VARIANTS:
+            cells = []
+            for b in bits:
+                r = acc[f"{b}/{v}"]
+                exact = f" (exact QDQ {r['accuracy_exact_qdq']:.3f})" if "accuracy_exact_qdq" in r else ""
+                cells.append(f"{r['accuracy']:.3f}{exact} | {r['mean_kl']:.4f} | {r['top1_agreement']:.3f}")
+            out.append(f"| {names[v]} | " + " | ".join(cells) + " |")
+        out.append("")
+    if "latency" in results:
+        lat = results["latency"]
+        out.append("latency (ms, " + f"{lat['tokens']} tokens): " + ", ".join(f"{k} {v}" for k, v in lat["latency_ms"].items())
+                   + "; " + ", ".join(f"{k} {v}" for k, v in lat["ratios"].items()) + "\n")
+    if "kv" in results:
+        kv = results["kv"]
+        out.append("| visual KV cache | accuracy | yes/no | shape | color | bytes per visual token |\n| --- | --- | --- | --- | --- | --- |")
+        for name, r in kv["table"].items():
+            pt = r["per_type"]
+            size = r.get("bytes_per_visual_token", kv["fp16_bytes_per_visual_token"] if name == "float cache" else "-")
+            out.append(f"| {name} | {r['accuracy']:.3f} | {pt.get('yes/no', 0):.3f} | {pt.get('shape', 0):.3f} | "
+                       f"{pt.get('color', 0):.3f} | {size} |")
+    return "\n".join(out)
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model-dir", type=Path, required=True, help="edgeq export trained-vlm output folder")
@@ -225,7 +276,11 @@ def main(argv=None) -> int:
     p.add_argument("--parts", default=",".join(PARTS), help=f"comma-separated subset of {','.join(PARTS)}")
     p.add_argument("--bits", default=",".join(BITS), help=f"comma-separated subset of {','.join(BITS)}")
     p.add_argument("--skip-compile", action="store_true", help="reuse the graphs already in --work")
+    p.add_argument("--table", action="store_true", help="print the README tables of --out and exit")
     a = p.parse_args(argv)
+    if a.table:
+        print(markdown(json.loads(a.out.read_text())))
+        return 0
 
     from edgeq.models.trained_vlm import load_eval
 

@@ -99,12 +99,12 @@ def accuracy_part(model_dir: Path, work: Path, inputs: dict, meta: dict, skip_co
     return rows, graphs
 
 
-def latency_part(model_dir: Path, work: Path, inputs: dict, repeats: int, skip_compile: bool) -> dict:
+def latency_part(model_dir: Path, work: Path, inputs: dict, repeats: int) -> dict:
     fp32 = model_dir / "model.onnx"
     models = {"fp32": fp32}
     for variant in LATENCY_VARIANTS:
         out = work / f"w8a8-{variant.replace('+', '-')}"
-        if not skip_compile and not (out / "model.onnx").is_file():
+        if not (out / "model.onnx").is_file():  # msq-select is compiled here only
             compile_variant(fp32, model_dir / "calib.npz", out, recipe_text("w8a8", variant))
         models[variant] = out / "model.onnx"
     feeds = {k: v[:1] for k, v in inputs.items()}
@@ -303,7 +303,7 @@ def main(argv=None) -> int:
             report = json.loads((graphs["w8a8/msq+aifs"] / "report.json").read_text())
             results["msq_calibration_ranges_w8a8"] = range_table(report)
     if "latency" in parts:
-        results["latency"] = latency_part(a.model_dir, a.work, inputs, a.repeats, a.skip_compile)
+        results["latency"] = latency_part(a.model_dir, a.work, inputs, a.repeats)
     if "kv" in parts:
         results["kv"] = kv_part(a.model_dir, a.kv_samples)
     save_results(a.out, results)

@@ -35,7 +35,7 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-from edgeq.models.easy_vqa import IGNORE, VISUAL, ChatFormat, Question
+from edgeq.models.easy_vqa import IGNORE, ChatFormat, Question
 
 FORMAT_VERSION = 1  # bump when a change here changes what a cached training run would produce
 FEATURE_CHANNELS = 512

@@ -102,6 +102,7 @@ def _features(cache: Path, split: str, ids: Sequence[int], settings: TrainSettin
     (``tag`` defaults to the split; rows follow ``ids``)."""
     from edgeq.models.craft_vision import load_vgg_backbone
     from edgeq.models.vlm_training import image_features
+    from edgeq.progress import progress
 
     path = cache / f"features-{tag or split}.npz"
     if path.is_file():
@@ -112,8 +113,6 @@ def _features(cache: Path, split: str, ids: Sequence[int], settings: TrainSettin
             return feats[[where[int(i)] for i in ids]]
     backbone = load_vgg_backbone()
     chunks = []
-    from edgeq.progress import progress
-
     step = 256
     for start in progress(range(0, len(ids), step), desc=f"vision encoder ({split})"):
         chunks.append(image_features(load_images(split, ids[start:start + step]), settings.image_size, backbone))

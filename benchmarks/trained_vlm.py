@@ -225,7 +225,7 @@ def markdown(results: dict) -> str:
         out.append("| site role | graph | visual absmax | text absmax | visual/text | text absmax without the first token | "
                    "visual/text |\n| --- | --- | --- | --- | --- | --- | --- |")
         graphs = results["ranges"]["graphs"]
-        for role in graphs["fp32"]:
+        for role in sorted(set(graphs["fp32"]) | set(graphs["rotated"])):
             for label in ("fp32", "rotated"):
                 r = graphs[label].get(role)
                 if r:

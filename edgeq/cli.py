@@ -12,8 +12,11 @@ themselves through ``register(subparsers)`` (``edgeq.evaluate.cli``, ``edgeq.mod
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import signal
 import sys
+import threading
 from pathlib import Path
 
 from edgeq.argtypes import positive_float, positive_int, seq_len_int
@@ -29,6 +32,11 @@ _EPILOG = """examples:
 """
 
 
+FORCE_HELP = ("replace the output folder even when it is not empty and was not written by edgeq (everything in it "
+              "is deleted); without it such a folder is refused (exit 2). Never allowed: a file, the current "
+              "folder, an input's folder or a folder above them")
+
+
 class _Parser(argparse.ArgumentParser):
     """argparse exits 2 on bad usage already; keep its message to one line."""
 
@@ -41,7 +49,11 @@ def _add_compile(sub) -> None:
                        description="Compile MODEL.onnx with a recipe: calibrate on --calib, run the recipe's passes, "
                                    "write OUTDIR/model.onnx (+ external data), report.json and encodings.json.")
     p.add_argument("model", type=Path, help="input ONNX model (external data next to it is read)")
-    p.add_argument("-o", "--out", type=Path, required=True, help="output folder (replaced atomically on success)")
+    p.add_argument("-o", "--out", type=Path, required=True,
+                   help="output folder, written under a temporary name and renamed over OUT only on success; an "
+                        "existing OUT must be empty or an earlier edgeq output (see --force), and may not be the "
+                        "current folder, the input's folder or one above them")
+    p.add_argument("--force", action="store_true", help=FORCE_HELP)
     p.add_argument("--recipe", default=None, help="built-in recipe name (see `edgeq recipes`) or a .toml file; default: mquant-w8a8")
     p.add_argument("--calib", type=Path, help="calibration data: a text file (cut into token windows) or an .npz of input dicts")
     p.add_argument("--tokenizer", type=Path, help="folder with tokenizer.json (default: the model's folder if it has one)")
@@ -84,6 +96,7 @@ def _run_compile(args) -> int:
         dump_each=args.dump_each, verify=args.verify, check_numerics=args.check_numerics,
         use_cache=not args.no_cache, target=args.target, allow_partial=args.allow_partial,
         blockwise=args.blockwise, static=parse_static(args.static) if args.static is not None else None,
+        force=args.force,
     )
     try:
         report = compile_model(req)
@@ -185,6 +198,42 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+class Terminated(KeyboardInterrupt):
+    """SIGTERM or SIGHUP, raised where the program is, like Ctrl-C's KeyboardInterrupt: every
+    ``finally`` and context manager on the way up removes what it was writing (temporary folders)."""
+
+    def __init__(self, signum: int):
+        super().__init__(signum)
+        self.signum = signum
+
+
+_TERMINATING = tuple(getattr(signal, name) for name in ("SIGTERM", "SIGHUP") if hasattr(signal, name))
+
+
+def _terminate(signum, frame):
+    for sig in _TERMINATING:  # a second signal must not interrupt the cleanup the first one starts
+        signal.signal(sig, signal.SIG_IGN)
+    raise Terminated(signum)
+
+
+@contextlib.contextmanager
+def _signals_unwind():
+    """While a command runs: SIGTERM and SIGHUP raise ``Terminated`` (installed here, not at import,
+    and put back after, so that importing edgeq changes nothing for its host)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = {}
+    try:
+        for sig in _TERMINATING:
+            if signal.getsignal(sig) is not signal.SIG_IGN:  # (nohup: a hangup stays ignored)
+                previous[sig] = signal.signal(sig, _terminate)
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -192,7 +241,11 @@ def main(argv: list[str] | None = None) -> int:
         parser.print_help()
         return 2
     try:
-        return int(args.func(args) or 0)
+        with _signals_unwind():
+            return int(args.func(args) or 0)
+    except Terminated as exc:
+        print(f"edgeq: terminated by {signal.Signals(exc.signum).name}", file=sys.stderr)
+        return 128 + exc.signum
     except UserInputError as exc:
         print(f"edgeq: error: {exc}", file=sys.stderr)
         return exc.exit_code

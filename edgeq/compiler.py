@@ -23,7 +23,6 @@ import dataclasses
 import errno
 import os
 import shutil
-import tempfile
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -68,6 +67,7 @@ class CompileRequest:
     allow_partial: bool = False  # write the model even when an essential pass did not apply
     blockwise: str = "auto"  # "auto" | "on" | "off": compile one decoder block at a time
     static: tuple[int, int] | None = None  # (prefill, context): write the static prefill/decode pair
+    force: bool = False  # replace a non-empty out_dir that edgeq did not write (ir.check_output_dir)
 
 
 @dataclass
@@ -270,7 +270,8 @@ def _compile_static(plan: CompilePlan) -> dict:
     report["static"] = static_report(shape, pair, scales)
     return write_static_outputs(plan.req.out_dir, pair, report, encodings=encodings, recipe=plan.recipe,
                                 input_model=plan.input_model, target=plan.profile.name if plan.profile else None,
-                                u8s8=u8s8, started=plan.started, extra_files=tokenizer_files(plan.req.model))
+                                u8s8=u8s8, started=plan.started, extra_files=tokenizer_files(plan.req.model),
+                                force=plan.req.force, inputs=_inputs(plan.req))
 
 
 def _run_blocks(plan: CompilePlan, ctx: PassContext, options: PipelineOptions, external_data: Path):
@@ -308,10 +309,11 @@ def _build_passes(plan: CompilePlan) -> list[Pass]:
 
 
 def _staging_dir(out_dir: Path) -> Path:
-    """A temporary folder beside the output for the weights a block-wise compile streams out."""
+    """A temporary folder beside the output for the weights a block-wise compile streams out
+    (``.OUT.weights-PID-*``: a later run removes it if this process dies without cleaning up)."""
     out = out_dir.resolve()
     out.parent.mkdir(parents=True, exist_ok=True)
-    return Path(tempfile.mkdtemp(prefix=f".{out.name}.weights-", dir=out.parent))
+    return ir.staging_dir(out, "weights")
 
 
 def build_report(plan: CompilePlan, stages: dict, target: dict | None) -> tuple[dict, dict]:
@@ -349,15 +351,35 @@ def write_plan(plan: CompilePlan, model: onnx.ModelProto, stages: dict, encoding
     report, u8s8 = build_report(plan, stages, target)
     return write_outputs(plan.req.out_dir, model, report, encodings=encodings, recipe=plan.recipe,
                          input_model=plan.input_model, target=plan.profile.name if plan.profile else None,
-                         u8s8=u8s8, probe_feeds=plan.sample, started=plan.started, external_data=external_data)
+                         u8s8=u8s8, probe_feeds=plan.sample, started=plan.started, external_data=external_data,
+                         force=plan.req.force, inputs=_inputs(plan.req))
+
+
+def _inputs(req: CompileRequest) -> tuple[Path, ...]:
+    """The files the compile reads, whose folders the output must not replace (nor any folder above)."""
+    named = [req.model, req.calib, req.tokenizer, req.recipe, req.target]
+    return tuple(Path(p) for p in named if p is not None and (p is req.model or Path(p).exists()))
 
 
 def _check_out_dir(req: CompileRequest) -> None:
-    """Refuse an output folder that cannot be written before any work is done."""
-    out = req.out_dir.resolve()
-    if out.exists() and not out.is_dir():
-        raise UserInputError(f"output path exists and is not a folder: {req.out_dir}")
-    ir.check_writable_parent(out)
-    model_dir = req.model.resolve().parent
-    if out == model_dir or out in model_dir.parents:
-        raise UserInputError(f"output folder {req.out_dir} contains the input model; choose another -o")
+    """Refuse, before any work is done, an output folder that must not or cannot be replaced
+    (``ir.check_output_dir``) and a ``--dump-each`` folder that cannot hold the dumps."""
+    ir.check_output_dir(req.out_dir, force=req.force, inputs=_inputs(req))
+    if req.dump_each is not None:
+        _check_dump_each(req.dump_each, req.out_dir.resolve())
+
+
+def _check_dump_each(dump_each: Path, out: Path) -> None:
+    """``--dump-each DIR``: a folder (or a path where one can be made) that is writable and outside
+    the output folder, which the end of the compile replaces (the dumps would be thrown away)."""
+    dump = dump_each.resolve()
+    if dump == out or out in dump.parents:
+        raise UserInputError(f"--dump-each {dump_each} is inside the output folder {out}, which is replaced at "
+                             f"the end of the compile; choose a folder outside it")
+    if dump.exists() or dump.is_symlink():
+        if not dump.is_dir():
+            raise UserInputError(f"--dump-each {dump_each} exists and is not a folder")
+        if not os.access(dump, os.W_OK | os.X_OK):
+            raise UserInputError(f"--dump-each {dump_each} is not writable")
+        return
+    ir.check_writable_parent(dump, what="the --dump-each folder")

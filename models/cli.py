@@ -7,12 +7,20 @@ when the command runs, so ``edgeq --help`` does not load torch) and prints the o
 from __future__ import annotations
 
 import argparse
+import functools
 
 from edgeq.argtypes import positive_int
 
 _OUTPUT_HELP = (
-    "output folder; gets model.onnx, config.json and tokenizer files. Written under a temporary "
-    "name and renamed at the end, replacing an existing folder only when the export succeeded"
+    "output folder; gets model.onnx, config.json, tokenizer files and edgeq-export.json (which marks it "
+    "as edgeq's). Written under a temporary name and renamed at the end, replacing an existing folder "
+    "only when the export succeeded and the folder is empty or an earlier edgeq output (see --force); "
+    "never the current folder, an input's folder or one above them"
+)
+_FORCE_HELP = (
+    "replace the output folder even when it is not empty and was not written by edgeq (everything in "
+    "it is deleted); without it such a folder is refused (exit 2). Never allowed: a file, the current "
+    "folder, an input's folder or a folder above them"
 )
 
 
@@ -25,11 +33,26 @@ _WITH_PAST_HELP = (
 
 def _source(sources: argparse._SubParsersAction, name: str, func, help: str,
             description: str) -> argparse.ArgumentParser:
-    """One export source: its subparser with the ``-o/--output`` folder every source writes, run by ``func``."""
+    """One export source: its subparser with the ``-o/--output`` folder every source writes and
+    ``--force``, run by ``func`` once the folder passed ``edgeq.ir.check_output_dir``."""
     parser = sources.add_parser(name, help=help, description=description)
     parser.add_argument("-o", "--output", required=True, metavar="DIR", help=_OUTPUT_HELP)
-    parser.set_defaults(func=func)
+    parser.add_argument("--force", action="store_true", help=_FORCE_HELP)
+    parser.set_defaults(func=functools.partial(_checked, func))
     return parser
+
+
+def _inputs(args: argparse.Namespace) -> tuple[str, ...]:
+    """The folders an export reads, which its output must not replace (nor any folder above them)."""
+    return tuple(p for p in (getattr(args, "hf_dir", None), getattr(args, "text_dir", None)) if p)
+
+
+def _checked(func, args: argparse.Namespace) -> int:
+    """The output folder is checked before any work (building a model takes seconds to minutes)."""
+    from edgeq.ir import check_output_dir
+
+    check_output_dir(args.output, force=args.force, inputs=_inputs(args))
+    return func(args)
 
 
 def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
@@ -165,11 +188,11 @@ def _run_smollm2(args: argparse.Namespace) -> int:
     if args.with_past:
         from edgeq.models.kv_export import export_smollm2_with_past
 
-        print(export_smollm2_with_past(args.output))
+        print(export_smollm2_with_past(args.output, force=args.force))
         return 0
     from edgeq.models.smollm2 import export_smollm2
 
-    print(export_smollm2(args.output))
+    print(export_smollm2(args.output, force=args.force))
     return 0
 
 
@@ -181,6 +204,7 @@ def _run_composed_vlm(args: argparse.Namespace) -> int:
     print(export_composed_vlm(
         args.output, calib_samples=args.calib_samples, eval_samples=args.eval_samples, seed=args.seed,
         prefix_tokens=args.prefix_tokens, suffix_tokens=args.suffix_tokens, text_dir=args.text_dir,
+        force=args.force,
     ))
     return 0
 
@@ -191,14 +215,15 @@ def _run_trained_vlm(args: argparse.Namespace) -> int:
     from edgeq.models.trained_vlm import export_trained_vlm
 
     print(export_trained_vlm(args.output, quick=args.quick, seed=args.seed, calib_samples=args.calib_samples,
-                             eval_samples=args.eval_samples, log=lambda m: print(m, file=sys.stderr, flush=True)))
+                             eval_samples=args.eval_samples, log=lambda m: print(m, file=sys.stderr, flush=True),
+                             force=args.force))
     return 0
 
 
 def _run_hf(args: argparse.Namespace) -> int:
     from edgeq.models.hf_export import export_hf
 
-    print(export_hf(args.hf_dir, args.output, task=args.task))
+    print(export_hf(args.hf_dir, args.output, task=args.task, force=args.force))
     return 0
 
 
@@ -209,18 +234,18 @@ def _run_tiny(args: argparse.Namespace) -> int:
     if args.with_past:
         from edgeq.models.kv_export import export_tiny_with_past
 
-        print(export_tiny_with_past(args.arch, args.output, seed=args.seed))
+        print(export_tiny_with_past(args.arch, args.output, seed=args.seed, force=args.force))
         return 0
     if args.arch == TINY_QWEN2VL:
-        print(export_tiny_qwen2vl(args.output, seed=args.seed))
+        print(export_tiny_qwen2vl(args.output, seed=args.seed, force=args.force))
         return 0
 
-    print(export_tiny(args.arch, args.output, seed=args.seed))
+    print(export_tiny(args.arch, args.output, seed=args.seed, force=args.force))
     return 0
 
 
 def _run_random(args: argparse.Namespace) -> int:
     from edgeq.models.random_presets import export_random
 
-    print(export_random(args.preset, args.output, layers=args.layers, seed=args.seed))
+    print(export_random(args.preset, args.output, layers=args.layers, seed=args.seed, force=args.force))
     return 0

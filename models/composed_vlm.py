@@ -362,6 +362,7 @@ def export_composed_vlm(
     suffix_tokens: int = DEFAULT_SUFFIX_TOKENS,
     text_dir: str | os.PathLike | None = None,
     sanity_samples: int = 2,
+    force: bool = False,
 ) -> Path:
     """Build the composed VLM into ``out_dir`` (see the module docstring); atomic."""
     from edgeq.models.hf_export import copy_sidecar_files, require_export_deps
@@ -391,7 +392,8 @@ def export_composed_vlm(
 
     images = {"calib": CALIB_IMAGES, "eval": EVAL_IMAGES}
     counts = {"calib": calib_samples, "eval": eval_samples}
-    with atomic_output_dir(out_dir) as tmp, tempfile.TemporaryDirectory(prefix="edgeq-composed-") as hf:
+    with atomic_output_dir(out_dir, force=force, inputs=(text_dir,), marker={"export": "composed-vlm"}) as tmp, \
+            tempfile.TemporaryDirectory(prefix="edgeq-composed-") as hf:
         hf = Path(hf)
         save_hf_folder(hf)
         model = AutoModelForCausalLM.from_pretrained(hf, dtype=torch.float32, attn_implementation="eager").eval()

@@ -67,10 +67,11 @@ def require_export_deps(*extra: str) -> None:
         )
 
 
-def export_hf(hf_dir: str | os.PathLike, out_dir: str | os.PathLike, task: str = "auto") -> Path:
+def export_hf(hf_dir: str | os.PathLike, out_dir: str | os.PathLike, task: str = "auto", force: bool = False) -> Path:
     """Export the Hugging Face model in ``hf_dir`` to ``out_dir`` and return ``out_dir``.
 
-    ``out_dir`` is written atomically: it only appears (or is replaced) once the export succeeded.
+    ``out_dir`` is written atomically: it only appears (or is replaced) once the export succeeded;
+    ``force``: it may replace a non-empty folder edgeq did not write (``edgeq.ir.check_output_dir``).
     """
     hf_dir = Path(hf_dir)
     if not hf_dir.is_dir():
@@ -80,7 +81,7 @@ def export_hf(hf_dir: str | os.PathLike, out_dir: str | os.PathLike, task: str =
     require_export_deps()
     if task == "auto":
         task = infer_task(hf_dir)
-    with atomic_output_dir(out_dir) as tmp:
+    with atomic_output_dir(out_dir, force=force, inputs=(hf_dir,), marker={"export": "hf", "task": task}) as tmp:
         export_to(hf_dir, tmp, task)
     return Path(out_dir).resolve()
 

@@ -70,14 +70,15 @@ def present_for(past_name: str) -> str:
 # ---------------------------------------------------------------------------------------------
 
 
-def export_smollm2_with_past(out_dir: str | os.PathLike) -> Path:
+def export_smollm2_with_past(out_dir: str | os.PathLike, force: bool = False) -> Path:
     """``edgeq export smollm2 --with-past``: SmolLM2-135M-Instruct with a KV cache; atomic."""
     from edgeq.models.hf_export import export_to, require_export_deps
     from edgeq.models.smollm2 import gguf_path, save_hf_folder
 
     gguf_path()  # fail on a missing package before the slower dependency checks
     require_export_deps("gguf")
-    with atomic_output_dir(out_dir) as tmp, tempfile.TemporaryDirectory(prefix="edgeq-smollm2-") as hf:
+    with atomic_output_dir(out_dir, force=force, marker={"export": "smollm2", "with_past": True}) as tmp, \
+            tempfile.TemporaryDirectory(prefix="edgeq-smollm2-") as hf:
         save_hf_folder(Path(hf))
         export_to(Path(hf), tmp, task=WITH_PAST_TASK)
     return Path(out_dir).resolve()
@@ -91,14 +92,16 @@ def check_tiny_with_past(arch: str) -> None:
         )
 
 
-def export_tiny_with_past(arch: str, out_dir: str | os.PathLike, seed: int = 0) -> Path:
+def export_tiny_with_past(arch: str, out_dir: str | os.PathLike, seed: int = 0, force: bool = False) -> Path:
     """``edgeq export tiny ARCH --with-past``: the same seeded weights as ``export_tiny``, cached graph."""
     check_tiny_with_past(arch)
     from edgeq.models.hf_export import export_to
     from edgeq.models.tiny import build_tiny
 
     model = build_tiny(arch, seed)
-    with atomic_output_dir(out_dir) as tmp, tempfile.TemporaryDirectory(prefix="edgeq-tiny-") as hf:
+    marker = {"export": "tiny", "arch": arch, "seed": seed, "with_past": True}
+    with atomic_output_dir(out_dir, force=force, marker=marker) as tmp, \
+            tempfile.TemporaryDirectory(prefix="edgeq-tiny-") as hf:
         model.save_pretrained(hf)
         export_to(Path(hf), tmp, WITH_PAST_TASK)
     return Path(out_dir).resolve()
@@ -210,7 +213,7 @@ def export_embeds_lm_with_past(decoder, lm_head, out_dir: Path) -> Path:
     return ir.save_model(model, out_dir / MODEL_FILE)
 
 
-def export_composed_vlm_with_past(out_dir: str | os.PathLike, **kwargs) -> Path:
+def export_composed_vlm_with_past(out_dir: str | os.PathLike, force: bool = False, **kwargs) -> Path:
     """``edgeq export composed-vlm --with-past``: the composed VLM folder with the cached graph.
 
     Builds the ordinary folder (``export_composed_vlm`` with ``kwargs``: samples, npz files,
@@ -223,7 +226,9 @@ def export_composed_vlm_with_past(out_dir: str | os.PathLike, **kwargs) -> Path:
     from edgeq.models.composed_vlm import export_composed_vlm, load_language_model, load_split
     from edgeq.models.embeds_export import MODEL_INPUTS, ort_session
 
-    with atomic_output_dir(out_dir) as tmp:
+    text_dir = kwargs.get("text_dir")
+    with atomic_output_dir(out_dir, force=force, inputs=(text_dir,) if text_dir else (),
+                           marker={"export": "composed-vlm", "with_past": True}) as tmp:
         base = export_composed_vlm(tmp / "no-cache", **kwargs)
         for item in base.iterdir():
             item.rename(tmp / item.name)

@@ -129,11 +129,13 @@ def preset_config(preset: str, layers: int | None = None):
     return transformers.AutoConfig.for_model(kwargs.pop("model_type"), **kwargs)
 
 
-def export_random(preset: str, out_dir: str | os.PathLike, layers: int | None = None, seed: int = 0) -> Path:
+def export_random(preset: str, out_dir: str | os.PathLike, layers: int | None = None, seed: int = 0,
+                  force: bool = False) -> Path:
     """Write the random ``preset`` model (``layers`` layers, weights from ``seed``) to ``out_dir``,
     atomically: ``model.onnx``, ``model.onnx.data``, ``config.json``."""
     config = preset_config(preset, layers)
-    with atomic_output_dir(out_dir) as tmp:
+    marker = {"export": "random", "preset": preset, "layers": config.num_hidden_layers, "seed": seed}
+    with atomic_output_dir(out_dir, force=force, marker=marker) as tmp:
         write_random_decoder(config, tmp, seed=seed)
     return Path(out_dir).resolve()
 

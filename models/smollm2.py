@@ -58,11 +58,12 @@ def _match_gguf_special_tokens(tokenizer, config, gguf: Path) -> None:
         tokenizer.pad_token = tokenizer.convert_ids_to_tokens(int(config.pad_token_id))
 
 
-def export_smollm2(out_dir: str | os.PathLike) -> Path:
+def export_smollm2(out_dir: str | os.PathLike, force: bool = False) -> Path:
     """Export SmolLM2-135M-Instruct to ``out_dir`` (model.onnx, config, tokenizer); atomic."""
     gguf_path()  # fail on a missing package before the slower dependency checks
     require_export_deps("gguf")
-    with atomic_output_dir(out_dir) as tmp, tempfile.TemporaryDirectory(prefix="edgeq-smollm2-") as hf:
+    with atomic_output_dir(out_dir, force=force, marker={"export": "smollm2"}) as tmp, \
+            tempfile.TemporaryDirectory(prefix="edgeq-smollm2-") as hf:
         save_hf_folder(Path(hf))
         export_to(Path(hf), tmp, task="text-generation")
     return Path(out_dir).resolve()

@@ -122,11 +122,12 @@ def build_tiny(arch: str, seed: int = 0, tie_word_embeddings: bool | None = None
     return model
 
 
-def export_tiny(arch: str, out_dir: str | os.PathLike, seed: int = 0) -> Path:
+def export_tiny(arch: str, out_dir: str | os.PathLike, seed: int = 0, force: bool = False) -> Path:
     """Build the tiny ``arch`` model with ``seed`` and export it to ``out_dir`` (atomically)."""
     model = build_tiny(arch, seed)
     task = _SPECS[arch][2]
-    with atomic_output_dir(out_dir) as tmp, tempfile.TemporaryDirectory(prefix="edgeq-tiny-") as hf:
+    with atomic_output_dir(out_dir, force=force, marker={"export": "tiny", "arch": arch, "seed": seed}) as tmp, \
+            tempfile.TemporaryDirectory(prefix="edgeq-tiny-") as hf:
         model.save_pretrained(hf)
         export_to(Path(hf), tmp, task)
     return Path(out_dir).resolve()

@@ -113,14 +113,14 @@ def mrope_position_ids(prefix: int, grid: tuple[int, int], suffix: int, start: i
     return np.concatenate([np.stack([pre] * 3), visual, np.stack([post] * 3)], axis=1).astype(np.int64)
 
 
-def export_tiny_qwen2vl(out_dir: str | os.PathLike, seed: int = 0) -> Path:
+def export_tiny_qwen2vl(out_dir: str | os.PathLike, seed: int = 0, force: bool = False) -> Path:
     """Build the tiny Qwen2-VL with ``seed`` and export its language part to ``out_dir``
     (``model.onnx`` + ``model.onnx.data``, ``config.json``); atomic."""
     from edgeq.models.embeds_export import export_embeds_lm
 
     model = build_tiny_qwen2vl(seed)
     decoder, head = text_decoder(model)
-    with atomic_output_dir(out_dir) as tmp:
+    with atomic_output_dir(out_dir, force=force, marker={"export": "tiny", "arch": TINY_QWEN2VL, "seed": seed}) as tmp:
         export_embeds_lm(decoder, head, tmp, HIDDEN, position_rows=3)
         model.config.save_pretrained(tmp)
     return Path(out_dir).resolve()

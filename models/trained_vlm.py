@@ -343,7 +343,7 @@ def load_eval(model_dir: str | os.PathLike) -> tuple[dict, dict]:
 
 def export_trained_vlm(out_dir: str | os.PathLike, quick: bool = False, seed: int = 0,
                        calib_samples: int = DEFAULT_CALIB_SAMPLES, eval_samples: int | None = None,
-                       log=print) -> Path:
+                       log=print, force: bool = False) -> Path:
     """Train (or reuse the cached training of) the VLM and write the folder; atomic."""
     from dataclasses import replace
 
@@ -362,7 +362,9 @@ def export_trained_vlm(out_dir: str | os.PathLike, quick: bool = False, seed: in
     from edgeq.models.smollm2 import save_hf_folder
     from edgeq.models.vlm_training import merged_language_model, projector_module
 
-    with atomic_output_dir(out_dir) as tmp, tempfile.TemporaryDirectory(prefix="edgeq-trained-vlm-") as hf:
+    marker = {"export": "trained-vlm", "quick": quick, "seed": seed}
+    with atomic_output_dir(out_dir, force=force, marker=marker) as tmp, \
+            tempfile.TemporaryDirectory(prefix="edgeq-trained-vlm-") as hf:
         hf = Path(hf)
         save_hf_folder(hf)
         prepared = prepare(settings, hf, log=log)

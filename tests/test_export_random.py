@@ -186,7 +186,7 @@ def test_cli_exports_a_preset_with_fewer_layers(tmp_path, capsys):
     code = main(["export", "random", "qwen2.5-0.5b", "--layers", "2", "--seed", "1", "-o", str(out)])
     assert code == 0, capsys.readouterr().err
     assert capsys.readouterr().out.strip() == str(out.resolve())
-    assert sorted(p.name for p in out.iterdir()) == ["config.json", "model.onnx", DATA_FILE]
+    assert sorted(p.name for p in out.iterdir()) == ["config.json", "edgeq-export.json", "model.onnx", DATA_FILE]
     config = json.loads((out / "config.json").read_text())
     assert config["architectures"] == ["Qwen2ForCausalLM"] and config["num_hidden_layers"] == 2
     assert config["vocab_size"] == 151936 and config["hidden_size"] == 896

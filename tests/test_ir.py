@@ -97,7 +97,7 @@ def test_atomic_output_dir_replaces_on_success(tmp_path):
     out = tmp_path / "out"
     out.mkdir()
     (out / "old.txt").write_text("old")
-    with ir.atomic_output_dir(out) as tmp:
+    with ir.atomic_output_dir(out, force=True) as tmp:  # (not edgeq's: replaced only when forced)
         (tmp / "new.txt").write_text("new")
     assert sorted(p.name for p in out.iterdir()) == ["new.txt"]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]

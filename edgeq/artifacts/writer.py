@@ -26,15 +26,17 @@ from edgeq.pipeline import peak_rss_mb
 
 def write_outputs(out_dir: Path, model: onnx.ModelProto, report: dict, *, encodings: dict, recipe, input_model: dict,
                   target: str | None, u8s8: dict, probe_feeds: dict | None, started: float,
-                  external_data: Path | None = None) -> dict:
+                  external_data: Path | None = None, force: bool = False, inputs: tuple = ()) -> dict:
     """Write every output file; returns the completed report.
 
     ``external_data``: the weights are already written (a block-wise compile streams them into
     this file as it goes, and ``model`` references them as ``model.onnx.data``): the file is moved
-    in and only the graph is saved."""
-    with ir.atomic_output_dir(out_dir) as tmp:
+    in and only the graph is saved. ``force``, ``inputs``: what may be replaced (``ir.check_output_dir``)."""
+    with ir.atomic_output_dir(out_dir, force=force, inputs=inputs) as tmp:
         if external_data is not None and any(True for _ in ir.external_data_locations(model)):
-            Path(external_data).replace(tmp / ("model.onnx" + ir.EXTERNAL_DATA_SUFFIX))
+            data = tmp / ("model.onnx" + ir.EXTERNAL_DATA_SUFFIX)
+            Path(external_data).replace(data)
+            ir.honour_umask(data)
             model_path = tmp / "model.onnx"
             onnx.save_model(model, str(model_path))
         else:
@@ -117,7 +119,7 @@ def _json_default(obj):
 
 def write_static_outputs(out_dir: Path, models: dict[str, onnx.ModelProto], report: dict, *, encodings: dict, recipe,
                          input_model: dict, target: str | None, u8s8: dict, started: float,
-                         extra_files: list[Path] = ()) -> dict:
+                         extra_files: list[Path] = (), force: bool = False, inputs: tuple = ()) -> dict:
     """The folder of a static pair (``compile --static``): ``prefill.onnx`` and ``decode.onnx``
     over one ``weights.data`` (``edgeq.static.shared_weights``), each proven to load; one
     ``encodings.json`` (the two graphs carry the same quantization parameters, checked by the
@@ -125,7 +127,7 @@ def write_static_outputs(out_dir: Path, models: dict[str, onnx.ModelProto], repo
     alone; report and manifest as for one model."""
     from edgeq.static.shared_weights import save_sharing_weights
 
-    with ir.atomic_output_dir(out_dir) as tmp:
+    with ir.atomic_output_dir(out_dir, force=force, inputs=inputs) as tmp:
         report["static"]["weights"] = save_sharing_weights(models, tmp)
         first = tmp / next(iter(models))
         report["u8s8"] = _u8s8_report(first, None, u8s8)  # (the worst-case bound; the same weights in both)

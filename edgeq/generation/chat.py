@@ -96,8 +96,11 @@ def render_chat(folder: str | os.PathLike, prompt: str) -> str:
         return env.from_string(source).render(
             messages=[{"role": "user", "content": prompt}], add_generation_prompt=True, **special_tokens(folder)
         )
-    except TemplateError as exc:
-        raise UserInputError(f"--chat: the chat template of {folder} fails: {str(exc).splitlines()[0]}") from None
+    except Exception as exc:  # noqa: BLE001 (the template is the user's input: whatever it raises, e.g. a range
+        # over the sandbox's limit, endless recursion, an include without a loader, 1 / 0, is its failure)
+        first = (str(exc).splitlines() or [""])[0]
+        reason = first if isinstance(exc, TemplateError) and first else f"{type(exc).__name__}: {first}".rstrip(": ")
+        raise UserInputError(f"--chat: the chat template of {folder} fails: {reason}") from None
 
 
 def _ids(value: Any) -> set[int]:

@@ -20,7 +20,7 @@ import threading
 from pathlib import Path
 
 from edgeq.argtypes import positive_float, positive_int, seq_len_int
-from edgeq.errors import EdgeqError, UserInputError
+from edgeq.errors import EdgeqError
 
 _EPILOG = """examples:
   edgeq export smollm2 -o artifacts/smollm2
@@ -234,6 +234,11 @@ def _signals_unwind():
             signal.signal(sig, handler)
 
 
+def one_line(exc: BaseException) -> str:
+    """``exc``'s message on one line: its lines (a library's message can have several) joined by "; "."""
+    return "; ".join(line.strip() for line in str(exc).splitlines() if line.strip())
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -246,17 +251,14 @@ def main(argv: list[str] | None = None) -> int:
     except Terminated as exc:
         print(f"edgeq: terminated by {signal.Signals(exc.signum).name}", file=sys.stderr)
         return 128 + exc.signum
-    except UserInputError as exc:
-        print(f"edgeq: error: {exc}", file=sys.stderr)
-        return exc.exit_code
-    except EdgeqError as exc:
-        print(f"edgeq: error: {exc}", file=sys.stderr)
+    except EdgeqError as exc:  # UserInputError (2) and the others
+        print(f"edgeq: error: {one_line(exc)}", file=sys.stderr)
         return exc.exit_code
     except KeyboardInterrupt:
         print("edgeq: interrupted", file=sys.stderr)
         return 130
     except Exception as exc:  # noqa: BLE001 (last resort: one line, exit 1)
-        print(f"edgeq: internal error: {type(exc).__name__}: {exc}", file=sys.stderr)
+        print(f"edgeq: internal error: {type(exc).__name__}: {one_line(exc)}", file=sys.stderr)
         return 1
 
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 import functools
 
-from edgeq.argtypes import positive_int
+from edgeq.argtypes import non_negative_int, positive_int
 
 _OUTPUT_HELP = (
     "output folder; gets model.onnx, config.json, tokenizer files and edgeq-export.json (which marks it "
@@ -100,7 +100,7 @@ def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
                      help="calibration samples in calib.npz (default 16)")
     vlm.add_argument("--eval-samples", type=positive_int, default=32, metavar="N",
                      help="evaluation samples in eval.npz (default 32)")
-    vlm.add_argument("--seed", type=int, default=0,
+    vlm.add_argument("--seed", type=non_negative_int, default=0,
                      help="seed of the projector and of the image crops/flips (default 0)")
     vlm.add_argument("--prefix-tokens", type=positive_int, default=16, metavar="T",
                      help="text tokens before the image (default 16)")
@@ -129,7 +129,7 @@ def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     )
     trained.add_argument("--quick", action="store_true",
                          help="train on a few hundred images for a few minutes (CI; not for accuracy figures)")
-    trained.add_argument("--seed", type=int, default=0, help="seed of the data order and initial weights (default 0)")
+    trained.add_argument("--seed", type=non_negative_int, default=0, help="seed of the data order and initial weights (default 0)")
     trained.add_argument("--calib-samples", type=positive_int, default=32, metavar="N",
                          help="calibration samples in calib.npz (default 32)")
     trained.add_argument("--eval-samples", type=positive_int, default=None, metavar="N",
@@ -163,7 +163,7 @@ def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
         help=f"architecture to build ({TINY_QWEN2VL}: the language part of Qwen2-VL on embeddings, "
         "with M-RoPE position ids [3, batch, seq] and the visual span inputs)",
     )
-    tiny.add_argument("--seed", type=int, default=0, help="seed of the random weights (default: 0)")
+    tiny.add_argument("--seed", type=non_negative_int, default=0, help="seed of the random weights (default: 0)")
     tiny.add_argument("--with-past", action="store_true", help=_WITH_PAST_HELP + " (llama, qwen2, gpt2)")
 
     rand = _source(
@@ -180,8 +180,19 @@ def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     rand.add_argument("preset", choices=RANDOM_PRESETS, help="the released model whose config is used")
     rand.add_argument("--layers", type=positive_int, default=None, metavar="N",
                       help="for tests: fewer layers, same widths (default: the preset's layer count)")
-    rand.add_argument("--seed", type=int, default=0, help="seed of the random weights (default: 0)")
+    rand.add_argument("--seed", type=non_negative_int, default=0, help="seed of the random weights (default: 0)")
+    for source in sources.choices.values():
+        source.set_defaults(func=functools.partial(_held, source.get_default("func")))
     return export
+
+
+def _held(func, args: argparse.Namespace) -> int:
+    """``func`` with what torch, transformers and optimum print held back until the export ends, and
+    dropped when it ends with edgeq's own error (``edgeq.models.export_log``)."""
+    from edgeq.models.export_log import held_library_output
+
+    with held_library_output():
+        return func(args)
 
 
 def _run_smollm2(args: argparse.Namespace) -> int:

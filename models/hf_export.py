@@ -50,6 +50,10 @@ _SIDECAR_FILES = (
 )
 
 
+# weight files transformers loads (sharded ones too: model-00001-of-00002.safetensors)
+_WEIGHT_FILES = ("*.safetensors", "*.bin", "*.h5", "*.msgpack", "*.ckpt.index")
+
+
 def require_export_deps(*extra: str) -> None:
     """Fail with one line naming the install command when the export extra is missing.
 
@@ -65,6 +69,9 @@ def require_export_deps(*extra: str) -> None:
         raise UserInputError(
             f"exporting models needs {', '.join(missing)} (the export extra): {EXPORT_EXTRA_HINT}"
         )
+    from edgeq.models.export_log import take_library_loggers
+
+    take_library_loggers()
 
 
 def export_hf(hf_dir: str | os.PathLike, out_dir: str | os.PathLike, task: str = "auto", force: bool = False) -> Path:
@@ -74,10 +81,14 @@ def export_hf(hf_dir: str | os.PathLike, out_dir: str | os.PathLike, task: str =
     ``force``: it may replace a non-empty folder edgeq did not write (``edgeq.ir.check_output_dir``).
     """
     hf_dir = Path(hf_dir)
-    if not hf_dir.is_dir():
+    if not hf_dir.exists():
         raise UserInputError(f"Hugging Face model folder not found: {hf_dir}")
+    if not hf_dir.is_dir():
+        raise UserInputError(f"{hf_dir} is a file, not a Hugging Face model folder")
     if not (hf_dir / "config.json").is_file():
         raise UserInputError(f"{hf_dir} is not a Hugging Face model folder (no config.json)")
+    if not any(any(hf_dir.glob(pattern)) for pattern in _WEIGHT_FILES):
+        raise UserInputError(f"{hf_dir} has a config.json but no weights (no {', '.join(_WEIGHT_FILES)} file)")
     require_export_deps()
     if task == "auto":
         task = infer_task(hf_dir)
@@ -119,6 +130,7 @@ def export_to(hf_dir: Path, out: Path, task: str = "auto") -> None:
     """
     import torch
     from optimum.exporters.onnx import main_export
+    from safetensors import SafetensorError
 
     # monolith=True forces one graph for models optimum would split (encoder/decoder); optimum
     # refuses it with a *-with-past task, whose decoder export is one graph anyway.
@@ -136,8 +148,12 @@ def export_to(hf_dir: Path, out: Path, task: str = "auto") -> None:
             )
     except (KeyError, ValueError) as exc:
         # optimum reports unsupported architectures and unknown tasks this way.
-        first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise UserInputError(f"optimum cannot export {hf_dir} (task {task}): {first_line}") from exc
+        raise UserInputError(f"optimum cannot export {hf_dir} (task {task}): {_first_line(exc)}") from exc
+    except Exception as exc:
+        cause = _load_error(exc, SafetensorError)
+        if cause is None:
+            raise
+        raise UserInputError(f"cannot load the model in {hf_dir}: {_first_line(cause)}") from exc
     if not (out / MODEL_FILE).is_file():
         produced = sorted(p.name for p in out.glob("*.onnx"))
         raise UserInputError(
@@ -146,6 +162,22 @@ def export_to(hf_dir: Path, out: Path, task: str = "auto") -> None:
         )
     externalize_weights(out / MODEL_FILE)
     copy_sidecar_files(hf_dir, out)
+
+
+def _first_line(exc: BaseException) -> str:
+    return str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+
+
+def _load_error(exc: BaseException, safetensor_error: type) -> BaseException | None:
+    """transformers' report of a weights or config file it cannot load, anywhere in ``exc``'s chain
+    (optimum retries a failed PyTorch load as TensorFlow, so it can sit under an ImportError):
+    an ``OSError`` with a message and no errno (an errno is the file system's own error: disk
+    full, permissions) or safetensors' error on a file that is not safetensors (empty, truncated)."""
+    while exc is not None:
+        if isinstance(exc, safetensor_error) or (isinstance(exc, OSError) and exc.errno is None):
+            return exc
+        exc = exc.__cause__ or exc.__context__
+    return None
 
 
 # model files at least this large get their weights moved to an external data file

@@ -124,7 +124,7 @@ def register(subparsers: Any) -> argparse.ArgumentParser:
         "--no-special-tokens", dest="special_tokens", action="store_false",
         help="with --text: tokenize without the tokenizer's special tokens",
     )
-    cmp.add_argument("--seed", type=int, default=0, help="seed of --random (default 0)")
+    cmp.add_argument("--seed", type=non_negative_int, default=0, help="seed of --random (default 0)")
     cmp.add_argument("--layers", action="store_true", help="also compare shared intermediate tensors")
     cmp.add_argument(
         "--max-layers", type=positive_int, default=256, metavar="M",
@@ -164,6 +164,8 @@ def _ppl_route(args: argparse.Namespace) -> tuple[str | None, str]:
     from edgeq.generation.decoders import resolve_model
 
     path = Path(args.model)
+    if not path.exists():  # named before the text is tokenized
+        raise UserInputError(f"model file not found: {path}")
     family, files = resolve_model(path) if path.is_dir() else ("dynamic", [path])
     if family == "static-pair":
         through = args.through or "decode"

@@ -43,7 +43,9 @@ def session_options(threads: int | None = None, optimize: bool = True, exact_qdq
         if threads < 1:
             raise UserInputError(f"threads must be >= 1, got {threads}")
         opts.intra_op_num_threads = threads
-    opts.log_severity_level = 3
+    # 4: fatal only. At 3 onnxruntime still prints its own [E:onnxruntime:...] line (a model it
+    # cannot initialize, a node failing at run time) before the one line edgeq reports it with.
+    opts.log_severity_level = 4
     return opts
 
 

@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from edgeq.argtypes import positive_int
+from edgeq.argtypes import non_negative_int, positive_int
 from edgeq.errors import UserInputError
 
 _DESCRIPTION = """Generate text from a prompt with onnxruntime on CPU (batch 1), streaming it to stdout;
@@ -58,7 +58,7 @@ def register(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--top-p", type=float, default=1.0, metavar="P",
                    help="with --temperature: keep the smallest set of most likely tokens whose probability "
                         "reaches P, in (0, 1] (default 1.0: all)")
-    p.add_argument("--seed", type=int, default=None, metavar="S", help="with --temperature: seed of the sampler")
+    p.add_argument("--seed", type=non_negative_int, default=None, metavar="S", help="with --temperature: seed of the sampler")
     p.add_argument("--chat", action="store_true", help="wrap the prompt in the tokenizer's chat template")
     p.add_argument("--json", action="store_true",
                    help="no streaming: print one JSON object (text, tokens, prompt_tokens, ttft_ms, "

@@ -201,12 +201,28 @@ def _fold(model: onnx.ModelProto) -> gs.Graph:
     with _quiet_onnxruntime():
         for _ in range(_FOLD_ROUNDS):
             graph.fold_constants(fold_shapes=True, size_threshold=_LARGE_CONSTANT * 4,
-                                 should_exclude_node=_never_fold).cleanup(remove_unused_graph_inputs=False)
+                                 should_exclude_node=_never_fold)
+            _fold_ranges(graph)
+            graph.cleanup(remove_unused_graph_inputs=False)
             if len(graph.nodes) == before:
                 break
             before = len(graph.nodes)
             graph = ir.to_graph(infer_shapes(ir.to_model(graph)))
     return graph
+
+
+def _fold_ranges(graph: gs.Graph) -> None:
+    """``Range`` on constant inputs -> its constant, whatever its length. graphsurgeon folds only
+    outputs under ``size_threshold`` bytes, and the positions Range of a cache of C slots holds
+    C + W int64 values: past C + W = 32768 it would stay in the graph (an op NPUs lack), while as a
+    constant it is one row of C + W values, small beside the weights."""
+    for node in graph.nodes:
+        if node.op != "Range" or not node.outputs or not all(isinstance(t, gs.Constant) for t in node.inputs):
+            continue  # (a node without outputs was folded already)
+        start, limit, delta = (np.asarray(t.values).reshape(()) for t in node.inputs)
+        out = node.outputs[0]
+        values = np.arange(start, limit, delta).astype(start.dtype)
+        _bypass(graph, out, gs.Constant(f"{out.name}/folded", values))
 
 
 def infer_shapes(model: onnx.ModelProto) -> onnx.ModelProto:

@@ -1,0 +1,233 @@
+"""CLI error contract on bad input (issue 30): exit 2 and exactly one line on stderr, nothing else
+(no library warnings, no onnxruntime log line, no second line of a library's message), nothing
+written. stderr is read with ``capfd``, so what onnxruntime writes to file descriptor 2 itself counts.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import logging
+import warnings
+from pathlib import Path
+
+import numpy as np
+import onnx
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+from toy import toy_model_dir, write_text, write_tokenizer
+
+import edgeq.cli
+from edgeq.cli import main
+from edgeq.errors import UserInputError
+
+
+def _run(capfd, *argv) -> tuple[int, str]:
+    try:
+        code = main([str(a) for a in argv])
+    except SystemExit as exc:  # argparse's usage errors
+        code = exc.code
+    return code, capfd.readouterr().err
+
+
+def _assert_one_line(capfd, *argv, needle: str = "") -> str:
+    code, err = _run(capfd, *argv)
+    assert code == 2, err
+    assert len(err.splitlines()) == 1 and err.endswith("\n"), err
+    assert needle in err, err
+    return err
+
+
+def _refused_model(path: Path) -> Path:
+    """A model that parses but that onnxruntime refuses to initialize (an initializer shorter than
+    its shape): onnxruntime logs its own [E:onnxruntime:...] line for it unless told not to."""
+    w = numpy_helper.from_array(np.ones((4, 4), np.float32), "w")
+    w.raw_data = w.raw_data[:8]
+    graph = helper.make_graph(
+        [helper.make_node("Relu", ["w"], ["w_relu"]),  # constant-folded: onnxruntime reads w while optimizing
+         helper.make_node("Cast", ["input_ids"], ["input_ids_f"], to=TensorProto.FLOAT),
+         helper.make_node("Add", ["input_ids_f", "w_relu"], ["logits"])],
+        "refused", [helper.make_tensor_value_info("input_ids", TensorProto.INT64, [1, 4])],
+        [helper.make_tensor_value_info("logits", TensorProto.FLOAT, [4, 4])], [w])
+    path.parent.mkdir(parents=True, exist_ok=True)
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)], ir_version=9), str(path))
+    return path
+
+
+@pytest.fixture(scope="module")
+def tiny_past(tmp_path_factory) -> Path:
+    from edgeq.models.kv_export import export_tiny_with_past
+
+    return export_tiny_with_past("llama", tmp_path_factory.mktemp("errors") / "past") / "model.onnx"
+
+
+# ---------------------------------------------------------------------------------------------
+# 1. export hf: a folder without weights; library warnings never precede the error line
+# ---------------------------------------------------------------------------------------------
+
+
+def _hf_folder(folder: Path) -> Path:
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"], "model_type": "llama"}))
+    return folder
+
+
+def test_export_hf_without_weights_is_one_line_before_torch(tmp_path, capfd):
+    hf = _hf_folder(tmp_path / "hf")
+    out = tmp_path / "out"
+    _assert_one_line(capfd, "export", "hf", hf, "-o", out, needle="no weights")
+    assert not out.exists()
+
+
+def test_export_hf_unreadable_weights_hide_the_library_warnings(tmp_path, capfd):
+    """Past the checks edgeq makes itself: transformers fails on the weights, after its own warnings."""
+    hf = _hf_folder(tmp_path / "hf")
+    (hf / "model.safetensors").write_bytes(b"not safetensors")
+    out = tmp_path / "out"
+    _assert_one_line(capfd, "export", "hf", hf, "-o", out, needle="cannot load the model")
+    assert not out.exists()
+
+
+def test_library_output_is_passed_on_after_success_only():
+    from edgeq.models.export_log import held_library_output
+
+    lib = logging.getLogger("edgeq-test-library")  # like transformers: its own stderr handler
+    stream = io.StringIO()
+    handler = logging.StreamHandler(stream)
+    lib.addHandler(handler)
+    lib.propagate = False
+
+    def export(fail: bool) -> None:
+        lib.warning("the library says")
+        lib.warning("`torch_dtype` is deprecated! Use `dtype` instead!")  # NOISE
+        warnings.warn("careful", UserWarning)
+        if fail:
+            raise UserInputError("bad input")
+
+    try:
+        with warnings.catch_warnings(record=True) as shown:
+            warnings.simplefilter("always")
+            with pytest.raises(UserInputError), held_library_output():
+                export(fail=True)
+            assert stream.getvalue() == "" and shown == []
+            with held_library_output():
+                export(fail=False)
+                assert stream.getvalue() == "" and shown == []  # held until the export ends
+        assert stream.getvalue() == "the library says\n"
+        assert [str(w.message) for w in shown] == ["careful"]
+        assert lib.handlers == [handler] and lib.propagate is False
+    finally:
+        lib.removeHandler(handler)
+
+
+# ---------------------------------------------------------------------------------------------
+# 2. seeds are non-negative
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("argv", [
+    ["generate", "DIR", "--prompt", "hi", "--temperature", "1", "--seed", "-1"],
+    ["eval", "compare", "A.onnx", "B.onnx", "--random", "1", "--seed", "-1"],
+    ["export", "tiny", "llama", "-o", "OUT", "--seed", "-1"],
+])
+def test_negative_seed_is_a_usage_error(argv, tmp_path, capfd):
+    argv = [str(tmp_path / a) if a.isupper() else a for a in argv]
+    _assert_one_line(capfd, *argv, needle=">= 0, got -1")
+
+
+# ---------------------------------------------------------------------------------------------
+# 3. --static with a context past 32768 slots
+# ---------------------------------------------------------------------------------------------
+
+
+def test_static_context_past_32k_specializes(tiny_past, tmp_path, capfd):
+    """The positions Range of C + W values outgrew graphsurgeon's folding threshold at C + W > 32768
+    and stayed in the graph; it is folded whatever its length now."""
+    from edgeq.generation import open_decoder
+    from edgeq.static.specialize import check_static
+
+    out = tmp_path / "static"
+    code, err = _run(capfd, "compile", tiny_past, "--recipe", "fp32", "--static", "prefill=16,context=32768",
+                     "-o", out)
+    assert code == 0, err
+    for role in ("prefill", "decode"):
+        assert check_static(onnx.load(str(out / f"{role}.onnx"))) == []
+    prompt = list(range(5, 25))
+    dynamic = open_decoder(tiny_past, optimize=False)
+    static = open_decoder(out, optimize=False)
+    assert static.context == 32768
+    np.testing.assert_allclose(static.prefill(prompt), dynamic.prefill(prompt), atol=1e-4, rtol=1e-4)
+    for token in (7, 11):
+        np.testing.assert_allclose(static.step(token), dynamic.step(token), atol=1e-4, rtol=1e-4)
+
+
+# ---------------------------------------------------------------------------------------------
+# 4. onnxruntime's own log line
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def refused(tmp_path) -> dict[str, Path]:
+    folder = tmp_path / "refused"
+    model = _refused_model(folder / "model.onnx")
+    write_tokenizer(folder)
+    return {"model": model, "folder": folder, "text": write_text(tmp_path / "text.txt", 200)}
+
+
+def test_generate_on_a_model_onnxruntime_refuses(refused, capfd):
+    _assert_one_line(capfd, "generate", refused["folder"], "--prompt", "the", needle="onnxruntime cannot load")
+
+
+def test_eval_ppl_on_a_model_onnxruntime_refuses(refused, capfd):
+    _assert_one_line(capfd, "eval", "ppl", refused["model"], "--text", refused["text"], "--tokenizer",
+                     refused["folder"], "--seq-len", "4", "--windows", "1", needle="onnxruntime cannot load")
+
+
+def test_eval_compare_on_a_model_onnxruntime_refuses(refused, capfd):
+    _assert_one_line(capfd, "eval", "compare", refused["model"], refused["model"], "--random", "1",
+                     needle="onnxruntime cannot load")
+
+
+# ---------------------------------------------------------------------------------------------
+# 5. one line for every bad input
+# ---------------------------------------------------------------------------------------------
+
+
+def test_a_multi_line_message_is_printed_on_one_line(monkeypatch, capfd):
+    def fails(args):
+        raise UserInputError("first\n  second\n\nthird")
+
+    monkeypatch.setattr(edgeq.cli, "_run_inspect", fails)
+    err = _assert_one_line(capfd, "inspect", "model.onnx")
+    assert err == "edgeq: error: first; second; third\n"
+
+
+def _bad_input(kind: str, tmp_path: Path) -> Path:
+    path = tmp_path / f"bad-{kind}.onnx"
+    if kind == "directory":
+        path.mkdir()
+    elif kind == "not-onnx":
+        path.write_text("this is a text file, not a protobuf\n")
+    elif kind == "empty":
+        path.write_bytes(b"")
+    return path
+
+
+@pytest.mark.parametrize("kind", ["missing", "directory", "not-onnx", "empty"])
+@pytest.mark.parametrize("command", ["eval ppl", "eval compare A", "eval compare B", "generate", "inspect",
+                                     "export hf"])
+def test_bad_model_path_is_one_line(command, kind, tmp_path, capfd):
+    bad = _bad_input(kind, tmp_path)
+    tok = write_tokenizer(tmp_path / "tok")
+    good = toy_model_dir(tmp_path / "good")
+    argv = {
+        "eval ppl": ["eval", "ppl", bad, "--text", write_text(tmp_path / "t.txt", 100), "--tokenizer", tok,
+                     "--seq-len", "4"],
+        "eval compare A": ["eval", "compare", bad, good, "--random", "1"],
+        "eval compare B": ["eval", "compare", good, bad, "--random", "1"],
+        "generate": ["generate", bad, "--prompt", "the", "--tokenizer", tok],
+        "inspect": ["inspect", bad],
+        "export hf": ["export", "hf", bad, "-o", tmp_path / "out"],
+    }[command]
+    _assert_one_line(capfd, *argv)
+    assert not (tmp_path / "out").exists()

@@ -34,7 +34,7 @@ from edgeq import ir
 from edgeq.artifacts.encodings import collect_encodings
 from edgeq.artifacts.manifest import input_model_record
 from edgeq.artifacts.writer import write_outputs
-from edgeq.calib.dataset import build_calibration_set
+from edgeq.calib.dataset import InputLimits, build_calibration_set
 from edgeq.calib.session import Calibrator
 from edgeq.errors import UserInputError
 from edgeq.fingerprint import model_fingerprint
@@ -155,11 +155,11 @@ def plan_compile(req: CompileRequest) -> CompilePlan:
             raise UserInputError(f"recipe '{recipe.name}' needs calibration data: pass --calib FILE (text or .npz)")
         tokenizer = req.tokenizer or default_tokenizer_dir(req.model)
         data = build_calibration_set(req.calib, ir.input_specs(model), tokenizer, windows, seq_len,
-                                     recipe.calibration.batch_size)
+                                     recipe.calibration.batch_size, InputLimits.of(model, req.model))
         calibrator = Calibrator(data, use_cache=req.use_cache)
         sample = data.batches[0]
         calibration = {"data": data.description, "samples": data.samples, "tokens": data.tokens}
-    fingerprint = model_fingerprint(model, req.model.resolve().parent)
+    fingerprint = model_fingerprint(model, ir.model_folder(req.model))
     return CompilePlan(req, recipe, profile, passes + lowering + guard, (len(passes), len(lowering)), int8_weights,
                        model, input_model_record(req.model, locations), fingerprint, calibrator,
                        calibration, sample, started, part, why, static_shape=static_shape)
@@ -173,7 +173,7 @@ def _choose_path(req: CompileRequest, skeleton: onnx.ModelProto, passes: list[Pa
         raise UserInputError(f"--blockwise must be one of {', '.join(BLOCKWISE_MODES)}")
     if req.blockwise == "off":
         return None, "--blockwise off"
-    base = req.model.resolve().parent
+    base = ir.model_folder(req.model)
     size = req.model.stat().st_size + sum((base / loc).stat().st_size for loc in locations)
     forced = req.blockwise == "on"
     if not forced and size < BLOCKWISE_MIN_BYTES:
@@ -294,7 +294,7 @@ def _run_blocks(plan: CompilePlan, ctx: PassContext, options: PipelineOptions, e
 
     progress = BlockProgress(part.num_layers, _enabled() or os.environ.get("EDGEQ_PROGRESS") is None)
     try:
-        model, per_block, plan.u8s8_from_blocks = compile_blocks(plan.model, part, plan.req.model.resolve().parent,
+        model, per_block, plan.u8s8_from_blocks = compile_blocks(plan.model, part, ir.model_folder(plan.req.model),
                                                            external_data, run_block, carry, progress,
                                                            plan.sample)
     finally:

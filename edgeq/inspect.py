@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 
 from edgeq import ir
-from edgeq.calib.dataset import build_calibration_set
+from edgeq.calib.dataset import InputLimits, build_calibration_set
 from edgeq.calib.observers import PerChannelAbsMaxObserver
 from edgeq.calib.session import Calibrator
 from edgeq.passes.methods.eq9 import eq9_table, format_eq9_table
@@ -30,7 +30,8 @@ def inspect_model(model_path: Path, calib: Path | None, tokenizer: Path | None, 
     rows = []
     if calib is not None:
         specs = ir.input_specs(model)
-        data = build_calibration_set(calib, specs, tokenizer or default_tokenizer_dir(model_path), windows, seq_len)
+        data = build_calibration_set(calib, specs, tokenizer or default_tokenizer_dir(model_path), windows, seq_len,
+                                     limits=InputLimits.of(model, model_path))
         names = sorted({lin.input for lin in structure.linears})
         observers = Calibrator(data).observe(graph, {n: PerChannelAbsMaxObserver for n in names}, "inspect:absmax")
         for lin in structure.linears:

@@ -68,21 +68,62 @@ def load_model_and_locations(path: str | os.PathLike, load_external: bool = True
         raise UserInputError(f"{path} is not a valid ONNX model (truncated or not protobuf): {exc}") from None
     if not model.graph.node and not model.graph.output:
         raise UserInputError(f"{path} is not an ONNX model (no graph found)")
-    base = path.parent.resolve()
-    locations = _check_external_data(model, base)
+    check_ir_version(model, path)
+    _check_graph_wiring(model.graph, path)
+    base = model_folder(path)
+    extents = _check_external_data(model, base)
     if load_external:
         try:
-            onnx.load_external_data_for_model(model, str(base))
-        except (OSError, ValueError) as exc:
-            raise UserInputError(f"cannot read external data of {path}: {exc}") from None
-    return model, locations
+            _read_external_data(extents, base)
+        except OSError as exc:
+            raise UserInputError(f"cannot read external data of {path}: {exc.strerror or exc}") from None
+    return model, set(extents)
 
 
-def _check_external_data(model: onnx.ModelProto, base: Path) -> set[str]:
+def model_folder(path: str | os.PathLike) -> Path:
+    """The folder a model's external data and side files (tokenizer, config) are read from: the
+    folder of ``path`` as named, not of the file it links to (a Hugging Face hub snapshot's
+    ``model.onnx`` links into ``../../blobs``, its siblings stay in the snapshot)."""
+    return Path(path).parent.resolve()
+
+
+def check_ir_version(model: onnx.ModelProto, path: str | os.PathLike = "the model") -> None:
+    """Refuse an IR version newer than the installed onnx (and onnxruntime, which refuses to load
+    it) knows: ``compile`` would otherwise fail deep inside a pass."""
+    if model.ir_version > onnx.IR_VERSION:
+        raise UserInputError(f"{path}: IR version {model.ir_version} is not supported (onnx {onnx.__version__} "
+                             f"reads IR versions up to {onnx.IR_VERSION})")
+
+
+def _check_graph_wiring(graph: onnx.GraphProto, path: str | os.PathLike) -> None:
+    """The main graph has outputs and every tensor its nodes read, or its outputs name, is a graph
+    input, an initializer or some node's output (one pass over the nodes; the bodies of If / Loop /
+    Scan, which may read outer-scope names, are not walked)."""
+    if not graph.output:
+        raise UserInputError(f"{path}: the graph has no outputs")
+    known = {vi.name for vi in graph.input}
+    known.update(t.name for t in graph.initializer)
+    known.update(t.values.name for t in graph.sparse_initializer)
+    for node in graph.node:
+        known.update(node.output)
+    for node in graph.node:
+        for name in node.input:
+            if name and name not in known:
+                raise UserInputError(f"{path}: node '{node.name or node.op_type}' reads tensor '{name}', which "
+                                     "is not a graph input, an initializer or any node's output")
+    for vi in graph.output:
+        if vi.name not in known:
+            raise UserInputError(f"{path}: graph output '{vi.name}' is not produced by any node, input or initializer")
+
+
+def _check_external_data(model: onnx.ModelProto, base: Path) -> dict[str, list[tuple[onnx.TensorProto, int, int]]]:
     """Validate every tensor stored as external data without reading any of it: its location is
-    named, inside ``base`` and a present file, and its bytes (``offset`` + ``length``, or the size
-    its dims and data type need when ``length`` is absent) fit in that file. One ``resolve`` and one
-    ``stat`` per file, however many tensors share it. Returns the locations seen."""
+    named, a relative path without ``..`` (so a file inside ``base``; that file may be a symbolic
+    link to a regular file elsewhere, as every file of a Hugging Face hub snapshot is one into
+    ``../../blobs``) and a present regular file, and its bytes (``offset`` + ``length``, or the
+    size its dims and data type need when ``length`` is absent) fit in that file. One ``stat`` per
+    file, however many tensors share it. Returns location -> [(tensor, offset, length)], what
+    ``_read_external_data`` reads."""
     import math
     import stat
 
@@ -95,6 +136,7 @@ def _check_external_data(model: onnx.ModelProto, base: Path) -> set[str]:
                     "INT2": 2, "FLOAT6E2M3": 6, "FLOAT6E3M2": 6}  # sub-byte types are packed (onnx numpy_helper)
     bits = {getattr(onnx.TensorProto, k): v for k, v in bits_by_name.items() if hasattr(onnx.TensorProto, k)}
     sizes: dict[str, int] = {}  # location -> file size in bytes
+    extents: dict[str, list[tuple[onnx.TensorProto, int, int]]] = {}
     for tensor in _get_all_tensors(model):
         if tensor.data_location != onnx.TensorProto.EXTERNAL:
             continue
@@ -105,9 +147,9 @@ def _check_external_data(model: onnx.ModelProto, base: Path) -> set[str]:
             raise UserInputError(f"initializer '{name}' is external but names no location")
         size = sizes.get(location)
         if size is None:
-            target = (base / location).resolve()
-            if os.path.isabs(location) or not target.is_relative_to(base):
+            if os.path.isabs(location) or ".." in Path(location.replace("\\", "/")).parts:
                 raise UserInputError(f"external data of '{name}' points outside the model's folder: {location}")
+            target = base / location
             try:
                 st = target.stat()
             except OSError:
@@ -133,7 +175,24 @@ def _check_external_data(model: onnx.ModelProto, base: Path) -> set[str]:
         elif offset + length > size:
             raise UserInputError(f"external data file {location} is truncated: tensor '{name}' needs bytes "
                                  f"{offset}..{offset + length} but the file has {size}")
-    return set(sizes)
+        extents.setdefault(location, []).append((tensor, offset, size - offset if length is None else length))
+    return extents
+
+
+def _read_external_data(extents: dict[str, list[tuple[onnx.TensorProto, int, int]]], base: Path) -> None:
+    """Read the tensors ``_check_external_data`` validated into the model, each file opened once
+    and read in offset order. (onnx's own loader refuses a data file that is a symbolic link.)"""
+    for location, tensors in extents.items():
+        with open(base / location, "rb") as f:
+            for tensor, offset, length in sorted(tensors, key=lambda item: item[1]):
+                f.seek(offset)
+                data = f.read(length)
+                if len(data) != length:  # the file shrank since it was checked
+                    raise UserInputError(f"external data file {location} is truncated: tensor '{tensor.name}' "
+                                         f"needs bytes {offset}..{offset + length}")
+                tensor.raw_data = data
+                tensor.data_location = onnx.TensorProto.DEFAULT
+                del tensor.external_data[:]
 
 
 def check_opset(model: onnx.ModelProto, lo: int = MIN_OPSET, hi: int = MAX_OPSET) -> int:

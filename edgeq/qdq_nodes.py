@@ -15,7 +15,7 @@ import onnx_graphsurgeon as gs
 
 from edgeq import ir
 from edgeq.errors import UserInputError
-from edgeq.quant import QuantSpec, quantize_weight, scale_zero_point
+from edgeq.quant import QuantSpec, quantize_weight, require_finite, scale_zero_point
 
 
 def integer_constant(name: str, values: np.ndarray, spec: QuantSpec) -> gs.Constant:
@@ -83,7 +83,9 @@ def insert_weight_dequantize(graph: gs.Graph, index: ir.GraphIndex, w: np.ndarra
     """Quantize a float weight offline (round to nearest, or take ``params`` = (q, scale, zero
     point) already computed, e.g. by GPTQ, in ``quantize_weight``'s layout); return the output of
     its DequantizeLinear."""
+    require_finite(w, f"weight '{base}'")
     q, scale, zp = params if params is not None else quantize_weight(np.asarray(w, np.float32), spec)
+    require_finite(scale, f"the scale of weight '{base}'")
     q, zp = np.asarray(q).astype(spec.np_dtype), np.asarray(zp).astype(spec.np_dtype)
     prefix = f"{base}_{spec.dtype}"
     q_const = integer_constant(ir.unique_name(index, prefix), q, spec)
@@ -97,6 +99,16 @@ def insert_weight_dequantize(graph: gs.Graph, index: ir.GraphIndex, w: np.ndarra
         attrs["block_size"] = spec.block_size
     graph.nodes.append(gs.Node("DequantizeLinear", f"{base}_DequantizeLinear", attrs, [q_const, s_const, z_const], [out]))
     return out
+
+
+def check_weights_finite(index: ir.GraphIndex, linears) -> None:
+    """Refuse a model whose linears about to be quantized (``structure.Linear``s) have a NaN or
+    inf in their weights, naming the weight, before any calibration runs on it."""
+    for lin in linears:
+        if not lin.quantized:
+            value = index.constant_value(index.tensors[lin.weight])
+            if value is not None:
+                require_finite(value, f"weight '{lin.weight}' (of {lin.node})")
 
 
 def ensure_opset(graph: gs.Graph, *specs: QuantSpec) -> None:

@@ -98,6 +98,22 @@ class QuantSpec:
         return _DTYPES[self.dtype][0] < 0
 
 
+def require_finite(values: np.ndarray, what: str) -> None:
+    """Refuse (one line naming ``what``) values about to be quantized that hold NaN or inf: their
+    scale would be NaN or inf, and so would everything the model computes from them. Checked in
+    slices, so a vocabulary head needs no full-size temporary."""
+    flat = np.asarray(values).reshape(-1)
+    step = 1 << 24
+    for start in range(0, flat.size, step):
+        bad = np.flatnonzero(~np.isfinite(flat[start:start + step]))
+        if bad.size:
+            first = start + int(bad[0])
+            where = np.unravel_index(first, np.shape(values))
+            count = int(np.count_nonzero(~np.isfinite(flat)))
+            raise UserInputError(f"{what} holds {count} non-finite value(s) (NaN or inf; first {flat[first]} at "
+                                 f"index {[int(i) for i in where]}): it cannot be quantized; fix or re-export the model")
+
+
 def scale_zero_point(lo: np.ndarray, hi: np.ndarray, spec: QuantSpec) -> tuple[np.ndarray, np.ndarray]:
     """Scale and zero point covering [lo, hi] (arrays broadcast; zero is always representable)."""
     lo = np.minimum(np.asarray(lo, np.float64), 0.0)

@@ -18,9 +18,10 @@ not there, or a pass it builds on did not apply), ``compile`` stops with exit 4 
 instead of writing a silently degraded model (``--allow-partial`` writes it anyway, with a warning
 per pass). ``essential`` is the recipe's word about the pass, not part of the pass's config.
 
-Unknown top-level keys, unknown calibration keys, unknown passes and unknown pass-config keys are
-all errors (a typo must never silently fall back to a default), and so is a pass listed before a
-pass it ``requires``. Built-in recipes live in
+Unknown top-level keys, unknown calibration keys, unknown passes, unknown pass-config keys and
+unknown linear roles in a pass's ``*_roles`` list or ``role_activation_dtypes`` (``skip_roles =
+["lm_haed"]`` would quantize the head) are all errors (a typo must never silently fall back to a
+default), and so is a pass listed before a pass it ``requires``. Built-in recipes live in
 ``edgeq/recipes/*.toml``; ``--recipe`` also accepts a path to a .toml file.
 """
 
@@ -131,10 +132,24 @@ def _build_dataclass(cls, values: dict, where: str):
     kwargs = {}
     for key, value in values.items():
         kwargs[key] = _coerce(value, hints[key], f"{where} key '{key}'")
+        if key.endswith("_roles"):
+            _check_roles(kwargs[key], f"{where} key '{key}'")
+        elif key == "role_activation_dtypes":  # "role=dtype" (the config checks the form and the dtype)
+            _check_roles([e.partition("=")[0].strip() for e in kwargs[key] if "=" in e], f"{where} key '{key}'")
     try:
         return cls(**kwargs)
     except (TypeError, ValueError) as exc:
         raise UserInputError(f"{where}: {exc}") from None
+
+
+def _check_roles(roles, where: str) -> None:
+    """Every role a pass config names (``skip_roles``, ``sink_roles``, the ``role=`` of
+    ``role_activation_dtypes`` entries) must be one a linear can get."""
+    from edgeq.structure.linears import ROLES
+
+    unknown = [r for r in roles if r not in ROLES]
+    if unknown:
+        raise UserInputError(f"{where}: unknown role(s) {', '.join(map(repr, unknown))} (roles: {', '.join(ROLES)})")
 
 
 def _coerce(value, hint, where: str):

@@ -173,7 +173,7 @@ def tokenize_file(
         if cache_file.is_file():
             try:
                 return np.load(cache_file, allow_pickle=False).astype(np.int64)
-            except (OSError, ValueError):
+            except (OSError, ValueError, EOFError):  # a damaged entry: tokenized again and rewritten
                 pass
 
     tok = load_tokenizer(tok_file)
@@ -195,24 +195,44 @@ def tokenize_file(
 
 def default_tokenizer_dir(model_path: str | os.PathLike) -> Path | None:
     """The model's own folder when it holds tokenizer files (what ``edgeq export`` writes)."""
-    folder = Path(model_path).resolve().parent
+    folder = Path(model_path).parent.resolve()  # (a linked model.onnx: its siblings, not the link target's)
     return folder if (folder / "tokenizer.json").is_file() else None
 
 
-def max_positions(folder: str | os.PathLike) -> int | None:
-    """The context length a Hugging Face ``config.json`` beside the tokenizer declares
-    (``max_position_embeddings`` / ``n_positions``), or None when there is none to read."""
+def _hf_config(folder: str | os.PathLike) -> dict:
+    """The Hugging Face ``config.json`` in ``folder`` (or beside that file); {} when unreadable."""
     path = Path(folder)
     path = path / "config.json" if path.is_dir() else path.parent / "config.json"
     try:
         config = json.loads(path.read_text())
     except (OSError, ValueError):
-        return None
+        return {}
+    return config if isinstance(config, dict) else {}
+
+
+def _positive_int(value: Any) -> int | None:
+    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
+
+
+def max_positions(folder: str | os.PathLike) -> int | None:
+    """The context length a Hugging Face ``config.json`` beside the tokenizer declares
+    (``max_position_embeddings`` / ``n_positions``), or None when there is none to read."""
+    config = _hf_config(folder)
     for key in ("max_position_embeddings", "n_positions"):
-        value = config.get(key) if isinstance(config, dict) else None
-        if isinstance(value, int) and value > 0:
-            return value
+        if _positive_int(config.get(key)):
+            return config[key]
     return None
+
+
+def image_dims(folder: str | os.PathLike) -> tuple[int | None, int, int] | None:
+    """(channels, height, width) of the images a vision model's ``config.json`` declares
+    (``image_size``: one int or [height, width]; ``num_channels``, None when absent), or None."""
+    config = _hf_config(folder)
+    size = config.get("image_size")
+    sizes = size if isinstance(size, list) and len(size) == 2 else [size, size]
+    if not all(_positive_int(v) for v in sizes):
+        return None
+    return _positive_int(config.get("num_channels")), sizes[0], sizes[1]
 
 
 def token_windows(
@@ -410,6 +430,7 @@ def load_npz_samples(npz_path: str | os.PathLike, input_specs: Sequence[Any]) ->
                     f"{path}: '{name}' sample shape {list(sample_shape)} does not match the input "
                     f"shape {shape} on axis {axis} ({got} != {want})"
                 )
+        _check_npz_values(path, name, arr, sample_shape)
     if len(set(counts.values())) > 1:
         detail = ", ".join(f"{n}: {c}" for n, c in counts.items())
         raise UserInputError(f"{path}: arrays disagree on the number of samples ({detail})")
@@ -440,6 +461,22 @@ def load_npz_samples(npz_path: str | os.PathLike, input_specs: Sequence[Any]) ->
                     )
                 seen.setdefault(dim, (got, name))
     return samples
+
+
+def _check_npz_values(path: Path, name: str, arr: np.ndarray, sample_shape: tuple) -> None:
+    """What dtypes and static dims do not show: an empty axis (a sequence of length 0; a KV-cache
+    input may have an empty past), NaN or inf in a float input (observers would pass over them
+    without a word) and negative token ids (Gather would count them from the end of the table)."""
+    if 0 in sample_shape and not name.startswith(CACHE_PREFIX):
+        raise UserInputError(f"{path}: '{name}' has an empty axis (sample shape {list(sample_shape)}): "
+                             "a sample needs at least one element on every axis (sequence length 0?)")
+    if np.issubdtype(arr.dtype, np.floating):
+        bad = ~np.isfinite(arr)
+        if bad.any():
+            first = [int(i) for i in np.argwhere(bad)[0]]
+            raise UserInputError(f"{path}: '{name}' holds {int(bad.sum())} NaN or inf value(s) (first at index {first})")
+    if name == "input_ids" and arr.size and arr.min() < 0:
+        raise UserInputError(f"{path}: '{name}' holds a negative token id ({int(arr.min())}); token ids start at 0")
 
 
 def random_feeds(

@@ -3,8 +3,9 @@
 ``--recipe mquant-w8a8`` and ``--target qnn-htp`` name files shipped in the package;
 ``--recipe my.toml`` and ``--target ./npu.toml`` name the user's own. The rule (a value ending in
 ``.toml`` or containing a slash is a path), the errors (one line: file not found, unknown name
-with the known ones listed, invalid TOML with the parser's position) and the recorded origin and
-hash (what ``manifest.json`` writes) are the same for every kind of file.
+with the known ones listed, a file that is not UTF-8, invalid TOML with the parser's position)
+and the recorded origin and hash (what ``manifest.json`` writes) are the same for every kind of
+file.
 """
 
 from __future__ import annotations
@@ -53,7 +54,14 @@ def load_named_toml(name_or_path: str, package: str, folder: str, kind: str) -> 
         path = Path(name_or_path)
         if not path.is_file():
             raise UserInputError(f"{kind} file not found: {path}")
-        return NamedToml(path.stem, path.read_text(), str(path), str(path))
+        try:
+            text = path.read_bytes().decode("utf-8")
+        except OSError as exc:
+            raise UserInputError(f"cannot read {kind} file {path}: {exc.strerror or exc}") from None
+        except UnicodeDecodeError as exc:
+            raise UserInputError(f"{path}: invalid TOML: not UTF-8 text (byte {exc.start}: "
+                                 f"{exc.object[exc.start:exc.start + 1]!r})") from None
+        return NamedToml(path.stem, text, str(path), str(path))
     names = builtin_names(package, folder)
     if name_or_path not in names:
         raise UserInputError(f"unknown {kind} '{name_or_path}' (known: {', '.join(names)})")

@@ -30,8 +30,8 @@ from edgeq.calib.observers import ChannelMinMaxObserver, HessianObserver
 from edgeq.errors import UserInputError
 from edgeq.passes.methods.gptq import IntColumns, gptq_quantize
 from edgeq.passbase import Exactness, Pass, PassConfig, PassContext, PassResult, Reason
-from edgeq.qdq_nodes import (ensure_opset, insert_dequantize, insert_quantize, insert_token_fake_quant_asymmetric,
-                              insert_weight_dequantize)
+from edgeq.qdq_nodes import (check_weights_finite, ensure_opset, insert_dequantize, insert_quantize,
+                              insert_token_fake_quant_asymmetric, insert_weight_dequantize)
 from edgeq.quant import QuantSpec, quantize_weight, scale_zero_point
 from edgeq.runtime_ops.domain import DOMAIN
 from edgeq.structure import find_linears
@@ -120,6 +120,7 @@ class ResqQDQPass(Pass, name="resq-qdq", exactness=Exactness.LOSSY, config=ResqQ
         linears = [lin for lin in find_linears(graph) if lin.role not in cfg.skip_roles and lin.node not in keep_float]
         if not linears:
             return PassResult(False, {"linears_quantized": 0})
+        check_weights_finite(ir.GraphIndex(graph), linears)
         self._split_cache: dict[str, list] = {}
         sites = {lin.node: self._site(lin, layout) for lin in linears}
         kv_sites = self._kv_sites(layout) if cfg.kv else {}

@@ -60,6 +60,32 @@ def toy_model_dir(folder: Path, opset: int = 18) -> Path:
     return folder / "model.onnx"
 
 
+def toy_with_calib(tmp_path: Path) -> tuple[Path, Path]:
+    """(TMP/toy/model.onnx as ``toy_model_dir`` writes it, TMP/calib.txt of 400 words)."""
+    return toy_model_dir(tmp_path / "toy"), write_text(tmp_path / "calib.txt", 400)
+
+
+def run_cli(capsys, *argv) -> tuple[int, str, str]:
+    """``edgeq.cli.main`` on ``argv`` (each str()-ed): (exit code, stderr stripped, stdout)."""
+    from edgeq.cli import main
+
+    code = main([str(a) for a in argv])
+    captured = capsys.readouterr()
+    return code, captured.err.strip(), captured.out
+
+
+def set_external_location(model_path: Path, location: str) -> None:
+    """Point every external initializer of the saved model at ``location`` (data not moved)."""
+    import onnx
+
+    model = onnx.load_model(str(model_path), load_external_data=False)
+    for tensor in model.graph.initializer:
+        for entry in tensor.external_data:
+            if entry.key == "location":
+                entry.value = location
+    onnx.save_model(model, str(model_path))
+
+
 def random_feeds(input_specs, seed: int = 0, batch: int = 1, seq: int = 16) -> dict[str, np.ndarray]:
     """Plausible random inputs from onnxruntime input specs (ids, masks, positions, pixels)."""
     rng = np.random.default_rng(seed)

@@ -72,7 +72,7 @@ import numpy as np
 import onnx
 
 from edgeq import ir
-from edgeq.artifacts.encodings import ENCODINGS_VERSION, STORAGE_RANGES, collect_encodings
+from edgeq.artifacts.encodings import ENCODINGS_VERSION, STORAGE_RANGES, collect_encodings, strict_json
 from edgeq.errors import UserInputError
 
 AIMET_VERSIONS = ("1.0.0", "0.6.1")
@@ -81,9 +81,12 @@ AIMET_VERSIONS = ("1.0.0", "0.6.1")
 def export_aimet(model_or_encodings, version: str = "1.0.0", strict: bool = True) -> dict:
     """The AIMET encodings dict of a model (ModelProto or .onnx path) or of an edgeq encodings
     dict / ``encodings.json`` path. ``strict``: refuse encodings AIMET cannot express (else skip)."""
+    return _export(_as_encodings(model_or_encodings), version, strict)
+
+
+def _export(encodings: dict, version: str, strict: bool) -> dict:
     if version not in AIMET_VERSIONS:
         raise UserInputError(f"unknown AIMET encodings version '{version}' (known: {', '.join(AIMET_VERSIONS)})")
-    encodings = _as_encodings(model_or_encodings)
     entries, problems = _plan(encodings, version)
     if problems and strict:
         first = next(iter(problems.items()))
@@ -101,9 +104,10 @@ def export_aimet(model_or_encodings, version: str = "1.0.0", strict: bool = True
 def write_aimet(path, model_or_encodings, version: str = "1.0.0", strict: bool = True) -> Path:
     """Write ``export_aimet(...)`` as JSON to ``path`` (replaced atomically); returns the path."""
     path = Path(path)
-    data = export_aimet(model_or_encodings, version, strict)
+    encodings = _as_encodings(model_or_encodings)
+    text = strict_json(_export(encodings, version, strict), encodings)
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    tmp.write_text(json.dumps(data, indent=1))
+    tmp.write_text(text)
     os.replace(tmp, path)
     return path
 

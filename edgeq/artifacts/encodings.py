@@ -40,11 +40,14 @@ narrowed width where a Clip narrows an activation (it was the storage width befo
 
 from __future__ import annotations
 
+import json
 import math
 
 import numpy as np
 import onnx
 from onnx import TensorProto, numpy_helper
+
+from edgeq.errors import UserInputError
 
 ENCODINGS_VERSION = "edgeq-encodings/1"
 
@@ -78,6 +81,21 @@ def collect_encodings(model: onnx.ModelProto, base_dir: str = "") -> dict:
     """The encodings of every QuantizeLinear/DequantizeLinear in ``model``'s main graph
     (``base_dir``: where initializers still stored as external data are read from)."""
     return _Reader(model, base_dir).collect()
+
+
+def strict_json(data: dict, encodings: dict) -> str:
+    """``data`` (``encodings`` itself, or what is made of it: AIMET's layout) as strict JSON.
+    NaN and inf are not JSON, and a quantization parameter that is one means a broken model (a
+    NaN or inf in its weights, or its scales), so one in ``encodings`` is a one-line
+    ``UserInputError`` naming the tensor; ``allow_nan=False`` backs that up."""
+    bad = [(side[:-1], name) for side in ("activations", "weights") for name, enc in encodings.get(side, {}).items()
+           if not all(math.isfinite(v) for v in (*enc["scale"], *enc["zero_point"]))]
+    if bad:
+        side, name = bad[0]
+        more = f" ({len(bad)} tensors in all)" if len(bad) > 1 else ""
+        raise UserInputError(f"{side} '{name}' has a non-finite scale or zero point (NaN or inf){more}: "
+                             "a NaN or inf in the model's weights or quantization parameters")
+    return json.dumps(data, indent=1, allow_nan=False)
 
 
 class _Reader:

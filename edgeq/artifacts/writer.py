@@ -20,6 +20,7 @@ import onnx
 
 from edgeq import ir
 from edgeq.artifacts.aimet import aimet_unsupported, write_aimet
+from edgeq.artifacts.encodings import strict_json
 from edgeq.artifacts.manifest import write_manifest
 from edgeq.pipeline import peak_rss_mb
 
@@ -54,7 +55,7 @@ def _write_rest(tmp: Path, report: dict, encodings: dict, recipe, input_model: d
                 started: float, output_bytes: int) -> None:
     """What every output folder gets after its graphs: encodings (ours and AIMET's), report (with
     time, peak RSS and sizes) and, last, the manifest hashing the final file set."""
-    (tmp / "encodings.json").write_text(json.dumps(encodings, indent=1))
+    (tmp / "encodings.json").write_text(strict_json(encodings, encodings))
     report["quantized_tensors"] = {"activations": len(encodings["activations"]), "weights": len(encodings["weights"])}
     write_aimet(tmp / "aimet_encodings.json", encodings, version="1.0.0", strict=False)
     report["aimet_unsupported"] = aimet_unsupported(encodings, "1.0.0")

@@ -18,6 +18,8 @@ from __future__ import annotations
 import hashlib
 import os
 import time
+import zipfile
+import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
@@ -259,18 +261,20 @@ class Calibrator:
         path = self.cache_dir / f"{key}.npz"
         if not self.use_cache or not path.is_file():
             return None
+        # a damaged entry (truncated, not a zip, a member or key missing) is a miss: recomputed
+        # and overwritten by ``_save``, never trusted and never an error
         try:
             with np.load(path, allow_pickle=False) as z:
                 flat = {k: z[k] for k in z.files}
-        except (OSError, ValueError):
-            return None  # a damaged cache entry is recomputed, never trusted
-        out = {}
-        for i, name in enumerate(names):
-            prefix = f"{i}/"
-            state = {k[len(prefix):]: v for k, v in flat.items() if k.startswith(prefix)}
-            if not state:
-                return None
-            out[name] = observer_from_state(state)
+            out = {}
+            for i, name in enumerate(names):
+                prefix = f"{i}/"
+                state = {k[len(prefix):]: v for k, v in flat.items() if k.startswith(prefix)}
+                if not state:
+                    return None
+                out[name] = observer_from_state(state)
+        except (OSError, ValueError, EOFError, KeyError, TypeError, zipfile.BadZipFile, zlib.error):
+            return None
         return out
 
     def _save(self, key: str, observers: dict[str, Observer]) -> None:

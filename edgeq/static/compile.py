@@ -59,7 +59,7 @@ def static_report(shape, pair: dict, scales: dict | None) -> dict:
 
 
 def tokenizer_files(model_path: Path) -> list[Path]:
-    source = model_path.resolve().parent
+    source = model_path.parent.resolve()  # (a linked model.onnx: its siblings, not the link target's)
     return [source / f for f in TOKENIZER_FILES if (source / f).is_file()]
 
 

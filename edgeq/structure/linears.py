@@ -18,6 +18,9 @@ from edgeq.structure._graph import Walker
 
 # Roles a linear can get. Structure decides them; a node-name hint is only the fallback.
 ATTENTION_ROLES = ("q_proj", "k_proj", "v_proj", "qkv", "qk_proj", "kv_proj", "o_proj")
+MLP_ROLES = ("gate_proj", "up_proj", "gate_up_proj", "down_proj", "fc1", "fc2")
+# every role (``blocks.assign_roles``; "linear": none found): what recipes may name in skip_roles
+ROLES = ATTENTION_ROLES + MLP_ROLES + ("lm_head", "classifier", "linear")
 
 
 @dataclass(frozen=True)

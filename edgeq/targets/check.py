@@ -11,6 +11,8 @@ a pass meant to write. Rules, one violation line each:
 - ``activation-*`` / ``weight-*`` (``dtype``, ``bits``, ``symmetric``, ``granularity``): a quantized
   activation (a QuantizeLinear, or a DequantizeLinear of a non-constant no Q in the graph feeds) or
   an integer weight feeding a DequantizeLinear outside ``[activations]`` / ``[weights]``;
+- ``finite-scale`` / ``finite-zero-point``: whatever the profile, a Q/DQ (subgraphs included)
+  whose constant scale or zero point holds NaN or inf;
 - ``pow2-scale``: with ``power_of_two_scales``, a Q/DQ (subgraphs included) whose scale is not an
   exact power of two, or is computed at run time so that no power of two can be promised;
 - ``u8s8-saturation``: unless the profile has ``int8_weight_range = "full-vnni-only"``, a linear
@@ -37,6 +39,9 @@ from edgeq.targets.profile import QuantRules, TargetProfile, dtype_bits, dtype_n
 
 _QDQ = ("QuantizeLinear", "DequantizeLinear")
 _SMALL_INITIALIZER = 64  # elements: shape-like constants type inference may need to read
+_FLOAT_ELEMS = frozenset(getattr(onnx.TensorProto, t) for t in (
+    "FLOAT", "FLOAT16", "BFLOAT16", "DOUBLE", "FLOAT8E4M3FN", "FLOAT8E4M3FNUZ", "FLOAT8E5M2", "FLOAT8E5M2FNUZ")
+    if hasattr(onnx.TensorProto, t))
 
 
 @dataclass(frozen=True)
@@ -89,6 +94,7 @@ def check_model(model: onnx.ModelProto, profile: TargetProfile, encodings: dict 
     integer_side = _integer_side_tensors(graph)
     violations += _check_dtypes(model, profile, integer_side)
     violations += _check_quantization(model, profile, encodings if encodings is not None else collect_encodings(model))
+    violations += _check_finite_params(graph)
     if profile.power_of_two_scales:
         violations += _check_pow2(graph, profile)
     if profile.int8_weight_range == "u8s8-safe":
@@ -320,6 +326,29 @@ def _rule_violations(side: str, name: str, node: str | None, enc: dict, rules: Q
     if gran is not None and gran not in rules.granularity:
         out.append(Violation(name, f"{side}-granularity", f"{side} {subject}: per-{gran} scales not allowed by {target} "
                                                            f"(allowed: {', '.join(sorted(rules.granularity))})"))
+    return out
+
+
+def _check_finite_params(graph: onnx.GraphProto) -> list[Violation]:
+    """A Q/DQ whose constant scale or zero point holds NaN or inf: every value it quantizes or
+    dequantizes becomes NaN (or saturates), on any target."""
+    constants = _constants(graph)
+    out = []
+    for node in ir.proto_nodes(graph.node):
+        if node.op_type not in _QDQ:
+            continue
+        for what, name in zip(("scale", "zero point"), node.input[1:3]):
+            tensor = constants.get(name) if name else None
+            if tensor is None or tensor.data_type not in _FLOAT_ELEMS:  # (integers are always finite)
+                continue
+            values = np.asarray(numpy_helper.to_array(tensor)).astype(np.float64).ravel()
+            bad = values[~np.isfinite(values)]
+            if bad.size:
+                label = f"{node.op_type} {node.name or node.output[0]}"
+                extra = f" ({bad.size} of {values.size})" if values.size > 1 else ""
+                out.append(Violation(node.name or node.output[0], f"finite-{what.replace(' ', '-')}",
+                                     f"{label}: {what} {name} is {float(bad[0])}{extra}; every value it touches "
+                                     f"becomes NaN or saturates"))
     return out
 
 

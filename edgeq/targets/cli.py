@@ -47,6 +47,7 @@ def run_check(args: argparse.Namespace) -> int:
 
     profile = load_target(args.target)  # before the model: a typo fails fast
     model = ir.load_model(args.model)
+    ir.check_opset(model)  # what compile refuses, check refuses too
     result = check_model(model, profile)
     if args.json:
         print(json.dumps({"model": str(args.model), **result.to_dict()}, indent=1))

@@ -31,7 +31,7 @@ from edgeq.calib.observers import HessianObserver, PlainHessianObserver
 from edgeq.errors import UserInputError
 from edgeq.passes.methods.gptq import ORDERS, ColumnQuantizer, GptqResult, IntColumns, gptq_quantize
 from edgeq.passbase import Exactness, Pass, PassConfig, PassContext, PassResult
-from edgeq.qdq_nodes import ensure_opset, insert_weight_dequantize
+from edgeq.qdq_nodes import check_weights_finite, ensure_opset, insert_weight_dequantize
 from edgeq.quant import QuantSpec, dequantize_weight, quantize_weight
 from edgeq.structure import find_linears
 from edgeq.structure.linears import Linear
@@ -130,6 +130,7 @@ class GptqRewrite(Pass):
         group = cfg.group_size if cfg.weight_granularity == "group" else 0
         if not linears:
             return PassResult(False, {"linears_quantized": 0})
+        check_weights_finite(index, linears)
         if cfg.lowering == "matmulnbits" and any(lin.op != "MatMul" for lin in linears):
             raise UserInputError(f"{self.name}: lowering 'matmulnbits' handles MatMul linears only; this model has Gemm linears")
         sites = sorted({lin.input for lin in linears})

@@ -29,8 +29,8 @@ from edgeq import facts, ir
 from edgeq.calib.observers import HistogramObserver, MinMaxObserver
 from edgeq.errors import UserInputError
 from edgeq.passbase import Exactness, Pass, PassConfig, PassContext, PassResult
-from edgeq.qdq_nodes import (QuantizedTensor, ensure_opset, insert_dequantize, insert_quantize, insert_token_fake_quant,
-                              insert_weight_dequantize)
+from edgeq.qdq_nodes import (QuantizedTensor, check_weights_finite, ensure_opset, insert_dequantize, insert_quantize,
+                              insert_token_fake_quant, insert_weight_dequantize)
 from edgeq.quant import QuantSpec
 from edgeq.structure import Linear, find_linears
 
@@ -118,6 +118,7 @@ class StaticQDQ(Pass):
         ]
         if not linears:
             return PassResult(False, {"linears_quantized": 0})
+        check_weights_finite(index, linears)
         act_spec = QuantSpec(cfg.activation_dtype, cfg.activation_symmetric, value_bits=cfg.activation_bits)
         site_specs = self._site_specs(linears, act_spec)
         ensure_opset(graph, self._weight_spec(axis=0), *set(site_specs.values()))

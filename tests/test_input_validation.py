@@ -1,0 +1,360 @@
+"""Bad input the loaders must refuse with exit 2 and one line (issue 30), where it used to pass
+silently or fail deep inside a pass with exit 1: NaN / inf weights, unsupported IR and opset
+versions in ``check``, unknown ``skip_roles``, calibration data that does not fit the model, a graph
+without outputs or with a dangling input, TOML that is not UTF-8; and what must keep working: a
+damaged calibration-cache entry is a miss, external data behind a symbolic link (a Hugging Face hub
+snapshot) loads.
+
+Everything runs on the hand-built toy models of ``tests/toy.py`` and the ``w8a8`` recipe on one
+16-token window, well under a second per compile.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+from pathlib import Path
+
+import numpy as np
+import onnx
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+from toy import (VOCAB, run_cli, set_external_location, single_linear, toy_lm, toy_model_dir, toy_with_calib,
+                 write_text, write_tokenizer)
+
+from edgeq import ir
+from edgeq.artifacts.aimet import write_aimet
+from edgeq.artifacts.encodings import collect_encodings, strict_json
+from edgeq.errors import UserInputError
+from edgeq.recipes import parse_recipe
+from edgeq.structure.linears import ROLES
+
+COMPILE = ["--recipe", "w8a8", "--calib-windows", "1", "--seq-len", "16", "--no-cache"]
+
+
+@pytest.fixture(autouse=True)
+def _quiet(monkeypatch, tmp_path):
+    monkeypatch.setenv("EDGEQ_PROGRESS", "0")  # stderr must hold the error line only
+    monkeypatch.setenv("EDGEQ_CACHE_DIR", str(tmp_path / "cache"))
+
+
+@pytest.fixture
+def toy(tmp_path):
+    """(model.onnx with its weights in model.onnx.data, calibration text)."""
+    return toy_with_calib(tmp_path)
+
+
+_run = run_cli
+
+
+def _refused(capsys, *argv, match: str = "") -> str:
+    """Run the CLI; it must exit 2 with exactly one 'edgeq: error:' line containing ``match``."""
+    code, err, _ = _run(capsys, *argv)
+    assert code == 2, err
+    assert len(err.splitlines()) == 1 and err.startswith("edgeq: error: "), err
+    assert match in err, err
+    return err
+
+
+def _save(model: onnx.ModelProto, folder: Path) -> Path:
+    """``model`` saved as ``edgeq export`` would (weights external, the toy's tokenizer beside it)."""
+    ir.save_model(model, folder / "model.onnx", size_threshold=0)
+    write_tokenizer(folder)
+    return folder / "model.onnx"
+
+
+def _set_initializer(model: onnx.ModelProto, name: str, value: np.ndarray) -> None:
+    init = next(t for t in model.graph.initializer if t.name == name)
+    init.CopyFrom(numpy_helper.from_array(value, name))
+
+
+# -- 1. NaN / inf in a weight, in a scale -----------------------------------------------------------
+
+
+@pytest.mark.parametrize("bad", [math.nan, math.inf, -math.inf], ids=["nan", "inf", "-inf"])
+@pytest.mark.parametrize("weight", ["w1", "w2"])
+def test_compile_refuses_a_non_finite_weight(toy, tmp_path, capsys, bad, weight):
+    model_path, calib = toy
+    model = ir.load_model(model_path)
+    w = numpy_helper.to_array(next(t for t in model.graph.initializer if t.name == weight)).copy()
+    w[2, 3] = bad
+    _set_initializer(model, weight, w)
+    path = _save(model, tmp_path / "bad")
+    out = tmp_path / "out"
+    err = _refused(capsys, "compile", path, *COMPILE, "--calib", calib, "-o", out, match=f"weight '{weight}'")
+    assert "non-finite" in err and "[2, 3]" in err
+    assert not out.exists()
+
+
+def test_quantizing_a_non_finite_weight_is_refused_where_the_scale_is_computed():
+    """The backstop every weight-quantizing pass goes through (``insert_weight_dequantize``)."""
+    import onnx_graphsurgeon as gs
+
+    from edgeq.qdq_nodes import insert_weight_dequantize
+    from edgeq.quant import QuantSpec
+
+    graph = gs.Graph()
+    w = np.ones((4, 3), np.float32)
+    w[1, 1] = np.inf
+    with pytest.raises(UserInputError, match=r"weight 'lin_w' holds 1 non-finite value\(s\).*index \[1, 1\]"):
+        insert_weight_dequantize(graph, ir.GraphIndex(graph), w, QuantSpec("int8", axis=1), "lin_w")
+
+
+def _encodings_with(scale: float) -> dict:
+    enc = {"dtype": "int8", "bits": 8, "symmetric": True, "granularity": "tensor", "axis": None, "block_size": 0,
+           "scale": [scale], "zero_point": [0], "qmin": -128, "qmax": 127, "scale_shape": [], "shape": [4, 4],
+           "float_name": "w_dq"}
+    return {"version": "edgeq-encodings/1", "activations": {}, "weights": {"w_q": enc}, "unrepresented": {}}
+
+
+@pytest.mark.parametrize("scale", [math.nan, math.inf])
+def test_encodings_writers_never_emit_nan(tmp_path, scale):
+    good = _encodings_with(0.5)
+    assert json.loads(strict_json(good, good)) == good
+    bad = _encodings_with(scale)
+    with pytest.raises(UserInputError, match="weight 'w_q' has a non-finite scale"):
+        strict_json(bad, bad)
+    with pytest.raises(UserInputError, match="weight 'w_q' has a non-finite scale"):
+        write_aimet(tmp_path / "aimet.json", bad)
+    assert not list(tmp_path.iterdir())
+
+
+@pytest.fixture
+def compiled(toy, tmp_path, capsys):
+    model, calib = toy
+    out = tmp_path / "w8a8"
+    code, err, _ = _run(capsys, "compile", model, *COMPILE, "--calib", calib, "-o", out)
+    assert code == 0, err
+    return out / "model.onnx"
+
+
+def test_check_reports_a_non_finite_scale(compiled, tmp_path, capsys):
+    code, err, _ = _run(capsys, "check", compiled, "--target", "ort-cpu")
+    assert code == 0, err
+    model = ir.load_model(compiled)
+    q = next(n for n in model.graph.node if n.op_type == "QuantizeLinear")
+    _set_initializer(model, q.input[1], np.array(np.nan, np.float32))
+    path = _save(model, tmp_path / "nan_scale")
+    code, err, out = _run(capsys, "check", path, "--target", "ort-cpu", "--json")
+    assert code == 3, err
+    violations = json.loads(out)["violations"]  # the QuantizeLinear and the DequantizeLinears sharing its scale
+    assert {v["rule"] for v in violations} == {"finite-scale"}
+    assert f"QuantizeLinear {q.name}: scale {q.input[1]} is nan" in [v["message"].split(";")[0] for v in violations]
+    encodings = collect_encodings(model)  # what compile's writer would have been handed
+    with pytest.raises(UserInputError, match=f"activation '{q.input[0]}' has a non-finite scale"):
+        strict_json(encodings, encodings)
+
+
+# -- 2. IR version and opset beyond what onnx / onnxruntime read --------------------------------------
+
+
+@pytest.mark.parametrize("field, match", [("ir_version", "IR version 99 is not supported"),
+                                          ("opset", "opset 99 is not supported")])
+def test_check_and_compile_refuse_unsupported_versions(tmp_path, capsys, field, match):
+    model = toy_lm()
+    if field == "ir_version":
+        model.ir_version = 99
+    else:
+        model.opset_import[0].version = 99
+    path = toy_model_dir(tmp_path / "m")
+    _save(model, path.parent)
+    calib = write_text(tmp_path / "calib.txt", 400)
+    _refused(capsys, "check", path, "--target", "ort-cpu", match=match)
+    _refused(capsys, "compile", path, *COMPILE, "--calib", calib, "-o", tmp_path / "out", match=match)
+    assert not (tmp_path / "out").exists()
+
+
+# -- 3. skip_roles --------------------------------------------------------------------------------
+
+
+def test_unknown_skip_role_is_refused(toy, tmp_path, capsys):
+    model, calib = toy
+    recipe = tmp_path / "typo.toml"
+    recipe.write_text('[[pass]]\nname = "qdq"\nskip_roles = ["lm_haed"]\n')
+    err = _refused(capsys, "compile", model, "--recipe", recipe, "--calib-windows", "1", "--seq-len", "16",
+                   "--calib", calib, "-o", tmp_path / "out", match="unknown role(s) 'lm_haed'")
+    assert "lm_head" in err and "down_proj" in err  # the valid roles are listed
+    for pass_name in ("qdq", "gptq"):  # every pass config with a *_roles list, through one check
+        parse_recipe(f'[[pass]]\nname = "{pass_name}"\nskip_roles = ["lm_head", "o_proj"]\n', "ok")
+        with pytest.raises(UserInputError, match="unknown role"):
+            parse_recipe(f'[[pass]]\nname = "{pass_name}"\nskip_roles = ["head"]\n', "bad")
+    parse_recipe('[[pass]]\nname = "qdq"\nrole_activation_dtypes = ["down_proj=int16"]\n', "ok")
+    with pytest.raises(UserInputError, match="unknown role\\(s\\) 'down' "):
+        parse_recipe('[[pass]]\nname = "qdq"\nrole_activation_dtypes = ["down=int16"]\n', "bad")
+    assert {"lm_head", "q_proj", "gate_proj", "fc2", "classifier"} <= set(ROLES)
+
+
+# -- 4. calibration data that does not fit the model --------------------------------------------------
+
+
+def _ids_npz(path: Path, ids) -> Path:
+    np.savez(path, input_ids=np.asarray(ids, np.int64))
+    return path
+
+
+@pytest.mark.parametrize("ids, match", [
+    ([[[1, 2, 100000, 3]]], f"token id 100000, but the model's vocabulary has {VOCAB} tokens (rows of its "
+                            "embedding 'embed')"),
+    ([[[1, -1, 2, 3]]], "negative token id (-1)"),
+    (np.zeros((1, 1, 0)), "'input_ids' has an empty axis (sample shape [1, 0])"),
+], ids=["beyond-vocab", "negative", "length-0"])
+def test_npz_token_ids_are_checked(toy, tmp_path, capsys, ids, match):
+    model, _ = toy
+    npz = _ids_npz(tmp_path / "ids.npz", ids)
+    _refused(capsys, "compile", model, *COMPILE, "--calib", npz, "-o", tmp_path / "out", match=match)
+    _refused(capsys, "inspect", model, "--calib", npz, match=match)
+
+
+def test_tokenizer_of_another_model_is_refused(toy, tmp_path, capsys):
+    """A tokenizer whose ids run past the model's embedding rows (here 64)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    model, _ = toy
+    words = [f"v{i}" for i in range(4 * VOCAB)]
+    tok = Tokenizer(models.WordLevel(vocab={w: i for i, w in enumerate(words)}, unk_token="v0"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    other = tmp_path / "other"
+    other.mkdir()
+    tok.save(str(other / "tokenizer.json"))
+    text = tmp_path / "text.txt"
+    text.write_text(" ".join(words[::-1] * 2))
+    match = f"the tokenizer in {other} gives token id {4 * VOCAB - 1}, but the model's vocabulary has {VOCAB}"
+    _refused(capsys, "compile", model, *COMPILE, "--calib", text, "--tokenizer", other, "-o", tmp_path / "out",
+             match=match)
+    _refused(capsys, "inspect", model, "--calib", text, "--tokenizer", other, "--seq-len", "16", match=match)
+
+
+@pytest.mark.parametrize("bad", [math.nan, math.inf])
+def test_npz_with_non_finite_values_is_refused(tmp_path, capsys, bad):
+    model, _ = single_linear(8, 4)
+    path = _save(model, tmp_path / "lin")
+    x = np.random.default_rng(0).standard_normal((3, 1, 5, 8)).astype(np.float32)
+    x[1, 0, 2, 6] = bad
+    np.savez(tmp_path / "x.npz", x=x)
+    _refused(capsys, "compile", path, *COMPILE, "--calib", tmp_path / "x.npz", "-o", tmp_path / "out",
+             match="'x' holds 1 NaN or inf value(s) (first at index [1, 0, 2, 6])")
+
+
+def _image_model(folder: Path) -> Path:
+    """pixel_values [batch, channels, height, width], all symbolic as HF exports have them, and a
+    config.json declaring 3 x 32 x 32 images: mean over the pixels, one linear."""
+    w = np.random.default_rng(0).standard_normal((3, 4)).astype(np.float32)
+    axes = numpy_helper.from_array(np.array([2, 3], np.int64), "axes")
+    nodes = [helper.make_node("ReduceMean", ["pixel_values", "axes"], ["pooled"], keepdims=0),
+             helper.make_node("MatMul", ["pooled", "w"], ["logits"], name="classifier")]
+    graph = helper.make_graph(
+        nodes, "img", [helper.make_tensor_value_info("pixel_values", TensorProto.FLOAT, ["b", "c", "h", "w"])],
+        [helper.make_tensor_value_info("logits", TensorProto.FLOAT, ["b", 4])], [numpy_helper.from_array(w, "w"), axes])
+    path = _save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)], ir_version=9), folder)
+    (folder / "config.json").write_text(json.dumps({"image_size": 32, "num_channels": 3}))
+    return path
+
+
+@pytest.mark.parametrize("shape, ok", [((2, 1, 3, 32, 32), True), ((2, 1, 3, 48, 48), False),
+                                       ((2, 1, 4, 32, 32), False)], ids=["32x32", "48x48", "4-channels"])
+def test_image_size_must_match_the_model(tmp_path, capsys, shape, ok):
+    path = _image_model(tmp_path / "img")
+    np.savez(tmp_path / "px.npz", pixel_values=np.random.default_rng(0).standard_normal(shape).astype(np.float32))
+    argv = ["compile", path, *COMPILE, "--calib", tmp_path / "px.npz", "-o", tmp_path / "out"]
+    if ok:
+        code, err, _ = _run(capsys, *argv)
+        assert code == 0, err
+    else:
+        got = "x".join(map(str, shape[2:]))
+        _refused(capsys, *argv, match=f"images of {got} (channels x height x width) in 'pixel_values', "
+                                       "but the model takes 3x32x32")
+
+
+# -- 5. graph wiring ------------------------------------------------------------------------------
+
+
+def test_graph_without_outputs_is_refused(toy, tmp_path, capsys):
+    model, calib = toy
+    proto = ir.load_model(model)
+    del proto.graph.output[:]
+    path = _save(proto, tmp_path / "no_out")
+    _refused(capsys, "compile", path, *COMPILE, "--calib", calib, "-o", tmp_path / "out",
+             match="the graph has no outputs")
+    _refused(capsys, "check", path, "--target", "ort-cpu", match="the graph has no outputs")
+
+
+def test_node_reading_a_tensor_nothing_produces_is_refused(toy, tmp_path, capsys):
+    model, calib = toy
+    proto = ir.load_model(model)
+    proto.graph.node[1].input[0] = "h_missing"  # fc1 reads a tensor no node, input or initializer gives
+    path = _save(proto, tmp_path / "dangling")
+    match = "node 'fc1' reads tensor 'h_missing', which is not a graph input, an initializer or any node's output"
+    _refused(capsys, "compile", path, *COMPILE, "--calib", calib, "-o", tmp_path / "out", match=match)
+    _refused(capsys, "inspect", path, match=match)
+
+
+# -- 6. TOML that is not UTF-8 ----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("option", ["--recipe", "--target"])
+def test_non_utf8_toml_is_refused(toy, tmp_path, capsys, option):
+    model, calib = toy
+    bad = tmp_path / "latin1.toml"
+    bad.write_bytes('description = "caf\u00e9"\n'.encode("latin-1"))
+    _refused(capsys, "compile", model, *COMPILE, option, bad, "--calib", calib, "-o", tmp_path / "out",
+             match=f"{bad}: invalid TOML: not UTF-8")
+    if option == "--target":
+        _refused(capsys, "check", model, "--target", bad, match="not UTF-8")
+
+
+# -- 7. a damaged calibration-cache entry is a miss ---------------------------------------------------
+
+
+def test_truncated_cache_entries_are_recomputed(toy, tmp_path, capsys):
+    model, calib = toy
+    argv = ["compile", model, "--recipe", "w8a8", "--calib-windows", "1", "--seq-len", "16", "--calib", calib]
+    code, err, _ = _run(capsys, *argv, "-o", tmp_path / "first")
+    assert code == 0, err
+    entries = sorted((tmp_path / "cache").rglob("*.np[yz]"))
+    assert {p.suffix for p in entries} == {".npz", ".npy"}  # observers and the tokenized text
+    sizes = {p: p.stat().st_size for p in entries}
+    for p in entries:
+        os.truncate(p, p.stat().st_size // 2)
+    code, err, _ = _run(capsys, *argv, "-o", tmp_path / "second")
+    assert code == 0, err
+    assert {p: p.stat().st_size for p in entries} == sizes  # rewritten whole
+    report = json.loads((tmp_path / "second" / "report.json").read_text())
+    assert report["calibration"]["cache_hits"] == 0
+    code, err, _ = _run(capsys, *argv, "-o", tmp_path / "third")
+    assert code == 0, err
+    assert json.loads((tmp_path / "third" / "report.json").read_text())["calibration"]["cache_hits"] >= 1
+
+
+# -- 8. external data behind a symbolic link ----------------------------------------------------------
+
+
+def test_hub_snapshot_with_symlinked_files_loads(toy, tmp_path, capsys):
+    """A Hugging Face hub cache: snapshots/REV/* are links into ../../blobs/."""
+    model, calib = toy
+    hub = tmp_path / "hub"
+    (hub / "blobs").mkdir(parents=True)
+    snapshot = hub / "snapshots" / "rev"
+    snapshot.mkdir(parents=True)
+    for f in sorted(model.parent.iterdir()):
+        blob = hub / "blobs" / f"blob-{f.name}"
+        shutil.copy(f, blob)
+        (snapshot / f.name).symlink_to(Path("../../blobs") / blob.name)
+    linked = snapshot / "model.onnx"
+    assert (snapshot / "model.onnx.data").is_symlink()
+    loaded, locations = ir.load_model_and_locations(linked)
+    assert locations == {"model.onnx.data"}
+    np.testing.assert_array_equal(numpy_helper.to_array(loaded.graph.initializer[0]),
+                                  numpy_helper.to_array(ir.load_model(model).graph.initializer[0]))
+    code, err, _ = _run(capsys, "compile", linked, *COMPILE, "--calib", calib, "-o", tmp_path / "out")
+    assert code == 0, err
+
+
+@pytest.mark.parametrize("location", ["../outside.data", "sub/../../outside.data", "/abs/outside.data"])
+def test_external_location_outside_the_folder_is_still_refused(toy, tmp_path, location):
+    model, _ = toy
+    set_external_location(model, location)
+    (tmp_path / "outside.data").write_bytes((model.parent / "model.onnx.data").read_bytes())
+    with pytest.raises(UserInputError, match=f"points outside the model's folder: {location}"):
+        ir.load_model(model)

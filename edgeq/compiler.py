@@ -150,7 +150,7 @@ def plan_compile(req: CompileRequest) -> CompilePlan:
     if windows < 1 or seq_len < 2:
         raise UserInputError("--calib-windows must be >= 1 and --seq-len >= 2")
     calibrator = sample = calibration = None
-    if any(p.needs_calibration for p in passes) or req.check_numerics:
+    if any(p.needs_calibration for p in passes + lowering) or req.check_numerics:
         if req.calib is None:
             raise UserInputError(f"recipe '{recipe.name}' needs calibration data: pass --calib FILE (text or .npz)")
         tokenizer = req.tokenizer or default_tokenizer_dir(req.model)

@@ -35,6 +35,7 @@ from onnx import numpy_helper
 from edgeq import ir
 from edgeq.artifacts.encodings import collect_encodings
 from edgeq.errors import EdgeqError
+from edgeq.targets.node_units import broken_units, lookup_tables
 from edgeq.targets.profile import QuantRules, TargetProfile, dtype_bits, dtype_name
 
 _QDQ = ("QuantizeLinear", "DequantizeLinear")
@@ -101,6 +102,9 @@ def check_model(model: onnx.ModelProto, profile: TargetProfile, encodings: dict 
         violations += _check_u8s8(model)
     if profile.static_shapes:
         violations += _check_static_shapes(model)
+    if profile.node_units:
+        violations += [Violation(dq, "node-unit", f"{why} ({profile.name} takes a per-channel weight only inside a "
+                                 "whole QDQ unit)") for dq, why in broken_units(graph, _constants(graph))]
     return CheckResult(profile.name, violations)
 
 
@@ -257,8 +261,10 @@ def _check_quantization(model: onnx.ModelProto, profile: TargetProfile, enc: dic
             q_nodes.setdefault(node.input[0], node.name)
     for tensor, e in enc["activations"].items():
         out += _rule_violations("activation", tensor, q_nodes.get(tensor), e, profile.activations, profile.name)
-    for tensor, e in enc["weights"].items():
-        out += _rule_violations("weight", tensor, None, e, profile.weights, profile.name)
+    tables = lookup_tables(graph) if profile.node_units else set()
+    for tensor, e in enc["weights"].items():  # a gathered table is an activation to a node-unit NPU
+        side, rules = ("activation", profile.activations) if tensor in tables else ("weight", profile.weights)
+        out += _rule_violations(side, tensor, None, e, rules, profile.name)
     # Q/DQ the encodings do not describe (float8, a Q without zero point, a DQ of a graph input):
     # their integer type is still known from the zero point (QuantizeLinear's default: uint8)
     for node in graph.node:

@@ -96,6 +96,9 @@ class TargetProfile:
     # every tensor's shape fixed at compile time (NPU compilers refuse dynamic ones): shape inference
     # must leave no symbolic or unknown dimension (an LLM gets there with ``compile --static``)
     static_shapes: bool = False
+    # per-channel weights only inside whole QDQ node units, input and output quantized at one type
+    # (Qualcomm's HTP: ``edgeq.targets.node_units``); gathered integer tables judged as activations
+    node_units: bool = False
 
     def allows_op(self, domain: str, op_type: str) -> bool:
         if domain in ("", "ai.onnx"):
@@ -113,7 +116,7 @@ _TOP_KEYS = {"description", "lowering", "ops", "edgeq_ops", "domains", "dtypes",
 _QUANT_KEYS = {"dtypes", "symmetric", "granularity"}
 # optional keys: they never allow anything, so leaving them out cannot silently widen a profile
 # (static_shapes restricts; a profile opts into it)
-_OPTIONAL_KEYS = {"ort_kernels", "int8_weight_range", "static_shapes"}
+_OPTIONAL_KEYS = {"ort_kernels", "int8_weight_range", "static_shapes", "node_units"}
 
 
 def builtin_target_names() -> list[str]:
@@ -163,6 +166,7 @@ def parse_target(text: str, name: str, source: str = "target") -> TargetProfile:
         ort_kernels=_typed(optional, "ort_kernels", bool, source) if "ort_kernels" in optional else False,
         int8_weight_range=_weight_range(optional, source),
         static_shapes=_typed(optional, "static_shapes", bool, source) if "static_shapes" in optional else False,
+        node_units=_typed(optional, "node_units", bool, source) if "node_units" in optional else False,
     )
 
 

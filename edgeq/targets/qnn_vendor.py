@@ -26,11 +26,14 @@ from pathlib import Path
 EP_NAME = "QNNExecutionProvider"
 # Snapdragon 8 Elite (HTP v79) is the current flagship generation the prepared binaries target by default
 DEFAULT_HTP_ARCH = 79
-HTP_ARCHS = (68, 69, 73, 75, 79, 81)
+# HTP generation -> the QNN SoC id of its Snapdragon (the backend needs one for fp16 float ops):
+# v73 Snapdragon 8 Gen 2 (SM8550), v75 8 Gen 3 (SM8650), v79 8 Elite (SM8750; the backend's own default SoC for v79)
+HTP_SOCS = {73: 43, 75: 57, 79: 69}
 
 _FAILED_UNIT = re.compile(r"Validation FAILED for \d+ nodes in OrtNodeUnit \((?P<unit>[^)]*)\)")
 _UNIT_NODE = re.compile(r"^\s*Operator type: (?P<op>\S+) Node name: (?P<name>.*?) Node index: (?P<index>\d+)\s*$")
 _REASON = re.compile(r"^\s*REASON\s*:\s*(?P<reason>.*\S)\s*$")
+_PREPARE_ERROR = re.compile(r'<E> "(?P<name>[^"]*)" generated: (?P<reason>.*\S)')
 _UNSUPPORTED = re.compile(r"Unsupported nodes in QNN EP: \{ name: (?P<name>.*?), type: (?P<op>\S+) \}")
 
 
@@ -74,7 +77,9 @@ class VendorVerdict:
 
 
 def htp_provider_options(htp_arch: int = DEFAULT_HTP_ARCH) -> dict[str, str]:
-    return {"backend_type": "htp", "htp_arch": str(htp_arch)}
+    # float ops run in fp16 on the HTP (it has no fp32 units): without this the backend refuses them at prepare
+    return {"backend_type": "htp", "htp_arch": str(htp_arch), "soc_model": str(HTP_SOCS[htp_arch]),
+            "enable_htp_fp16_precision": "1"}
 
 
 def htp_session_options(htp_arch: int = DEFAULT_HTP_ARCH, config: dict[str, str] | None = None,
@@ -100,7 +105,8 @@ def htp_session_options(htp_arch: int = DEFAULT_HTP_ARCH, config: dict[str, str]
 def parse_ep_log(lines) -> list[Refusal]:
     """The node units the QNN EP's verbose log says it refused, each node once (the EP asks twice:
     before and after its layout transform). Units it refused without a validation entry (no op
-    builder at all) come from its "Unsupported nodes" line."""
+    builder at all) come from its "Unsupported nodes" line; nodes that passed validation and then
+    failed when the HTP prepared the graph from the backend's own error lines."""
     refusals: dict[tuple[str, str], Refusal] = {}
     pending: list[tuple[str, str]] = []
     in_unit = False
@@ -122,6 +128,9 @@ def parse_ep_log(lines) -> list[Refusal]:
         found = _UNSUPPORTED.search(line)
         if found:
             unsupported.append((found["name"], found["op"]))
+        found = _PREPARE_ERROR.search(line)
+        if found:  # taken at validation, failed when the HTP prepared the graph (the op from the model)
+            refusals.setdefault((found["name"], ""), Refusal(found["name"], "", f"HTP graph prepare: {found['reason']}"))
     for name, op in unsupported:
         refusals.setdefault((name, op), Refusal(name, op, "no QNN op builder takes it"))
     return list(refusals.values())
@@ -135,7 +144,8 @@ def ask_htp(model: str | os.PathLike, htp_arch: int = DEFAULT_HTP_ARCH, timeout:
         started = time.perf_counter()
         try:
             done = subprocess.run([sys.executable, "-m", "edgeq.targets.qnn_vendor", str(model), str(htp_arch)],
-                                  stdout=subprocess.PIPE, stderr=log, text=True, timeout=timeout)
+                                  stdout=subprocess.PIPE, stderr=log, text=True, timeout=timeout,
+                                  preexec_fn=_cap_memory)
         except subprocess.TimeoutExpired:
             return VendorVerdict(str(model), False, error=f"the HTP did not finish within {timeout:.0f} s",
                                  seconds=time.perf_counter() - started, vendor=vendor_version() or "", htp_arch=htp_arch)
@@ -146,11 +156,39 @@ def ask_htp(model: str | os.PathLike, htp_arch: int = DEFAULT_HTP_ARCH, timeout:
     except (IndexError, json.JSONDecodeError):
         answer = {"opened": False, "error": f"the vendor library ended the process (exit {done.returncode})",
                   "seconds": time.perf_counter() - started}
+    refusals = _with_ops(model, refusals)
     accepted = bool(answer["opened"]) and not refusals
     if not accepted and not refusals:
         refusals = [Refusal("<graph>", "", answer.get("error", "") or "refused without a reason")]
     return VendorVerdict(str(model), accepted, refusals, answer.get("error", ""), float(answer["seconds"]),
                          vendor_version() or "", htp_arch)
+
+
+def memory_cap_bytes() -> int:
+    """The address space the vendor's child may take: 60% of this machine's memory (the emulated
+    HTP's graph preparation has been seen to take all of it, and the kernel's OOM killer then
+    picks any process); ``EDGEQ_QNN_MEMORY_GB`` overrides it."""
+    override = os.environ.get("EDGEQ_QNN_MEMORY_GB")
+    if override:
+        return int(float(override) * 2**30)
+    return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") * 0.6)
+
+
+def _cap_memory() -> None:  # runs in the child, before the vendor library is loaded
+    import resource
+
+    cap = memory_cap_bytes()
+    resource.setrlimit(resource.RLIMIT_AS, (cap, cap))
+
+
+def _with_ops(model: Path, refusals: list[Refusal]) -> list[Refusal]:
+    """Fill in the op of refusals the backend named by node only (read from the graph, no weights)."""
+    if all(r.op for r in refusals):
+        return refusals
+    import onnx
+
+    ops = {n.name: n.op_type for n in onnx.load(str(model), load_external_data=False).graph.node}
+    return [r if r.op else Refusal(r.node, ops.get(r.node, "?"), r.reason) for r in refusals]
 
 
 def _open_on_htp(model: str, htp_arch: int) -> dict:

@@ -68,6 +68,8 @@ class CompileRequest:
     blockwise: str = "auto"  # "auto" | "on" | "off": compile one decoder block at a time
     static: tuple[int, int] | None = None  # (prefill, context): write the static prefill/decode pair
     force: bool = False  # replace a non-empty out_dir that edgeq did not write (ir.check_output_dir)
+    context_binary: bool = False  # with --static and a QNN target: OUT/qnn/*_ctx.onnx prepared by the vendor's HTP
+    htp_arch: int | None = None  # the HTP generation the context binaries are prepared for
 
 
 @dataclass
@@ -129,6 +131,7 @@ def plan_compile(req: CompileRequest) -> CompilePlan:
     guard = [get_pass("u8s8-safe-weights")()] if int8_weights == "u8s8-safe" else []
     model, locations = ir.load_model_and_locations(req.model, load_external=False)
     ir.check_opset(model)
+    _check_context_binary(req, profile)
     static_shape = None
     if req.static is not None:
         from edgeq.static.specialize import cache_layout
@@ -268,10 +271,33 @@ def _compile_static(plan: CompilePlan) -> dict:
         target["check"] = checks
     report, u8s8 = build_report(plan, stages, target)
     report["static"] = static_report(shape, pair, scales)
+    vendor = None
+    if plan.req.context_binary:
+        from edgeq.targets.qnn_context import write_context_binaries
+
+        def vendor(folder):
+            report["qnn_context"] = write_context_binaries(folder, list(pair), plan.req.htp_arch)
     return write_static_outputs(plan.req.out_dir, pair, report, encodings=encodings, recipe=plan.recipe,
                                 input_model=plan.input_model, target=plan.profile.name if plan.profile else None,
                                 u8s8=u8s8, started=plan.started, extra_files=tokenizer_files(plan.req.model),
-                                force=plan.req.force, inputs=_inputs(plan.req))
+                                force=plan.req.force, inputs=_inputs(plan.req), after_graphs=vendor)
+
+
+def _check_context_binary(req: CompileRequest, profile: TargetProfile | None) -> None:
+    """--context-binary / --htp-arch: only for a static pair on a QNN target, with the vendor installed."""
+    if not req.context_binary:
+        if req.htp_arch is not None:
+            raise UserInputError("--htp-arch is a setting of --context-binary")
+        return
+    from edgeq.targets.qnn_vendor import HTP_SOCS, vendor_version
+
+    if req.static is None or profile is None or profile.vendor != "qnn-htp":
+        raise UserInputError("--context-binary prepares a static pair for Qualcomm's HTP: "
+                             "use it with --static prefill=S,context=C --target qnn-htp")
+    if req.htp_arch is not None and req.htp_arch not in HTP_SOCS:
+        raise UserInputError(f"--htp-arch {req.htp_arch}: known HTP generations are {', '.join(map(str, HTP_SOCS))}")
+    if vendor_version() is None:
+        raise UserInputError("--context-binary needs Qualcomm's compiler: pip install 'edgeq[qnn]' (onnxruntime-qnn)")
 
 
 def _run_blocks(plan: CompilePlan, ctx: PassContext, options: PipelineOptions, external_data: Path):

@@ -120,12 +120,14 @@ def _json_default(obj):
 
 def write_static_outputs(out_dir: Path, models: dict[str, onnx.ModelProto], report: dict, *, encodings: dict, recipe,
                          input_model: dict, target: str | None, u8s8: dict, started: float,
-                         extra_files: list[Path] = (), force: bool = False, inputs: tuple = ()) -> dict:
+                         extra_files: list[Path] = (), force: bool = False, inputs: tuple = (),
+                         after_graphs=None) -> dict:
     """The folder of a static pair (``compile --static``): ``prefill.onnx`` and ``decode.onnx``
     over one ``weights.data`` (``edgeq.static.shared_weights``), each proven to load; one
     ``encodings.json`` (the two graphs carry the same quantization parameters, checked by the
     caller); the tokenizer files (``extra_files``) so that ``edgeq generate`` runs on the folder
-    alone; report and manifest as for one model."""
+    alone; report and manifest as for one model. ``after_graphs(folder)``: more outputs made from
+    the written graphs (QNN context binaries), before the report and the manifest list them."""
     from edgeq.static.shared_weights import save_sharing_weights
 
     with ir.atomic_output_dir(out_dir, force=force, inputs=inputs) as tmp:
@@ -137,5 +139,7 @@ def write_static_outputs(out_dir: Path, models: dict[str, onnx.ModelProto], repo
         for file in extra_files:
             (tmp / file.name).write_bytes(file.read_bytes())
         graphs = sum(f.stat().st_size for f in tmp.iterdir() if f.suffix in (".onnx", ".data"))
+        if after_graphs is not None:
+            after_graphs(tmp)
         _write_rest(tmp, report, encodings, recipe, input_model, target, started, graphs)
     return report

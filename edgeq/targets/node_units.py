@@ -5,7 +5,8 @@ Measured on Qualcomm's HTP through onnxruntime-qnn 2.7.0 (the probe matrix in
 ``tests/test_qnn_vendor.py``): a per-tensor weight DequantizeLinear is taken in any context, but
 a per-channel one only when its linear is a whole unit, the input dequantized and the output
 quantized at the same activation type (uint8/uint8, uint16/uint16, int16/int16; uint16 in and
-int16 out is refused). Profiles with ``node_units = true`` get that rule.
+int16 out is refused; int4 weights with int8 activations are refused too). Profiles with
+``node_units = true`` get that rule.
 
 A lookup table (an integer constant behind a DequantizeLinear read only as a Gather's data) is
 an activation-like tensor to the HTP, not a weight: it is judged by the ``[activations]`` rules.
@@ -15,6 +16,8 @@ from __future__ import annotations
 
 import numpy as np
 import onnx
+
+from edgeq.targets.profile import dtype_name
 
 _LINEARS = ("MatMul", "Gemm", "Conv")
 
@@ -64,6 +67,9 @@ def broken_units(graph: onnx.GraphProto, constants: dict[str, onnx.TensorProto])
             out.append((label, f"per-channel weight of {node.op_type} {node.name}: its input is not dequantized"))
         elif not outs or len(out_types) != 1 or any(r.op_type != "QuantizeLinear" for r, _ in outs):
             out.append((label, f"per-channel weight of {node.op_type} {node.name}: its output is not quantized"))
+        elif in_type == "int8" and dtype_name(constants[dq.input[0]].data_type) == "int4":
+            out.append((label, f"per-channel int4 weight of {node.op_type} {node.name} with int8 activations "
+                               "(the HTP takes int4 weights with uint8, uint16 or int16)"))
         elif out_types != {in_type}:
             out.append((label, f"per-channel weight of {node.op_type} {node.name}: input {in_type}, output "
                                f"{out_types.pop()} (a unit takes one activation type)"))
@@ -78,8 +84,6 @@ def _dequantized_type(name: str, producers: dict, constants: dict) -> str | None
 
 
 def _zero_point_type(node: onnx.NodeProto, constants: dict) -> str | None:
-    from edgeq.targets.profile import dtype_name
-
     if len(node.input) > 2 and node.input[2] in constants:
         return dtype_name(constants[node.input[2]].data_type)
     return "uint8"

@@ -99,6 +99,8 @@ class TargetProfile:
     # per-channel weights only inside whole QDQ node units, input and output quantized at one type
     # (Qualcomm's HTP: ``edgeq.targets.node_units``); gathered integer tables judged as activations
     node_units: bool = False
+    # whose compiler ``edgeq check`` asks when it is installed ("qnn-htp": onnxruntime-qnn), "" none
+    vendor: str = ""
 
     def allows_op(self, domain: str, op_type: str) -> bool:
         if domain in ("", "ai.onnx"):
@@ -116,7 +118,7 @@ _TOP_KEYS = {"description", "lowering", "ops", "edgeq_ops", "domains", "dtypes",
 _QUANT_KEYS = {"dtypes", "symmetric", "granularity"}
 # optional keys: they never allow anything, so leaving them out cannot silently widen a profile
 # (static_shapes restricts; a profile opts into it)
-_OPTIONAL_KEYS = {"ort_kernels", "int8_weight_range", "static_shapes", "node_units"}
+_OPTIONAL_KEYS = {"ort_kernels", "int8_weight_range", "static_shapes", "node_units", "vendor"}
 
 
 def builtin_target_names() -> list[str]:
@@ -167,7 +169,18 @@ def parse_target(text: str, name: str, source: str = "target") -> TargetProfile:
         int8_weight_range=_weight_range(optional, source),
         static_shapes=_typed(optional, "static_shapes", bool, source) if "static_shapes" in optional else False,
         node_units=_typed(optional, "node_units", bool, source) if "node_units" in optional else False,
+        vendor=_vendor(optional, source),
     )
+
+
+VENDORS = ("qnn-htp",)
+
+
+def _vendor(optional: dict, source: str) -> str:
+    vendor = _typed(optional, "vendor", str, source) if "vendor" in optional else ""
+    if vendor and vendor not in VENDORS:
+        raise UserInputError(f"{source}: vendor must be one of {', '.join(VENDORS)}, not '{vendor}'")
+    return vendor
 
 
 def _weight_range(optional: dict, source: str) -> str:

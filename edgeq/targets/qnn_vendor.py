@@ -205,5 +205,50 @@ def _open_on_htp(model: str, htp_arch: int) -> dict:
     return {"opened": True, "error": "", "seconds": time.perf_counter() - started}
 
 
+def _prepare_context(model: str, ctx_model: str, htp_arch: int) -> dict:
+    """The child's side of ``prepare_context``: one session that writes the EPContext model and
+    its context binary beside it (``embed_mode`` 0), then a second session that loads it back."""
+    import onnxruntime as ort
+
+    config = {"ep.context_enable": "1", "ep.context_file_path": ctx_model, "ep.context_embed_mode": "0"}
+    started = time.perf_counter()
+    try:
+        ort.InferenceSession(model, htp_session_options(htp_arch, config))
+    except Exception as exc:  # noqa: BLE001
+        return {"ok": False, "error": " ".join(str(exc).split())[:500]}
+    prepare = time.perf_counter() - started
+    started = time.perf_counter()
+    try:
+        ort.InferenceSession(ctx_model, htp_session_options(htp_arch))
+    except Exception as exc:  # noqa: BLE001
+        return {"ok": False, "error": "the prepared context binary does not load back: " + " ".join(str(exc).split())[:400]}
+    return {"ok": True, "error": "", "prepare_seconds": prepare, "load_seconds": time.perf_counter() - started}
+
+
+def prepare_context(model: str | os.PathLike, ctx_model: str | os.PathLike, htp_arch: int = DEFAULT_HTP_ARCH,
+                    timeout: float = 3600) -> dict:
+    """Prepare ``model`` for the HTP generation ``htp_arch`` as Qualcomm's offline flow does: an
+    EPContext model at ``ctx_model`` with its context binary beside it, proven to load back with
+    CPU fallback disabled. Runs in a child process (memory-capped); returns its record
+    (``ok``, ``error``, ``prepare_seconds``, ``load_seconds``)."""
+    return _child(["--context", str(model), str(ctx_model), str(htp_arch)], timeout)
+
+
+def _child(args: list[str], timeout: float) -> dict:
+    try:
+        done = subprocess.run([sys.executable, "-m", "edgeq.targets.qnn_vendor", *args], stdout=subprocess.PIPE,
+                              stderr=subprocess.DEVNULL, text=True, timeout=timeout, preexec_fn=_cap_memory)
+    except subprocess.TimeoutExpired:
+        return {"ok": False, "error": f"the HTP did not finish within {timeout:.0f} s"}
+    try:
+        return json.loads(done.stdout.strip().splitlines()[-1])
+    except (IndexError, json.JSONDecodeError):
+        return {"ok": False, "error": f"the vendor library ended the process (exit {done.returncode})"}
+
+
 if __name__ == "__main__":
-    print(json.dumps(_open_on_htp(sys.argv[1], int(sys.argv[2]))), flush=True)
+    if sys.argv[1] == "--context":
+        answer = _prepare_context(sys.argv[2], sys.argv[3], int(sys.argv[4]))
+    else:
+        answer = _open_on_htp(sys.argv[1], int(sys.argv[2]))
+    print(json.dumps(answer), flush=True)

@@ -1,0 +1,190 @@
+"""Qualcomm's own compiler in the loop (onnxruntime-qnn, the ``[qnn]`` extra that ``make test`` installs).
+
+- probe graphs (x -> MatMul with an integer weight DequantizeLinear) over weight type and
+  granularity, quantized input and output and their activation types: edgeq's ``qnn-htp``
+  profile (``--profile-only``) must give the vendor's verdict on every one;
+- the lowering makes the tiny static pairs of the HTP recipes load whole on the HTP, and
+  ``--context-binary`` writes EPContext models that load back with CPU fallback disabled and give
+  onnxruntime CPU's logits within quantization noise;
+- ``edgeq check --target qnn-htp`` lists the nodes the HTP refuses (exit 3) with its reason.
+
+The vendor emulates the HTP on x86-64 Linux only (Python >= 3.11): elsewhere the module is
+skipped with that reason, never silently.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import platform
+import sys
+
+import numpy as np
+import onnx
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+
+from edgeq.cli import main
+from edgeq.targets.qnn_vendor import ask_htp, htp_session_options, vendor_version
+
+if platform.machine() != "x86_64" or sys.version_info < (3, 11) or not sys.platform.startswith("linux"):
+    pytest.skip("onnxruntime-qnn emulates the HTP on x86-64 Linux, Python >= 3.11 only", allow_module_level=True)
+if vendor_version() is None:
+    pytest.fail("onnxruntime-qnn is not installed: `pip install -e .[qnn]` (make test installs it)", pytrace=False)
+
+_ZP = {"uint8": (np.uint8, 128), "uint16": (np.uint16, 32768), "int16": (np.int16, 0), "int8": (np.int8, 0)}
+K, N = 64, 32
+
+
+def probe(weight: str, granularity: str, act_in: str | None, act_out: str | None) -> onnx.ModelProto:
+    """x -> [Q/DQ act_in] -> MatMul(DQ(weight)) -> [Q/DQ act_out] -> y."""
+    w = np.random.default_rng(0).standard_normal((K, N)).astype(np.float32)
+    qmax = 127 if weight == "int8" else 7
+    if granularity == "channel":
+        scale, zp, attrs = (np.abs(w).max(0) / qmax).astype(np.float32), np.zeros(N, np.int8), {"axis": 1}
+    else:
+        scale, zp, attrs = np.array(np.abs(w).max() / qmax, np.float32), np.array(0, np.int8), {}
+    q = np.clip(np.round(w / scale), -qmax, qmax).astype(np.int8)
+    if weight == "int4":
+        inits = [helper.make_tensor("wq", TensorProto.INT4, q.shape, q.ravel().tolist()),
+                 helper.make_tensor("wz", TensorProto.INT4, zp.shape, zp.ravel().tolist())]
+    else:
+        inits = [numpy_helper.from_array(q, "wq"), numpy_helper.from_array(zp, "wz")]
+    inits.append(numpy_helper.from_array(scale, "ws"))
+    nodes = [helper.make_node("DequantizeLinear", ["wq", "ws", "wz"], ["w"], name="weight_dq", **attrs)]
+
+    def qdq(src: str, dst: str, dtype: str, tag: str, step: float) -> None:
+        np_type, mid = _ZP[dtype]
+        inits.extend([numpy_helper.from_array(np.array(step, np.float32), f"{tag}_s"),
+                      numpy_helper.from_array(np.array(mid, np_type), f"{tag}_z")])
+        nodes.extend([helper.make_node("QuantizeLinear", [src, f"{tag}_s", f"{tag}_z"], [f"{tag}_q"], name=f"{tag}_q"),
+                      helper.make_node("DequantizeLinear", [f"{tag}_q", f"{tag}_s", f"{tag}_z"], [dst], name=f"{tag}_dq")])
+
+    x = "x"
+    if act_in:
+        qdq("x", "x_dq", act_in, "in", 0.05 if act_in.endswith("8") else 0.0002)
+        x = "x_dq"
+    nodes.append(helper.make_node("MatMul", [x, "w"], ["y_raw" if act_out else "y"], name="matmul"))
+    if act_out:
+        qdq("y_raw", "y", act_out, "out", 0.2 if act_out.endswith("8") else 0.001)
+    graph = helper.make_graph(nodes, "probe", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 8, K])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 8, N])], inits)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21)])
+    model.ir_version = 10
+    return model
+
+
+_ACTS = [(None, None), (None, "uint8"), ("uint8", None), ("uint8", "uint8"), ("uint8", "uint16"), ("uint16", "uint16"),
+         ("uint16", "int16"), ("int16", "int16"), ("int8", "int8")]
+PROBES = [(w, g, a, b) for w, g, (a, b) in itertools.product(("int8", "int4"), ("channel", "tensor"), _ACTS)]
+
+
+def test_profile_gives_the_vendors_verdict_on_every_probe(tmp_path, capsys):
+    disagree, refused = [], 0
+    for i, case in enumerate(PROBES):
+        path = tmp_path / f"probe{i}.onnx"
+        onnx.save(probe(*case), path)
+        vendor = ask_htp(path)
+        refused += not vendor.accepted
+        code = main(["check", str(path), "--target", "qnn-htp", "--profile-only"])
+        capsys.readouterr()
+        if (code == 0) != vendor.accepted:
+            disagree.append((case, vendor.accepted, vendor.refusals[:1]))
+    assert 0 < refused < len(PROBES)  # the matrix holds both verdicts
+    assert not disagree, f"profile and vendor disagree on {len(disagree)} of {len(PROBES)} probes: {disagree}"
+
+
+def test_check_asks_the_vendor_and_lists_refused_nodes(tmp_path, capsys):
+    path = tmp_path / "refused.onnx"
+    onnx.save(probe("int8", "channel", "uint8", None), path)
+    assert main(["check", str(path), "--target", "qnn-htp"]) == 3
+    out = capsys.readouterr().out
+    assert "node weight_dq (DequantizeLinear): refused by QNN HTP: " in out and "per-channel" in out
+    assert main(["check", str(path), "--target", "qnn-htp", "--json"]) == 3
+    report = json.loads(capsys.readouterr().out)
+    assert report["decided_by"] == "vendor" and report["vendor"]["refusals"][0]["node"] == "weight_dq"
+    onnx.save(probe("int8", "channel", "uint8", "uint8"), path)
+    assert main(["check", str(path), "--target", "qnn-htp"]) == 0
+
+
+def test_check_without_the_vendor_says_it_approximates(tmp_path, capsys, monkeypatch):
+    import edgeq.targets.qnn_vendor as vendor
+
+    monkeypatch.setattr(vendor, "vendor_version", lambda: None)
+    path = tmp_path / "p.onnx"
+    onnx.save(probe("int8", "channel", "uint8", "uint8"), path)
+    assert main(["check", str(path), "--target", "qnn-htp"]) == 0
+    assert "approximation of Qualcomm's compiler, which is not installed" in capsys.readouterr().out
+
+
+# --------------------------------------------------------------------------------------------
+# tiny static pairs through the lowering, the vendor and its context binaries
+# --------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def tiny_past(tmp_path_factory):
+    from toy import write_text, write_tokenizer
+
+    from edgeq.models.kv_export import export_tiny_with_past
+
+    folder = tmp_path_factory.mktemp("qnn-tiny")
+    export_tiny_with_past("llama", folder / "model")
+    write_tokenizer(folder / "model")
+    write_text(folder / "calib.txt", 600)
+    return folder
+
+
+def _compile(tiny_past, out, recipe, *extra):
+    return main(["compile", str(tiny_past / "model" / "model.onnx"), "--recipe", recipe, "--calib",
+                 str(tiny_past / "calib.txt"), "--seq-len", "32", "--calib-windows", "2", "--no-cache",
+                 "--static", "prefill=8,context=48", "--target", "qnn-htp", "-o", str(out), *extra])
+
+
+def _feeds(session, seed=0):
+    rng = np.random.default_rng(seed)
+    feeds = {}
+    for i in session.get_inputs():
+        if "int" in i.type:
+            feeds[i.name] = rng.integers(3, 200, size=i.shape).astype(np.int64 if "64" in i.type else np.int32)
+        else:
+            feeds[i.name] = (rng.standard_normal(i.shape) * 0.1).astype(np.float32)
+    return feeds
+
+
+@pytest.mark.parametrize("recipe", ["mquant-w8a8", "w8a16", "mquant-w4a16"])
+def test_htp_recipes_load_whole_on_the_htp(tiny_past, tmp_path, recipe, capsys):
+    out = tmp_path / recipe
+    assert _compile(tiny_past, out, recipe) == 0, capsys.readouterr().err
+    for graph in ("prefill.onnx", "decode.onnx"):
+        verdict = ask_htp(out / graph)
+        assert verdict.accepted, (graph, verdict.refusals[:3], verdict.error)
+
+
+def test_context_binaries_load_back_and_match_cpu(tiny_past, tmp_path, capsys):
+    import onnxruntime as ort
+
+    out = tmp_path / "ctx"
+    assert _compile(tiny_past, out, "mquant-w8a8", "--context-binary", "--htp-arch", "79") == 0, capsys.readouterr().err
+    report = json.loads((out / "report.json").read_text())
+    manifest = json.loads((out / "manifest.json").read_text())
+    for role in ("prefill", "decode"):
+        ctx = out / "qnn" / f"{role}_ctx.onnx"
+        assert [n.op_type for n in onnx.load(ctx).graph.node] == ["EPContext"]
+        assert f"qnn/{role}_ctx.onnx" in json.dumps(manifest)
+        assert report["qnn_context"]["graphs"][f"{role}.onnx"]["bytes"] > 0
+        htp = ort.InferenceSession(ctx, htp_session_options(79))
+        cpu = ort.InferenceSession(out / f"{role}.onnx", providers=["CPUExecutionProvider"])
+        feeds = _feeds(cpu)
+        got, want = htp.run(None, feeds)[0], cpu.run(None, feeds)[0]
+        # the HTP computes float ops in fp16 and requantizes at every unit: within a few 8-bit steps
+        assert np.abs(got - want).max() <= 0.05 * np.abs(want).max(), (role, np.abs(got - want).max())
+
+
+def test_context_binary_needs_a_static_pair_for_the_htp(tiny_past, tmp_path, capsys):
+    code = main(["compile", str(tiny_past / "model" / "model.onnx"), "--recipe", "w8a8", "--calib",
+                 str(tiny_past / "calib.txt"), "--context-binary", "-o", str(tmp_path / "o")])
+    assert code == 2 and "--context-binary" in capsys.readouterr().err
+    assert not (tmp_path / "o").exists()
+    assert _compile(tiny_past, tmp_path / "o", "w8a16", "--context-binary", "--htp-arch", "12") == 2
+    assert not (tmp_path / "o").exists()

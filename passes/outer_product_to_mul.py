@@ -45,14 +45,17 @@ class OuterProductToMulPass(Pass, name="outer-product-to-mul", exactness=Exactne
 def _weight_row(index: ir.GraphIndex, weight: gs.Tensor) -> np.ndarray | None:
     """The float [1, N] weight behind ``weight`` (a constant, or a DequantizeLinear of one), else None."""
     if isinstance(weight, gs.Constant):
+        if len(weight.shape or ()) != 2 or weight.shape[0] != 1:
+            return None
         values = np.asarray(weight.values)
         return values.astype(np.float32) if values.ndim == 2 and values.shape[0] == 1 and values.dtype == np.float32 else None
     dq = index.producer(weight.name)
     if dq is None or dq.op != "DequantizeLinear" or not all(isinstance(t, gs.Constant) for t in dq.inputs[:3]):
         return None
+    shape = tuple(dq.inputs[0].shape or ())
+    if len(shape) != 2 or shape[0] != 1:
+        return None  # (the shape first: loading a lazy packed int4 constant would unpack it in the graph)
     q = np.asarray(dq.inputs[0].values)
-    if q.ndim != 2 or q.shape[0] != 1:
-        return None
     scale = np.asarray(dq.inputs[1].values, np.float32)
     zp = np.asarray(dq.inputs[2].values) if len(dq.inputs) > 2 else np.zeros((), np.int64)
     if scale.ndim == 1 and scale.size > 1:  # per channel along axis 1 (the only axis of size > 1)

@@ -86,6 +86,13 @@ def register(subparsers: Any) -> argparse.ArgumentParser:
         "decode graph, as generation does; same windows and NLL, so the figure compares with the model.onnx one. "
         "Also for a model.onnx with a KV cache (decode: the first token as prefill)",
     )
+    ppl.add_argument(
+        "--provider", choices=("cpu", "qnn-htp"), default="cpu",
+        help="where the graphs run: onnxruntime CPU (default) or, for a static pair, Qualcomm's HTP emulated by "
+        "onnxruntime-qnn (`pip install 'edgeq[qnn]'`; CPU fallback disabled, float ops in fp16; the pair's "
+        "qnn/*_ctx.onnx context binaries when it has them). The emulator is slow: a few windows",
+    )
+    ppl.add_argument("--htp-arch", type=int, metavar="N", help="with --provider qnn-htp: HTP generation (73, 75, 79; default 79)")
     ppl.add_argument("--json", action="store_true", help="print one JSON object instead of a line")
     ppl.set_defaults(func=run_ppl)
 
@@ -177,6 +184,13 @@ def run_ppl(args: argparse.Namespace) -> int:
     from edgeq.evaluate.ppl import perplexity
 
     through, model_file = _ppl_route(args)
+    htp = {}
+    if args.provider != "cpu" or args.htp_arch is not None:
+        if through is None:
+            raise UserInputError("--provider qnn-htp runs a static pair (a folder with prefill.onnx + decode.onnx)")
+        if args.kernel_check:
+            raise UserInputError("--kernel-check measures onnxruntime CPU's kernels: not with --provider qnn-htp")
+        htp = {"provider": args.provider, "htp_arch": args.htp_arch}
     if through is not None and args.batch_size != 1:
         raise UserInputError(f"--through runs one window at a time (batch 1), got --batch-size {args.batch_size}")
 
@@ -186,7 +200,7 @@ def run_ppl(args: argparse.Namespace) -> int:
         if through is not None:
             from edgeq.generation.teacher_forced import perplexity_through
 
-            return perplexity_through(args.model, args.text, args.tokenizer, through=through, **common)
+            return perplexity_through(args.model, args.text, args.tokenizer, through=through, **common, **htp)
         return perplexity(model_file, args.text, args.tokenizer, batch_size=args.batch_size, **common)
 
     result = run(args.exact_qdq)
@@ -204,7 +218,7 @@ def run_ppl(args: argparse.Namespace) -> int:
         return 0
     mode = " (exact QDQ)" if args.exact_qdq else " (no optimization)" if args.no_optimize else ""
     if through is not None:
-        mode += f" (through {through}, {result['mode']})"
+        mode += f" (through {through}, {result['mode']}" + (", on QNN HTP" if htp else "") + ")"
     print(
         f"ppl {result['ppl']:.3f}{mode} over {result['tokens']} tokens "
         f"({result['windows']} windows of {result['seq_len']}) in {result['seconds']:.1f} s"

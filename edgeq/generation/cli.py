@@ -66,6 +66,10 @@ def register(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--tokenizer", metavar="DIR", help="folder with tokenizer.json (default: DIR's)")
     p.add_argument("--threads", type=positive_int, default=None, metavar="N", help="onnxruntime intra-op threads")
     p.add_argument("--ignore-eos", action="store_true", help="do not stop at end-of-sequence tokens")
+    p.add_argument("--provider", choices=("cpu", "qnn-htp"), default="cpu",
+                   help="onnxruntime CPU (default) or, for a static pair, Qualcomm's HTP emulated by onnxruntime-qnn "
+                        "(`pip install 'edgeq[qnn]'`; CPU fallback disabled; the pair's qnn/*_ctx.onnx when present)")
+    p.add_argument("--htp-arch", type=int, metavar="N", help="with --provider qnn-htp: HTP generation (73, 75, 79; default 79)")
     p.set_defaults(func=run_generate)
     return p
 
@@ -130,7 +134,7 @@ def run_generate(args: argparse.Namespace) -> int:
         prompt_ids = tokenizer.encode(args.prompt, add_special_tokens=True).ids
     eos = set() if args.ignore_eos else set().union(*(eos_ids(f, tokenizer) for f in folders))
 
-    decoder = open_decoder(args.model, threads=args.threads)
+    decoder = open_decoder(args.model, threads=args.threads, provider=args.provider, htp_arch=args.htp_arch)
     sampling = bool(args.temperature)
     seed = (args.seed if args.seed is not None else secrets.randbits(32)) if sampling else None
     stream = None if args.json else _Stream(tokenizer, sys.stdout)

@@ -342,15 +342,36 @@ def model_folder(path: str | os.PathLike) -> Path:
     return p if p.is_dir() else p.parent
 
 
+PROVIDERS = ("cpu", "qnn-htp")
+
+
 def open_decoder(path: str | os.PathLike, threads: int | None = None, optimize: bool = True,
-                 exact_qdq: bool = False) -> Decoder:
+                 exact_qdq: bool = False, provider: str = "cpu", htp_arch: int | None = None) -> Decoder:
     """The decoder for ``path`` (a folder or a .onnx file; see the module docstring for the kinds).
 
     ``optimize=False``: onnxruntime graph optimizations off (the graphs as written, for exactness
-    checks); ``exact_qdq``: Q/DQ not fused into integer kernels (``edgeq.evaluate.ppl``)."""
+    checks); ``exact_qdq``: Q/DQ not fused into integer kernels (``edgeq.evaluate.ppl``).
+    ``provider="qnn-htp"``: a static pair on Qualcomm's (emulated) HTP through onnxruntime-qnn,
+    CPU fallback disabled (``edgeq.targets.qnn_vendor.open_htp_session``): the pair's prepared
+    context binaries (``qnn/*_ctx.onnx``) when the folder has them, else its graphs."""
     from edgeq.evaluate.ppl import open_session, session_options
 
+    if provider not in PROVIDERS:
+        raise UserInputError(f"provider must be one of {', '.join(PROVIDERS)}, got {provider!r}")
     family, files = resolve_model(path)
+    if provider == "qnn-htp":
+        from edgeq.targets.qnn_vendor import DEFAULT_HTP_ARCH, open_htp_session
+
+        if exact_qdq or not optimize:
+            raise UserInputError("--provider qnn-htp runs the HTP's own arithmetic: drop --exact-qdq/--no-optimize")
+        if family != "static-pair":
+            raise UserInputError("--provider qnn-htp runs a static pair: compile with --static prefill=S,context=C "
+                                 "--target qnn-htp")
+        contexts = [f.parent / "qnn" / f"{f.stem}_ctx.onnx" for f in files]
+        if all(c.is_file() for c in contexts):
+            files = contexts
+        sessions = [open_htp_session(f, htp_arch or DEFAULT_HTP_ARCH) for f in files]
+        return StaticPairDecoder(*sessions, labels=tuple(str(f) for f in files))
     sessions = [open_session(f, options=session_options(threads, optimize=optimize, exact_qdq=exact_qdq))
                 for f in files]
     if family == "static-pair":

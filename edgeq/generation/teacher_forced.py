@@ -84,6 +84,8 @@ def perplexity_through(
     through: str = "decode",
     exact_qdq: bool = False,
     optimize: bool = True,
+    provider: str = "cpu",
+    htp_arch: int | None = None,
 ) -> dict:
     """Perplexity of the decoder at ``model_path`` (a static pair's folder, or a model.onnx) on the
     text, fed window by window ``through`` the prefill or the decode graph; the keys of
@@ -92,7 +94,8 @@ def perplexity_through(
         raise UserInputError(f"through must be one of {', '.join(THROUGH)}, got {through!r}")
     ids = token_windows(text_path, tokenizer_dir, seq_len=seq_len, windows=windows, offset=offset,
                         special_tokens=special_tokens)
-    decoder = open_decoder(model_path, threads=threads, optimize=optimize, exact_qdq=exact_qdq)
+    decoder = open_decoder(model_path, threads=threads, optimize=optimize, exact_qdq=exact_qdq, provider=provider,
+                           htp_arch=htp_arch)
     if decoder.context is not None and seq_len - 1 > decoder.context:
         raise UserInputError(f"--seq-len {seq_len} needs {seq_len - 1} cache slots, the model's context holds "
                              f"{decoder.context}: use --seq-len {decoder.context + 1} or less")
@@ -119,4 +122,5 @@ def perplexity_through(
         "text": str(text_path),
         "through": through,
         "mode": decoder.mode,
+        "provider": provider,
     }

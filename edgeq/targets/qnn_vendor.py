@@ -102,6 +102,29 @@ def htp_session_options(htp_arch: int = DEFAULT_HTP_ARCH, config: dict[str, str]
     return so
 
 
+def open_htp_session(model: str | os.PathLike, htp_arch: int = DEFAULT_HTP_ARCH):
+    """An onnxruntime session of ``model`` wholly on the (emulated) HTP, for running it: one line
+    and exit 3 when the HTP refuses any of it (``edgeq check --target qnn-htp`` lists what), exit 2
+    when the vendor is not installed."""
+    from edgeq.errors import UserInputError
+
+    if vendor_version() is None:
+        raise UserInputError("--provider qnn-htp needs Qualcomm's runtime: pip install 'edgeq[qnn]' (onnxruntime-qnn)")
+    if htp_arch not in HTP_SOCS:
+        raise UserInputError(f"--htp-arch {htp_arch}: known HTP generations are {', '.join(map(str, HTP_SOCS))}")
+    import onnxruntime as ort
+
+    ort.set_default_logger_severity(4)  # the EP's own warnings and errors: the one line below says it
+    try:
+        return ort.InferenceSession(str(model), htp_session_options(htp_arch, log_severity=4))
+    except Exception as exc:  # noqa: BLE001 (onnxruntime's pybind errors)
+        from edgeq.targets.qnn_context import VendorRefused
+
+        first = " ".join(str(exc).split())[:300]
+        raise VendorRefused(f"QNN HTP v{htp_arch} does not run {model} whole: {first} "
+                            f"(`edgeq check {model} --target qnn-htp` lists the nodes it refuses)") from None
+
+
 def parse_ep_log(lines) -> list[Refusal]:
     """The node units the QNN EP's verbose log says it refused, each node once (the EP asks twice:
     before and after its layout transform). Units it refused without a validation entry (no op

@@ -37,10 +37,12 @@ def test_builtin_profiles_load():
     assert htp.activations.allows_dtype("uint16") and htp.activations.max_bits == 16 and htp.weights.symmetric
     assert not htp.allows_op("", "Shape") and htp.allows_op("", "MatMul")
     assert pow2.power_of_two_scales
-    # full-range int8 weights only where the target says the CPU cannot saturate them
-    assert [load_target(n).int8_weight_range for n in BUILTINS] == ["u8s8-safe"] * 3 + ["full-vnni-only"] + ["u8s8-safe"] * 2
+    # full-range int8 weights only where the target says the CPU cannot saturate them (or runs no CPU kernel: the HTP)
+    assert [load_target(n).int8_weight_range for n in BUILTINS] == ["u8s8-safe"] * 3 + ["full-vnni-only"] * 1 + ["u8s8-safe"] + ["full-vnni-only"]
     assert pow2.lowering == ("expand-functions", "matmulnbits-to-qdq", "int8-activations", "int8-weights", "symmetric-weights", "pow2-scales")
-    assert htp.lowering == ("expand-functions", "matmulnbits-to-qdq", "symmetric-weights")
+    assert htp.lowering == ("expand-functions", "matmulnbits-to-qdq", "symmetric-weights", "outer-product-to-mul",
+                            "gather-table-qdq", "linear-output-qdq")
+    assert htp.node_units and htp.vendor == "qnn-htp" and not generic.node_units and generic.vendor == ""
     assert pow2.activations.dtypes == {"int8"} and pow2.weights.dtypes == {"int8"}
 
 
@@ -171,7 +173,7 @@ def test_check_flags_ops_and_domains():
     htp = _rules(check_model(model, load_target("qnn-htp")))
     assert htp["op"] == ["node shape: op Shape is not in qnn-htp's op set"]
     assert "activation-bits" not in htp  # 16-bit activations are fine on HTP
-    assert htp["activation-dtype"] == ["activation h (h_Q): dtype int8 not allowed by qnn-htp (allowed: int16, uint16, uint8)"]
+    assert "activation-dtype" not in htp  # int8 activations too (onnxruntime-qnn 2.7.0 takes them: tests/test_qnn_vendor.py)
     assert htp["weight-symmetric"] and htp["weight-granularity"] and "pow2-scale" not in htp
     model.graph.node.append(helper.make_node("Gelu", ["y"], ["g"], name="contrib", domain="com.microsoft"))
     model.graph.node.append(helper.make_node("OnlineHadamard", ["y", "k", "p"], ["z"], name="had", domain="edgeq"))
@@ -298,7 +300,8 @@ def test_compile_with_target_records_it(toy, tmp_path, capsys):
     report = json.loads((out / "report.json").read_text())
     target = report["target"]
     assert target["name"] == "qnn-htp" and target["check"] == {"target": "qnn-htp", "clean": True, "counts": {}, "violations": []}
-    assert [r["name"] for r in target["lowering"]] == ["expand-functions", "matmulnbits-to-qdq", "symmetric-weights"]
+    assert [r["name"] for r in target["lowering"]] == ["expand-functions", "matmulnbits-to-qdq", "symmetric-weights",
+                                                       "outer-product-to-mul", "gather-table-qdq", "linear-output-qdq"]
     assert [r["name"] for r in report["passes"]] == ["qdq"]
     meta = {p.key: p.value for p in onnx.load(str(out / "model.onnx"), load_external_data=False).metadata_props}
     assert meta["edgeq.target"] == "qnn-htp"

@@ -1,0 +1,158 @@
+"""Qualcomm's compiler in the loop (issue 31): SmolLM2's static pairs on the QNN HTP, through
+onnxruntime-qnn (the HTP emulated on x86-64), per recipe:
+
+- nodes the HTP refuses before (the qnn-htp lowering as it was: expand-functions,
+  matmulnbits-to-qdq, symmetric-weights) and after (today's lowering), with CPU fallback disabled;
+- ``--context-binary``: prepare time and size of each graph's context binary, load-back time;
+- logits agreement of the HTP (the context binaries) with onnxruntime CPU on the same graphs,
+  teacher-forced through the prefill graph on the first ``--agree-windows`` test windows;
+- perplexity on the HTP beside onnxruntime CPU, same graphs, same windows, ``--through prefill``
+  (the HTP emulator's speed decides how many windows: measured first, reported).
+
+Usage: python benchmarks/qnn_htp.py --model-dir artifacts/smollm2-past --out F [--recipes a,b]
+       [--windows N] [--before]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+REPO = Path(__file__).resolve().parents[1]
+DATA = REPO / "data" / "wikitext-2"
+sys.path.insert(0, str(REPO / "benchmarks"))
+
+from foundation import save_results  # noqa: E402
+
+RECIPES = ("mquant-w8a8", "w8a16", "mquant-w4a16")
+STATIC = "prefill=128,context=1024"
+OLD_LOWERING = ["expand-functions", "matmulnbits-to-qdq", "symmetric-weights"]
+
+
+def _edgeq(*args: str) -> float:
+    started = time.perf_counter()
+    subprocess.run([sys.executable, "-m", "edgeq", *args], check=True)
+    return time.perf_counter() - started
+
+
+def _old_profile(folder: Path) -> Path:
+    """The qnn-htp profile with the lowering it had before the vendor was asked (no node-unit rule)."""
+    text = (REPO / "edgeq" / "targets" / "profiles" / "qnn-htp.toml").read_text()
+    lines = [ln for ln in text.splitlines() if not ln.startswith(("lowering =", "node_units", "vendor =", "int8_weight_range"))]
+    path = folder / "qnn-htp-before.toml"
+    path.write_text(f"lowering = {json.dumps(OLD_LOWERING)}\n" + "\n".join(lines) + "\n")
+    return path
+
+
+def _verdicts(pair: Path) -> dict:
+    from edgeq.targets.qnn_vendor import ask_htp
+
+    out = {}
+    for graph in ("prefill.onnx", "decode.onnx"):
+        v = ask_htp(pair / graph)
+        reasons: dict[str, int] = {}
+        for r in v.refusals:
+            key = f"{r.op}: {r.reason}"
+            reasons[key] = reasons.get(key, 0) + 1
+        out[graph] = {"accepted": v.accepted, "refused_nodes": len(v.refusals), "reasons": reasons,
+                      "session_seconds": round(v.seconds, 1)}
+    return out
+
+
+def _windows(tokenizer: Path, n: int, seq_len: int) -> np.ndarray:
+    from edgeq.textdata import token_windows
+
+    return token_windows(DATA / "test.txt", tokenizer, seq_len=seq_len, windows=n)
+
+
+def _agreement(pair: Path, ids: np.ndarray) -> dict:
+    """The HTP's logits against onnxruntime CPU's, teacher-forced through the prefill graph."""
+    from edgeq.generation.decoders import open_decoder
+
+    cpu, htp = open_decoder(pair), open_decoder(pair, provider="qnn-htp")
+    diffs, scales, top1, kls = [], [], [], []
+    for row in ids:
+        cpu.reset(), htp.reset()
+        a, b = cpu.prefill_all(row), htp.prefill_all(row)
+        diffs.append(float(np.abs(a - b).max()))
+        scales.append(float(np.abs(a).max()))
+        top1.append(float((a.argmax(-1) == b.argmax(-1)).mean()))
+        pa = np.exp(a - a.max(-1, keepdims=True)); pa /= pa.sum(-1, keepdims=True)
+        lb = b - b.max(-1, keepdims=True); lb -= np.log(np.exp(lb).sum(-1, keepdims=True))
+        la = np.log(np.maximum(pa, 1e-30))
+        kls.append(float((pa * (la - lb)).sum(-1).mean()))
+    return {"windows": int(ids.shape[0]), "max_abs_logit_diff": max(diffs), "max_abs_logit": max(scales),
+            "top1_agreement": float(np.mean(top1)), "kl_cpu_to_htp": float(np.mean(kls))}
+
+
+def _ppl(pair: Path, tokenizer: Path, windows: int, seq_len: int, provider: str) -> dict:
+    from edgeq.generation.teacher_forced import perplexity_through
+
+    r = perplexity_through(pair, DATA / "test.txt", tokenizer, windows=windows, seq_len=seq_len, through="prefill",
+                           provider=provider)
+    return {"ppl": r["ppl"], "windows": r["windows"], "tokens": r["tokens"], "seconds": round(r["seconds"], 1)}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model-dir", type=Path, default=REPO / "artifacts" / "smollm2-past")
+    ap.add_argument("--work", type=Path, default=REPO / "artifacts" / "qnn-bench")
+    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--recipes", default=",".join(RECIPES))
+    ap.add_argument("--windows", type=int, default=8, help="perplexity windows (HTP and CPU alike)")
+    ap.add_argument("--agree-windows", type=int, default=2)
+    ap.add_argument("--seq-len", type=int, default=512)
+    ap.add_argument("--before", action="store_true", help="also compile with the old lowering and ask the HTP")
+    args = ap.parse_args()
+    from edgeq.targets.qnn_vendor import vendor_version
+
+    model = args.model_dir / "model.onnx"
+    calib = DATA / "valid.txt"
+    results = {"command": " ".join(sys.argv), "vendor": f"onnxruntime-qnn {vendor_version()}", "static": STATIC,
+               "ppl_protocol": f"WikiText-2 test, first {args.windows} windows of {args.seq_len} tokens, teacher-forced "
+                               "through the prefill graph (batch 1), the same graphs on both providers",
+               "recipes": {}}
+    if args.out.exists():
+        results = json.loads(args.out.read_text())
+    for recipe in args.recipes.split(","):
+        rec = results["recipes"].setdefault(recipe, {})
+        pair = args.work / recipe
+        if "after" not in rec:
+            rec["compile_seconds"] = round(_edgeq("compile", str(model), "--recipe", recipe, "--calib", str(calib),
+                                                  "--static", STATIC, "--target", "qnn-htp", "--context-binary",
+                                                  "-o", str(pair), "--force"), 1)
+            report = json.loads((pair / "report.json").read_text())
+            rec["context_binaries"] = report["qnn_context"]
+            rec["lowering"] = {r["name"]: r["summary"] for r in report["target"]["lowering"] if r["modified"]}
+            rec["after"] = _verdicts(pair)
+            save_results(args.out, results)
+        if args.before and "before" not in rec:
+            with tempfile.TemporaryDirectory() as tmp:
+                old = _edgeq("compile", str(model), "--recipe", recipe, "--calib", str(calib), "--static", STATIC,
+                             "--target", str(_old_profile(Path(tmp))), "-o", str(Path(tmp) / "pair"))
+                rec["before"] = {"compile_seconds": round(old, 1), **_verdicts(Path(tmp) / "pair")}
+            save_results(args.out, results)
+        if "agreement" not in rec:
+            rec["agreement"] = _agreement(pair, _windows(args.model_dir, args.agree_windows, args.seq_len))
+            save_results(args.out, results)
+        if "ppl" not in rec:
+            rec["ppl"] = {p: _ppl(pair, args.model_dir, args.windows, args.seq_len, p) for p in ("cpu", "qnn-htp")}
+            rec["ppl"]["htp_over_cpu"] = rec["ppl"]["qnn-htp"]["ppl"] / rec["ppl"]["cpu"]["ppl"]
+            save_results(args.out, results)
+    if "fp32" not in results:  # the exported with-past graph, same windows, same route
+        from edgeq.generation.teacher_forced import perplexity_through
+
+        r = perplexity_through(model, DATA / "test.txt", args.model_dir, windows=args.windows, seq_len=args.seq_len,
+                               through="prefill")
+        results["fp32"] = {"ppl": r["ppl"], "windows": r["windows"]}
+    save_results(args.out, results)
+
+if __name__ == "__main__":
+    main()

@@ -97,7 +97,7 @@ class Fp16SafeNormsPass(Pass, name="fp16-safe-norms", exactness=Exactness.FLOAT_
                 node.inputs[node.inputs.index(norm.x)] = xs
             slot, eps = _eps(index, norm.add_eps)
             norm.add_eps.inputs[slot] = gs.Constant(ir.unique_name(index, f"{norm.add_eps.name}_eps_fp16"),
-                                                    eps * np.float32(4.0 ** -k))
+                                                    np.asarray(eps * np.float32(4.0 ** -k), np.float32))
             rescaled += 1
         if not rescaled:
             return PassResult.skipped(Reason.NO_SITES, f"every RMSNorm's sum of squares is under {self.config.limit:g}",

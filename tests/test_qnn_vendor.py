@@ -188,3 +188,29 @@ def test_context_binary_needs_a_static_pair_for_the_htp(tiny_past, tmp_path, cap
     assert not (tmp_path / "o").exists()
     assert _compile(tiny_past, tmp_path / "o", "w8a16", "--context-binary", "--htp-arch", "12") == 2
     assert not (tmp_path / "o").exists()
+
+
+def test_fp16_safe_norms_rescales_exactly(tiny_past):
+    """Forced onto the tiny model (limit far below its sums of squares): same outputs in fp32."""
+    import onnxruntime as ort
+
+    from edgeq import ir
+    from edgeq.calib.dataset import build_calibration_set
+    from edgeq.calib.session import Calibrator
+    from edgeq.passbase import PassContext
+    from edgeq.passes.fp16_safe_norms import Fp16SafeNormsConfig, Fp16SafeNormsPass
+    from edgeq.pipeline import Pipeline
+
+    path = tiny_past / "model" / "model.onnx"
+    model = ir.load_model(path)
+    data = build_calibration_set(tiny_past / "calib.txt", ir.input_specs(model), tiny_past / "model", 1, 16, 1)
+    ctx = PassContext(calibrator=Calibrator(data, use_cache=False))
+    rewritten, records = Pipeline([Fp16SafeNormsPass(Fp16SafeNormsConfig(limit=1e-4))]).run(ir.load_model(path), ctx)
+    assert records[0]["summary"]["rescaled"] == records[0]["summary"]["norms"] > 0
+    assert records[0]["summary"]["max_sum_of_squares_after"] <= 1e-4
+    opts = ort.SessionOptions()
+    opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    feeds = data.batches[0]
+    want = ort.InferenceSession(model.SerializeToString(), opts).run(["logits"], feeds)[0]
+    got = ort.InferenceSession(rewritten.SerializeToString(), opts).run(["logits"], feeds)[0]
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())

@@ -214,3 +214,33 @@ def test_fp16_safe_norms_rescales_exactly(tiny_past):
     want = ort.InferenceSession(model.SerializeToString(), opts).run(["logits"], feeds)[0]
     got = ort.InferenceSession(rewritten.SerializeToString(), opts).run(["logits"], feeds)[0]
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
+
+
+def test_provider_qnn_htp_on_a_refused_pair_is_one_line(tiny_past, tmp_path, capsys):
+    """A static pair compiled without the qnn-htp lowering: the HTP refuses its per-channel weights."""
+    out = tmp_path / "cpu-pair"
+    assert main(["compile", str(tiny_past / "model" / "model.onnx"), "--recipe", "w8a8", "--calib",
+                 str(tiny_past / "calib.txt"), "--seq-len", "32", "--calib-windows", "2", "--no-cache",
+                 "--static", "prefill=8,context=48", "-o", str(out)]) == 0
+    capsys.readouterr()
+    for argv in (["generate", str(out), "--prompt", "a b", "--max-new-tokens", "2", "--provider", "qnn-htp"],
+                 ["eval", "ppl", str(out), "--text", str(tiny_past / "calib.txt"), "--tokenizer", str(out),
+                  "--seq-len", "17", "--windows", "1", "--provider", "qnn-htp"]):
+        code = main(argv)
+        err = capsys.readouterr().err
+        assert code == 3 and err.count("\n") == 1 and "QNN HTP v79 does not run" in err, (argv[0], code, err)
+
+
+def test_provider_qnn_htp_runs_the_lowered_pair(tiny_past, tmp_path, capsys):
+    out = tmp_path / "htp-pair"
+    assert _compile(tiny_past, out, "w8a16", "--context-binary") == 0
+    capsys.readouterr()
+    argv = ["eval", "ppl", str(out), "--text", str(tiny_past / "calib.txt"), "--tokenizer", str(out),
+            "--seq-len", "17", "--windows", "1", "--through", "prefill", "--json"]
+    assert main(argv) == 0
+    cpu = json.loads(capsys.readouterr().out)
+    assert main(argv + ["--provider", "qnn-htp"]) == 0
+    htp = json.loads(capsys.readouterr().out)
+    assert htp["provider"] == "qnn-htp" and cpu["provider"] == "cpu"
+    assert abs(htp["ppl"] / cpu["ppl"] - 1) < 0.05, (htp["ppl"], cpu["ppl"])
+    assert main(["generate", str(out), "--prompt", "a b", "--max-new-tokens", "3", "--provider", "qnn-htp"]) == 0

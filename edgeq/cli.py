@@ -7,20 +7,32 @@ apply to the model (one line naming it, nothing written; ``--allow-partial`` wri
 with a warning per pass). Subcommand groups owned by other modules register
 themselves through ``register(subparsers)`` (``edgeq.evaluate.cli``, ``edgeq.models.cli``,
 ``edgeq.targets.cli``).
+
+``edgeq`` without a command (and ``edgeq eval`` without ``ppl`` or ``compare``) is a usage error
+like any other: the help goes to stdout, one ``edgeq: error:`` line to stderr, exit 2 (a script
+that forgot the command must not read as a success; ``edgeq --help`` is the way to ask for help,
+exit 0). An ``OSError`` about a path the user gave (a name too long, missing, a folder where a file
+was expected, no permission), or a file inside it, is bad input too (exit 2, one line), wherever
+it surfaces. Signals: SIGINT, SIGTERM and SIGHUP end a run with one line and exit 130 / 143 / 129,
+whatever they interrupt (module imports included: ``main`` installs its handlers first;
+``python -m edgeq`` also covers the import of this module); what was being written is removed on
+the way out.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import errno
 import json
+import os
 import signal
 import sys
 import threading
 from pathlib import Path
 
 from edgeq.argtypes import positive_float, positive_int, seq_len_int
-from edgeq.errors import EdgeqError
+from edgeq.errors import EdgeqError, UserInputError
 
 _EPILOG = """examples:
   edgeq export smollm2 -o artifacts/smollm2
@@ -252,14 +264,39 @@ def one_line(exc: BaseException) -> str:
     return "; ".join(line.strip() for line in str(exc).splitlines() if line.strip())
 
 
+# an OSError on a path the user typed (or a file inside it) is bad input, not an internal error
+_USER_PATH_ERRNOS = frozenset({errno.ENAMETOOLONG, errno.ENOENT, errno.EACCES, errno.EISDIR, errno.ENOTDIR,
+                               errno.ELOOP})
+
+
+def _user_path_error(exc: OSError, argv: list[str]) -> str | None:
+    """The one line for ``exc`` when it is about a path given on the command line (an option's value
+    or a positional, or something inside that folder) or as ``$EDGEQ_CACHE_DIR``; else None."""
+    if exc.errno not in _USER_PATH_ERRNOS or not isinstance(exc.filename, (str, bytes, os.PathLike)):
+        return None
+    name = os.fsdecode(exc.filename)
+    given = [a.partition("=")[2] if a.startswith("--") else a for a in argv]
+    given.append(os.environ.get("EDGEQ_CACHE_DIR", ""))
+    targets = {os.path.abspath(name), os.path.realpath(name)}
+    for value in filter(None, given):
+        for root in {os.path.abspath(value), os.path.realpath(value)}:
+            if any(t == root or t.startswith(root.rstrip(os.sep) + os.sep) for t in targets):
+                return f"{exc.strerror or 'cannot use'}: {name}"
+    return None
+
+
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    if not getattr(args, "func", None):
-        parser.print_help()
-        return 2
+    """Run one command; returns its exit code (see the module docstring). SIGTERM and SIGHUP are
+    handled from the first line on (``_signals_unwind``), so a signal while the command's modules
+    are still being imported ends the run like one later: one line, 128 + the signal's number."""
+    argv = sys.argv[1:] if argv is None else list(argv)
     try:
         with _signals_unwind():
+            parser = build_parser()
+            args = parser.parse_args(argv)
+            if not getattr(args, "func", None):
+                parser.print_help()
+                raise UserInputError("a command is required (the commands are listed above; edgeq COMMAND --help)")
             return int(args.func(args) or 0)
     except Terminated as exc:
         print(f"edgeq: terminated by {signal.Signals(exc.signum).name}", file=sys.stderr)
@@ -270,6 +307,13 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("edgeq: interrupted", file=sys.stderr)
         return 130
+    except OSError as exc:
+        message = _user_path_error(exc, argv)
+        if message is None:
+            print(f"edgeq: internal error: {type(exc).__name__}: {one_line(exc)}", file=sys.stderr)
+            return 1
+        print(f"edgeq: error: {one_line(message)}", file=sys.stderr)
+        return 2
     except Exception as exc:  # noqa: BLE001 (last resort: one line, exit 1)
         print(f"edgeq: internal error: {type(exc).__name__}: {one_line(exc)}", file=sys.stderr)
         return 1

@@ -1,7 +1,9 @@
 """IR helpers: onnx-graphsurgeon is the graph API; this module adds what it lacks.
 
 - ``load_model``: validated load (missing file, not ONNX, truncated protobuf, missing or escaping
-  external data all become one-line ``UserInputError``s), external data read in.
+  external data, and a graph ``edgeq.modelcheck`` finds invalid: a cycle, an unknown operator or
+  domain, initializer bytes that do not fit its dims, text that is not UTF-8, all become
+  one-line ``UserInputError``s), external data read in; the one loader every command uses.
 - ``to_graph`` / ``to_model``: graphsurgeon round trip that keeps opset imports, IR version,
   producer and metadata of the original model (graphsurgeon drops metadata_props).
 - ``save_model``: always writes weights as external data next to the model, so models over 2 GB
@@ -29,6 +31,7 @@ import onnx_graphsurgeon as gs
 from google.protobuf.message import DecodeError
 
 from edgeq.errors import UserInputError
+from edgeq.modelcheck import check_structure, tensor_bytes
 from edgeq.session_files import constants_as_external_data, temporary_files
 from edgeq.protowalk import proto_nodes  # noqa: F401  (re-exported: ir is where graph code looks)
 
@@ -69,7 +72,7 @@ def load_model_and_locations(path: str | os.PathLike, load_external: bool = True
     if not model.graph.node and not model.graph.output:
         raise UserInputError(f"{path} is not an ONNX model (no graph found)")
     check_ir_version(model, path)
-    _check_graph_wiring(model.graph, path)
+    check_structure(model, path)
     base = model_folder(path)
     extents = _check_external_data(model, base)
     if load_external:
@@ -78,6 +81,14 @@ def load_model_and_locations(path: str | os.PathLike, load_external: bool = True
         except OSError as exc:
             raise UserInputError(f"cannot read external data of {path}: {exc.strerror or exc}") from None
     return model, set(extents)
+
+
+def check_model_file(path: str | os.PathLike) -> Path:
+    """Every check of ``load_model`` (the file, its structure, its external data present and
+    fitting), no weights read: for commands that hand the file itself to onnxruntime (``eval``,
+    ``generate``). Returns ``path``."""
+    load_model_and_locations(path, load_external=False)
+    return Path(path)
 
 
 def model_folder(path: str | os.PathLike) -> Path:
@@ -95,27 +106,6 @@ def check_ir_version(model: onnx.ModelProto, path: str | os.PathLike = "the mode
                              f"reads IR versions up to {onnx.IR_VERSION})")
 
 
-def _check_graph_wiring(graph: onnx.GraphProto, path: str | os.PathLike) -> None:
-    """The main graph has outputs and every tensor its nodes read, or its outputs name, is a graph
-    input, an initializer or some node's output (one pass over the nodes; the bodies of If / Loop /
-    Scan, which may read outer-scope names, are not walked)."""
-    if not graph.output:
-        raise UserInputError(f"{path}: the graph has no outputs")
-    known = {vi.name for vi in graph.input}
-    known.update(t.name for t in graph.initializer)
-    known.update(t.values.name for t in graph.sparse_initializer)
-    for node in graph.node:
-        known.update(node.output)
-    for node in graph.node:
-        for name in node.input:
-            if name and name not in known:
-                raise UserInputError(f"{path}: node '{node.name or node.op_type}' reads tensor '{name}', which "
-                                     "is not a graph input, an initializer or any node's output")
-    for vi in graph.output:
-        if vi.name not in known:
-            raise UserInputError(f"{path}: graph output '{vi.name}' is not produced by any node, input or initializer")
-
-
 def _check_external_data(model: onnx.ModelProto, base: Path) -> dict[str, list[tuple[onnx.TensorProto, int, int]]]:
     """Validate every tensor stored as external data without reading any of it: its location is
     named, a relative path without ``..`` (so a file inside ``base``; that file may be a symbolic
@@ -124,17 +114,10 @@ def _check_external_data(model: onnx.ModelProto, base: Path) -> dict[str, list[t
     size its dims and data type need when ``length`` is absent) fit in that file. One ``stat`` per
     file, however many tensors share it. Returns location -> [(tensor, offset, length)], what
     ``_read_external_data`` reads."""
-    import math
     import stat
 
     from onnx.external_data_helper import _get_all_tensors
 
-    bits_by_name = {"FLOAT": 32, "UINT8": 8, "INT8": 8, "UINT16": 16, "INT16": 16, "INT32": 32, "INT64": 64,
-                    "BOOL": 8, "FLOAT16": 16, "DOUBLE": 64, "UINT32": 32, "UINT64": 64, "COMPLEX64": 64,
-                    "COMPLEX128": 128, "BFLOAT16": 16, "FLOAT8E4M3FN": 8, "FLOAT8E4M3FNUZ": 8, "FLOAT8E5M2": 8,
-                    "FLOAT8E5M2FNUZ": 8, "UINT4": 4, "INT4": 4, "FLOAT4E2M1": 4, "FLOAT8E8M0": 8, "UINT2": 2,
-                    "INT2": 2, "FLOAT6E2M3": 6, "FLOAT6E3M2": 6}  # sub-byte types are packed (onnx numpy_helper)
-    bits = {getattr(onnx.TensorProto, k): v for k, v in bits_by_name.items() if hasattr(onnx.TensorProto, k)}
     sizes: dict[str, int] = {}  # location -> file size in bytes
     extents: dict[str, list[tuple[onnx.TensorProto, int, int]]] = {}
     for tensor in _get_all_tensors(model):
@@ -166,8 +149,12 @@ def _check_external_data(model: onnx.ModelProto, base: Path) -> dict[str, list[t
         if offset < 0 or (length is not None and length < 0):
             raise UserInputError(f"external data of '{name}' in {location} has a negative offset or length: "
                                  f"offset={offset} length={length}")
-        if length is None and tensor.data_type in bits:
-            length = (math.prod(tensor.dims) * bits[tensor.data_type] + 7) // 8
+        need = tensor_bytes(tensor)
+        if length is None:
+            length = need
+        elif need is not None and length != need:
+            raise UserInputError(f"external data of '{name}' in {location} is {length} bytes long, but its dims "
+                                 f"{list(tensor.dims)} and data type need {need}")
         if length is None:  # a type whose size the dims do not give: at least the start must be in the file
             if offset > size:
                 raise UserInputError(f"external data file {location} is truncated: tensor '{name}' starts at "
@@ -662,7 +649,7 @@ def make_session(model: onnx.ModelProto, optimize: bool = False, threads: int | 
     """
     import onnxruntime as ort
 
-    so = _session_options(optimize, threads)
+    so = session_options(optimize, threads)
     size = proto_bytes(model)
     if consume and size >= CONSUME_VIA_FILE_BYTES:
         with tempfile.TemporaryDirectory(prefix="edgeq-session-") as tmp, temporary_files(tmp):
@@ -678,11 +665,16 @@ def make_session(model: onnx.ModelProto, optimize: bool = False, threads: int | 
         return ort.InferenceSession(str(path), so, providers=["CPUExecutionProvider"])
 
 
-def _session_options(optimize: bool, threads: int | None):
+def session_options(optimize: bool = False, threads: int | None = None):
+    """The onnxruntime ``SessionOptions`` every edgeq session starts from: graph optimizations off
+    (``optimize=False``: the graph as written) or onnxruntime's default level, ``threads`` intra-op
+    threads, and log level 4 (fatal only): at 3 onnxruntime still prints its own
+    ``[E:onnxruntime:...]`` line (a model it cannot initialize, a node failing at run time) before
+    the one line edgeq reports it with."""
     import onnxruntime as ort
 
     so = ort.SessionOptions()
-    so.log_severity_level = 3
+    so.log_severity_level = 4
     if not optimize:
         so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
     if threads:
@@ -698,7 +690,7 @@ def graph_session(graph: gs.Graph, prepare=None, optimize: bool = False, threads
     the exported graph (outputs, inputs) before the session is built; ``graph`` is unchanged."""
     import onnxruntime as ort
 
-    so = _session_options(optimize, threads)
+    so = session_options(optimize, threads)
     with tempfile.TemporaryDirectory(prefix="edgeq-session-") as tmp, temporary_files(tmp):
         path = Path(tmp) / "model.onnx"
         with constants_as_external_data(graph, path.parent / ("model.onnx" + EXTERNAL_DATA_SUFFIX)):

@@ -4,7 +4,8 @@ Every pass is timed, and its record has the process's peak RSS so far (``peak_rs
 high-water mark after the pass, so the pass that raised it is the first with the new value).
 Optional instruments, each after every pass:
 - ``dump_each``: save the graph as ``NN_<pass>.onnx`` (external data) in a folder;
-- ``verify``: onnx checker plus an onnxruntime session on the new graph;
+- ``verify``: onnx checker plus an onnxruntime session on the new graph (and first on the input:
+  an input that does not verify is the user's, exit 2, not the first pass's failure);
 - ``check_numerics``: run the graph on one reference sample and log the drift of every output
   against the input model's (max abs error, SQNR in dB).
 A pass that raises, or whose output fails verification, becomes a ``PassFailure`` naming it
@@ -93,6 +94,10 @@ class Pipeline:
         if isinstance(model, gs.Graph):  # already imported (block-wise compiles build it from numpy)
             graph, model = model, None
         else:
+            if opts.verify:  # what fails here is the input's fault, not the first pass's
+                problem = self._verify(model)
+                if problem is not None:
+                    raise UserInputError(f"the input model does not verify: {problem}")
             graph = ir.to_graph(model)
             if consume:
                 model.Clear()
@@ -123,7 +128,9 @@ class Pipeline:
                 if opts.dump_each is not None:
                     ir.save_model(current, Path(opts.dump_each) / f"{i:02d}_{p.name}.onnx")
                 if opts.verify:
-                    self._verify(current, p.name)
+                    problem = self._verify(current)
+                    if problem is not None:
+                        raise PassFailure(p.name, f"output graph does not verify: {problem}")
                     record["verified"] = True
                 if reference is not None:
                     session = ir.make_session(current)
@@ -170,14 +177,15 @@ class Pipeline:
         return p.run(graph, ctx)
 
     @staticmethod
-    def _verify(model: onnx.ModelProto, pass_name: str) -> None:
+    def _verify(model: onnx.ModelProto) -> str | None:
+        """onnx's checker and an onnxruntime session on ``model``: None, or the first line of what failed."""
         try:
             if model.ByteSize() < 1_800_000_000:
                 onnx.checker.check_model(model)
             ir.make_session(model)
         except Exception as exc:  # noqa: BLE001
-            first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-            raise PassFailure(pass_name, f"output graph does not verify: {first_line}") from exc
+            return str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        return None
 
 
 def _counter_delta(a: collections.Counter, b: collections.Counter) -> dict[str, int]:

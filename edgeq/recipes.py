@@ -100,12 +100,20 @@ def parse_recipe(text: str, name: str, source: str = "recipe") -> Recipe:
     raw_passes = data.get("pass", [])
     if not isinstance(raw_passes, list) or not raw_passes:
         raise UserInputError(f"{source}: needs at least one [[pass]] table")
+    description = data.get("description", "")
+    if not isinstance(description, str):
+        raise UserInputError(f"{source}: description must be a string, got {description!r}")
     specs = []
     for i, entry in enumerate(raw_passes):
+        if not isinstance(entry, dict):
+            raise UserInputError(f"{source}: [[pass]] #{i + 1} must be a table, got {entry!r}")
         if "name" not in entry:
             raise UserInputError(f"{source}: [[pass]] #{i + 1} has no 'name'")
         entry = dict(entry)
-        pass_cls = get_pass(entry.pop("name"))
+        pass_name = entry.pop("name")
+        if not isinstance(pass_name, str):
+            raise UserInputError(f"{source}: [[pass]] #{i + 1} name must be a string, got {pass_name!r}")
+        pass_cls = get_pass(pass_name)
         essential = entry.pop("essential", False)
         if not isinstance(essential, bool):
             raise UserInputError(f"{source}: pass '{pass_cls.name}' essential must be true or false, got {essential!r}")
@@ -115,7 +123,7 @@ def parse_recipe(text: str, name: str, source: str = "recipe") -> Recipe:
             raise UserInputError(f"{source}: pass '{pass_cls.name}' needs {', '.join(repr(m) for m in missing)} "
                                  f"earlier in the recipe")
         specs.append(PassSpec(pass_cls.name, config, essential))
-    return Recipe(name, str(data.get("description", "")), calibration, tuple(specs), kv_cache,
+    return Recipe(name, description, calibration, tuple(specs), kv_cache,
                   sha256=hashlib.sha256(text.encode()).hexdigest())
 
 
@@ -126,6 +134,8 @@ def _reject_unknown(data: dict, allowed: set[str], where: str) -> None:
 
 
 def _build_dataclass(cls, values: dict, where: str):
+    if not isinstance(values, dict):
+        raise UserInputError(f"{where} must be a table, got {values!r}")
     fields = {f.name: f for f in dataclasses.fields(cls)}
     _reject_unknown(values, set(fields), where)
     hints = typing.get_type_hints(cls)

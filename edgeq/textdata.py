@@ -27,7 +27,6 @@ import hashlib
 import json
 import os
 import tempfile
-import zipfile
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -35,6 +34,7 @@ import numpy as np
 
 from edgeq.errors import UserInputError
 from edgeq.kv_cache import PAST_PREFIX
+from edgeq.npzfile import NumpyFileError, read_npy, read_npz
 
 TOKEN_INPUTS = ("input_ids", "attention_mask", "position_ids")
 CACHE_PREFIX = PAST_PREFIX  # KV-cache inputs; calibration runs the prefill with them empty
@@ -172,9 +172,11 @@ def tokenize_file(
         cache_file = cache / "tokens" / f"{key}.npy"
         if cache_file.is_file():
             try:
-                return np.load(cache_file, allow_pickle=False).astype(np.int64)
-            except (OSError, ValueError, EOFError):  # a damaged entry: tokenized again and rewritten
-                pass
+                cached = read_npy(cache_file)
+            except NumpyFileError:  # a damaged entry: tokenized again and rewritten
+                cached = None
+            if cached is not None and cached.ndim == 1 and cached.size and np.issubdtype(cached.dtype, np.integer):
+                return cached.astype(np.int64)
 
     tok = load_tokenizer(tok_file)
     ids = np.asarray(tok.encode(text, add_special_tokens=special_tokens).ids, dtype=np.int64)
@@ -374,16 +376,9 @@ def load_npz_samples(npz_path: str | os.PathLike, input_specs: Sequence[Any]) ->
     if not path.is_file():
         raise UserInputError(f"npz file not found: {path}")
     try:
-        loaded = np.load(path, allow_pickle=False)
-    except (OSError, ValueError, EOFError, zipfile.BadZipFile) as exc:
-        raise UserInputError(f"cannot read {path} as .npz: {str(exc).splitlines()[0]}") from None
-    if not isinstance(loaded, np.lib.npyio.NpzFile):
-        raise UserInputError(f"{path} is a single .npy array, not an .npz of named inputs (use np.savez)")
-    try:
-        with loaded as npz:
-            arrays = {k: npz[k] for k in npz.files}
-    except (OSError, ValueError, EOFError, zipfile.BadZipFile) as exc:
-        raise UserInputError(f"cannot read {path} as .npz: {str(exc).splitlines()[0]}") from None
+        arrays = read_npz(path)
+    except NumpyFileError as exc:
+        raise UserInputError(f"cannot read {path} as .npz of model inputs: {exc}") from None
 
     specs = {spec.name: spec for spec in input_specs}
     # a KV-cache graph calibrates on prefill: cache inputs absent from the npz start empty

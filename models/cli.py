@@ -188,10 +188,12 @@ def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
 
 def _held(func, args: argparse.Namespace) -> int:
     """``func`` with what torch, transformers and optimum print held back until the export ends, and
-    dropped when it ends with edgeq's own error (``edgeq.models.export_log``)."""
+    dropped when it ends with edgeq's own error (``edgeq.models.export_log``), and torch's cache
+    folder kept out of ``$TMPDIR`` (``edgeq.models.hf_export.private_torch_cache``)."""
     from edgeq.models.export_log import held_library_output
+    from edgeq.models.hf_export import private_torch_cache
 
-    with held_library_output():
+    with held_library_output(), private_torch_cache():
         return func(args)
 
 

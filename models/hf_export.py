@@ -18,10 +18,13 @@ module costs nothing and a missing extra is reported as one line.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
+import tempfile
 import warnings
+from collections.abc import Iterator
 from pathlib import Path
 
 from edgeq.errors import UserInputError
@@ -72,6 +75,23 @@ def require_export_deps(*extra: str) -> None:
     from edgeq.models.export_log import take_library_loggers
 
     take_library_loggers()
+
+
+@contextlib.contextmanager
+def private_torch_cache() -> Iterator[None]:
+    """Importing ``torch._dynamo`` (optimum's exporter does) creates torch's compile cache folder,
+    ``$TMPDIR/torchinductor_<user>``, and leaves it there: a folder outside ``-o``. An export
+    compiles nothing, so while the block runs ``TORCHINDUCTOR_CACHE_DIR`` names a temporary folder,
+    removed when it ends (a ``TORCHINDUCTOR_CACHE_DIR`` the user set is left alone)."""
+    if "TORCHINDUCTOR_CACHE_DIR" in os.environ:
+        yield
+        return
+    with tempfile.TemporaryDirectory(prefix="edgeq-torch-") as tmp:
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = tmp
+        try:
+            yield
+        finally:
+            os.environ.pop("TORCHINDUCTOR_CACHE_DIR", None)
 
 
 def export_hf(hf_dir: str | os.PathLike, out_dir: str | os.PathLike, task: str = "auto", force: bool = False) -> Path:

@@ -1,6 +1,8 @@
 """CLI error contract on bad input (issue 30): exit 2 and exactly one line on stderr, nothing else
 (no library warnings, no onnxruntime log line, no second line of a library's message), nothing
 written. stderr is read with ``capfd``, so what onnxruntime writes to file descriptor 2 itself counts.
+Also: no command (help on stdout, one error line), a file name too long for any path option, a
+signal before the command runs, torch's cache folder kept out of ``$TMPDIR`` during an export.
 """
 
 from __future__ import annotations
@@ -8,13 +10,14 @@ from __future__ import annotations
 import io
 import json
 import logging
+import signal
 import warnings
 from pathlib import Path
 
 import numpy as np
 import onnx
 import pytest
-from onnx import TensorProto, helper, numpy_helper
+from onnx import TensorProto, helper
 from toy import toy_model_dir, write_text, write_tokenizer
 
 import edgeq.cli
@@ -39,16 +42,14 @@ def _assert_one_line(capfd, *argv, needle: str = "") -> str:
 
 
 def _refused_model(path: Path) -> Path:
-    """A model that parses but that onnxruntime refuses to initialize (an initializer shorter than
-    its shape): onnxruntime logs its own [E:onnxruntime:...] line for it unless told not to."""
-    w = numpy_helper.from_array(np.ones((4, 4), np.float32), "w")
-    w.raw_data = w.raw_data[:8]
+    """A model that passes edgeq's load checks but that onnxruntime refuses to initialize (an LRN of
+    size 0, which its kernel rejects when the session is built): onnxruntime logs its own
+    [E:onnxruntime:...] line for it unless told not to."""
     graph = helper.make_graph(
-        [helper.make_node("Relu", ["w"], ["w_relu"]),  # constant-folded: onnxruntime reads w while optimizing
-         helper.make_node("Cast", ["input_ids"], ["input_ids_f"], to=TensorProto.FLOAT),
-         helper.make_node("Add", ["input_ids_f", "w_relu"], ["logits"])],
+        [helper.make_node("Cast", ["input_ids"], ["input_ids_f"], to=TensorProto.FLOAT),
+         helper.make_node("LRN", ["input_ids_f"], ["logits"], size=0)],
         "refused", [helper.make_tensor_value_info("input_ids", TensorProto.INT64, [1, 4])],
-        [helper.make_tensor_value_info("logits", TensorProto.FLOAT, [4, 4])], [w])
+        [helper.make_tensor_value_info("logits", TensorProto.FLOAT, [1, 4])])
     path.parent.mkdir(parents=True, exist_ok=True)
     onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)], ir_version=9), str(path))
     return path
@@ -231,3 +232,85 @@ def test_bad_model_path_is_one_line(command, kind, tmp_path, capfd):
     }[command]
     _assert_one_line(capfd, *argv)
     assert not (tmp_path / "out").exists()
+
+
+# ---------------------------------------------------------------------------------------------
+# 6. no command, a file name too long, a signal before the command runs
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("argv, needle", [([], "a command is required"),
+                                          (["eval"], "eval needs a subcommand: ppl or compare")],
+                         ids=["edgeq", "edgeq eval"])
+def test_a_missing_command_is_a_usage_error(capfd, argv, needle):
+    """The help on stdout, one error line on stderr, exit 2 (``edgeq --help`` is the way to ask)."""
+    code = main(argv)
+    out, err = capfd.readouterr()
+    assert code == 2
+    assert err.startswith("edgeq: error: ") and len(err.splitlines()) == 1 and needle in err, err
+    assert "usage: edgeq" in out
+
+
+@pytest.fixture
+def long_name(tmp_path) -> Path:
+    return tmp_path / ("n" * 300)  # past NAME_MAX (255): ENAMETOOLONG wherever it is opened or stat'ed
+
+
+@pytest.mark.parametrize("command", ["compile model", "compile calib", "compile out", "inspect calib", "eval ppl text",
+                                     "eval compare npz", "generate", "check", "export out"])
+def test_a_file_name_too_long_is_one_line(command, long_name, tmp_path, capfd):
+    model = toy_model_dir(tmp_path / "toy")
+    calib = write_text(tmp_path / "calib.txt", 100)
+    argv = {
+        "compile model": ["compile", long_name, "--calib", calib, "-o", tmp_path / "out"],
+        "compile calib": ["compile", model, "--recipe", "w8a8", "--calib", long_name, "-o", tmp_path / "out"],
+        "compile out": ["compile", model, "--recipe", "w8a8", "--calib", calib, "-o", long_name],
+        "inspect calib": ["inspect", model, "--calib", long_name],
+        "eval ppl text": ["eval", "ppl", model, "--text", long_name, "--tokenizer", model.parent],
+        "eval compare npz": ["eval", "compare", model, model, "--npz", long_name],
+        "generate": ["generate", long_name, "--prompt", "w1"],
+        "check": ["check", long_name, "--target", "generic-qdq"],
+        "export out": ["export", "tiny", "llama", "-o", long_name / "sub"],
+    }[command]
+    err = _assert_one_line(capfd, *argv)
+    assert "Traceback" not in err and "internal error" not in err, err
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("signum, code", [(signal.SIGTERM, 143), (signal.SIGHUP, 129), (signal.SIGINT, 130)])
+def test_a_signal_while_the_modules_load_is_one_line(monkeypatch, capfd, signum, code):
+    """main handles signals from its first line on: one that comes while the command's modules are
+    imported (build_parser) ends the run like one during the command."""
+    def interrupted():
+        signal.raise_signal(signum)
+        raise AssertionError("the signal did not stop the run")
+
+    monkeypatch.setattr(edgeq.cli, "build_parser", interrupted)
+    assert main(["compile", "x.onnx", "-o", "out"]) == code
+    err = capfd.readouterr().err
+    assert len(err.splitlines()) == 1 and ("interrupted" in err if signum == signal.SIGINT else "terminated" in err)
+
+
+def test_export_keeps_torch_cache_out_of_tmpdir(monkeypatch, tmp_path):
+    """Importing torch._dynamo makes $TMPDIR/torchinductor_<user>: during an export it is a temporary
+    folder of edgeq's, removed at the end."""
+    import os
+
+    from edgeq.models.hf_export import private_torch_cache
+
+    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
+    with private_torch_cache():
+        inside = Path(os.environ["TORCHINDUCTOR_CACHE_DIR"])
+        assert inside.is_dir()
+    assert not inside.exists() and "TORCHINDUCTOR_CACHE_DIR" not in os.environ
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))  # the user's own choice is kept
+    with private_torch_cache():
+        assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(tmp_path)
+
+
+def test_every_edgeq_session_logs_fatal_only():
+    """Level 3 lets onnxruntime's own [E:onnxruntime:...] line through before edgeq's one line."""
+    from edgeq import ir
+
+    assert ir.session_options().log_severity_level == 4
+    assert ir.session_options(optimize=True, threads=2).log_severity_level == 4

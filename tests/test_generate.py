@@ -252,9 +252,19 @@ def test_non_decoder_graph_exits_2(capsys, tiny, tmp_path):
     _one_line_exit_2(code, err, "not a decoder graph")
 
 
-def test_prompt_too_long_for_the_context_exits_2(capsys, tiny, monkeypatch, tmp_path):
+def _placeholder_pair(folder: Path) -> None:
+    """prefill.onnx and decode.onnx that pass the loader's checks (resolve_model runs them), for a
+    test whose fake ``open_decoder`` never opens them: one Identity each."""
+    graph = helper.make_graph([helper.make_node("Identity", ["input_ids"], ["logits"])], "placeholder",
+                              [helper.make_tensor_value_info("input_ids", TensorProto.INT64, [1, 1])],
+                              [helper.make_tensor_value_info("logits", TensorProto.INT64, [1, 1])])
     for name in ("prefill.onnx", "decode.onnx"):
-        (tmp_path / name).write_bytes(b"")  # found by resolve_model, opened by the fake below
+        onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)], ir_version=9),
+                  str(folder / name))
+
+
+def test_prompt_too_long_for_the_context_exits_2(capsys, tiny, monkeypatch, tmp_path):
+    _placeholder_pair(tmp_path)  # found by resolve_model, opened by the fake below
     shutil.copy(tiny["past"] / "tokenizer.json", tmp_path / "tokenizer.json")
     monkeypatch.setattr(decmod, "open_decoder", lambda *a, **k: fake_static(tiny["past"] / "model.onnx", 4, 16))
     prompt_tokens = len(_prompt_ids(tiny["past"]))
@@ -386,8 +396,7 @@ def test_teacher_forced_nll_equals_the_full_window_nll(tiny):
 def test_eval_ppl_through_a_static_pair_matches_model_onnx(capsys, tiny, monkeypatch, tmp_path):
     import edgeq.generation.teacher_forced as tf
 
-    for name in ("prefill.onnx", "decode.onnx"):
-        (tmp_path / name).write_bytes(b"")
+    _placeholder_pair(tmp_path)
     real = tf.open_decoder
 
     def opener(path, *args, **kwargs):  # the empty prefill.onnx / decode.onnx of tmp_path: the fake pair

@@ -56,7 +56,10 @@ def ensure_hf_folder(hf_dir: Path = HF_DIR) -> Path:
     from edgeq.models.smollm2 import save_hf_folder
 
     print(f"[ort-genai] writing the SmolLM2 HF folder to {hf_dir}", file=sys.stderr)
-    with atomic_output_dir(hf_dir) as tmp:
+    # the default folder is this script's own (what is in it, an earlier run's leftovers, may go);
+    # a --hf-dir of the user's is replaced only when it is empty or edgeq's
+    own = hf_dir.resolve() == HF_DIR.resolve()
+    with atomic_output_dir(hf_dir, force=own) as tmp:
         save_hf_folder(Path(tmp))
     return hf_dir
 

@@ -83,12 +83,13 @@ def collect_encodings(model: onnx.ModelProto, base_dir: str = "") -> dict:
     return _Reader(model, base_dir).collect()
 
 
-def strict_json(data: dict, encodings: dict) -> str:
-    """``data`` (``encodings`` itself, or what is made of it: AIMET's layout) as strict JSON.
-    NaN and inf are not JSON, and a quantization parameter that is one means a broken model (a
-    NaN or inf in its weights, or its scales), so one in ``encodings`` is a one-line
-    ``UserInputError`` naming the tensor; ``allow_nan=False`` backs that up."""
-    bad = [(side[:-1], name) for side in ("activations", "weights") for name, enc in encodings.get(side, {}).items()
+def strict_json(data: dict, encodings: dict | None = None) -> str:
+    """``data`` as strict JSON: NaN and inf are not JSON (``allow_nan=False``), the one writer of
+    every JSON file of an output folder. ``encodings``: ``data`` is ``encodings`` itself, or what is
+    made of it (AIMET's layout), where a quantization parameter that is not finite means a broken
+    model (a NaN or inf in its weights, or its scales): a one-line ``UserInputError`` naming the
+    tensor. Elsewhere (``report.json``: an exact step's SQNR is inf) pass ``json_safe(data)``."""
+    bad = [(side[:-1], name) for side in ("activations", "weights") for name, enc in (encodings or {}).get(side, {}).items()
            if not all(math.isfinite(v) for v in (*enc["scale"], *enc["zero_point"]))]
     if bad:
         side, name = bad[0]
@@ -96,6 +97,23 @@ def strict_json(data: dict, encodings: dict) -> str:
         raise UserInputError(f"{side} '{name}' has a non-finite scale or zero point (NaN or inf){more}: "
                              "a NaN or inf in the model's weights or quantization parameters")
     return json.dumps(data, indent=1, allow_nan=False)
+
+
+def json_safe(value, default=None):
+    """``value`` with every float JSON cannot hold written as the string "inf", "-inf" or "nan"
+    (numpy scalars first made Python ones); ``default(obj)`` converts any other object JSON does
+    not know (as ``json.dumps``'s ``default``)."""
+    if isinstance(value, np.generic):
+        value = value.item()
+    if isinstance(value, float):
+        return value if math.isfinite(value) else "nan" if math.isnan(value) else "inf" if value > 0 else "-inf"
+    if value is None or isinstance(value, (str, int)):
+        return value
+    if isinstance(value, dict):
+        return {k: json_safe(v, default) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [json_safe(v, default) for v in value]
+    return value if default is None else json_safe(default(value))
 
 
 class _Reader:

@@ -12,7 +12,6 @@ last, so that it hashes the final file set, from the recipe and input hashes rec
 
 from __future__ import annotations
 
-import json
 import time
 from pathlib import Path
 
@@ -20,7 +19,7 @@ import onnx
 
 from edgeq import ir
 from edgeq.artifacts.aimet import aimet_unsupported, write_aimet
-from edgeq.artifacts.encodings import strict_json
+from edgeq.artifacts.encodings import json_safe, strict_json
 from edgeq.artifacts.manifest import write_manifest
 from edgeq.pipeline import peak_rss_mb
 
@@ -63,7 +62,7 @@ def _write_rest(tmp: Path, report: dict, encodings: dict, recipe, input_model: d
     report["peak_rss_mb"] = peak_rss_mb()
     report["input_size_mb"] = round(sum(f["size"] for f in input_model["files"].values()) / 2**20, 1)
     report["output_size_mb"] = round(output_bytes / 2**20, 1)
-    (tmp / "report.json").write_text(json.dumps(report, indent=1, default=_json_default))
+    (tmp / "report.json").write_text(strict_json(json_safe(report, default=_json_default)))
     write_manifest(input_model, recipe, target, tmp)
 
 
@@ -82,9 +81,7 @@ def _check_loads(model_path: Path) -> None:
     no weight prepacking): the output must load, and a large one must not be held twice to show it."""
     import onnxruntime as ort
 
-    so = ort.SessionOptions()
-    so.log_severity_level = 3
-    so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    so = ir.session_options(optimize=False)
     so.add_session_config_entry("session.disable_prepacking", "1")
     ort.InferenceSession(str(model_path), so, providers=["CPUExecutionProvider"])
 

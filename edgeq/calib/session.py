@@ -18,8 +18,6 @@ from __future__ import annotations
 import hashlib
 import os
 import time
-import zipfile
-import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
@@ -31,6 +29,7 @@ import onnx_graphsurgeon as gs
 from edgeq import ir
 from edgeq.calib.observers import ModalitySplitObserver, Observer, observer_from_state, observer_state
 from edgeq.fingerprint import graph_fingerprint
+from edgeq.npzfile import NumpyFileError, read_npz
 from edgeq.progress import progress
 from edgeq.protowalk import prune_to_outputs
 
@@ -264,8 +263,7 @@ class Calibrator:
         # a damaged entry (truncated, not a zip, a member or key missing) is a miss: recomputed
         # and overwritten by ``_save``, never trusted and never an error
         try:
-            with np.load(path, allow_pickle=False) as z:
-                flat = {k: z[k] for k in z.files}
+            flat = read_npz(path)
             out = {}
             for i, name in enumerate(names):
                 prefix = f"{i}/"
@@ -273,7 +271,7 @@ class Calibrator:
                 if not state:
                     return None
                 out[name] = observer_from_state(state)
-        except (OSError, ValueError, EOFError, KeyError, TypeError, zipfile.BadZipFile, zlib.error):
+        except (NumpyFileError, KeyError, TypeError, ValueError):
             return None
         return out
 

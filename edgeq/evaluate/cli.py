@@ -30,7 +30,12 @@ def register(subparsers: Any) -> argparse.ArgumentParser:
         description="Evaluate models with onnxruntime on CPU.",
     )
     sub = ev.add_subparsers(dest="eval_command", metavar="{ppl,compare}")
-    ev.set_defaults(func=lambda args: (ev.print_help(), 2)[1])
+
+    def needs_subcommand(args: argparse.Namespace) -> int:  # help on stdout, the one error line on stderr
+        ev.print_help()
+        raise UserInputError("eval needs a subcommand: ppl or compare")
+
+    ev.set_defaults(func=needs_subcommand)
 
     ppl = sub.add_parser(
         "ppl",
@@ -152,28 +157,18 @@ def register(subparsers: Any) -> argparse.ArgumentParser:
     return ev
 
 
-def _json_safe(value: Any) -> Any:
-    """inf / nan are not JSON: write them as strings."""
-    if isinstance(value, float) and not math.isfinite(value):
-        return "nan" if math.isnan(value) else ("inf" if value > 0 else "-inf")
-    if isinstance(value, dict):
-        return {k: _json_safe(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_json_safe(v) for v in value]
-    return value
-
-
 def _ppl_route(args: argparse.Namespace) -> tuple[str | None, str]:
     """(--through to use or None for the plain full-window run, the model file whose kernels run):
     a folder is a static pair (teacher-forced, --through decode by default) or holds model.onnx."""
     from pathlib import Path
 
     from edgeq.generation.decoders import resolve_model
+    from edgeq.ir import check_model_file
 
     path = Path(args.model)
     if not path.exists():  # named before the text is tokenized
         raise UserInputError(f"model file not found: {path}")
-    family, files = resolve_model(path) if path.is_dir() else ("dynamic", [path])
+    family, files = resolve_model(path) if path.is_dir() else ("dynamic", [check_model_file(path)])
     if family == "static-pair":
         through = args.through or "decode"
         return through, str(files[0] if through == "prefill" else files[1])
@@ -214,7 +209,9 @@ def run_ppl(args: argparse.Namespace) -> int:
         result["ort_u8s8_linears"] = len(fused)
         result["ort_u8s8_at_risk"] = sorted(name for name, v in fused.items() if v["saturation_free"] is False)
     if args.json:
-        print(json.dumps(_json_safe(result)))
+        from edgeq.artifacts.encodings import json_safe
+
+        print(json.dumps(json_safe(result)))
         return 0
     mode = " (exact QDQ)" if args.exact_qdq else " (no optimization)" if args.no_optimize else ""
     if through is not None:
@@ -291,7 +288,9 @@ def run_compare(args: argparse.Namespace) -> int:
         exact_qdq=args.exact_qdq,
     )
     if args.json:
-        print(json.dumps(_json_safe(result)))
+        from edgeq.artifacts.encodings import json_safe
+
+        print(json.dumps(json_safe(result)))
         return 0
     header = f"  {'SQNR dB':>8}  {'max |B-A|':>11}  {'mean |B-A|':>11}  tensor"
     print(f"{result['samples']} samples in {result['seconds']:.1f} s")

@@ -30,7 +30,7 @@ import onnx
 
 from edgeq.errors import UserInputError
 from edgeq.evaluate.ppl import open_session, session_options
-from edgeq.ir import load_model
+from edgeq.ir import check_model_file, load_model, model_folder
 from edgeq.progress import progress
 from edgeq.textdata import ort_dtype
 
@@ -176,7 +176,7 @@ def _session_with_outputs(path: Path, model: onnx.ModelProto, extra: Sequence[st
     model.graph.output.extend(onnx.ValueInfoProto(name=n) for n in extra if n not in have)
     opts = session_options(threads, optimize, exact_qdq)
     opts.add_session_config_entry(
-        "session.model_external_initializers_file_folder_path", str(path.resolve().parent)
+        "session.model_external_initializers_file_folder_path", str(model_folder(path))
     )
     try:
         data = model.SerializeToString()
@@ -256,6 +256,8 @@ def compare(
         sess_b = _session_with_outputs(path_b, proto_b, layer_names, threads, optimize, exact_qdq)
         del proto_a, proto_b
     else:
+        check_model_file(path_a)
+        check_model_file(path_b)
         sess_a = open_session(path_a, options=session_options(threads, optimize, exact_qdq))
         sess_b = open_session(path_b, options=session_options(threads, optimize, exact_qdq))
 

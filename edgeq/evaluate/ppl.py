@@ -29,23 +29,17 @@ EXACT_QDQ_CONFIG = {"session.disable_quant_qdq": "1"}
 
 
 def session_options(threads: int | None = None, optimize: bool = True, exact_qdq: bool = False) -> Any:
-    """onnxruntime SessionOptions: default graph optimizations (or none), ``threads`` intra-op;
-    ``exact_qdq``: Q/DQ evaluated as written, not fused into integer kernels."""
-    import onnxruntime as ort
+    """onnxruntime SessionOptions (``edgeq.ir.session_options``, the one base: log level fatal
+    only): default graph optimizations (or none), ``threads`` intra-op; ``exact_qdq``: Q/DQ
+    evaluated as written, not fused into integer kernels."""
+    from edgeq.ir import session_options as base_options
 
-    opts = ort.SessionOptions()
-    if not optimize:
-        opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    if threads is not None and threads < 1:
+        raise UserInputError(f"threads must be >= 1, got {threads}")
+    opts = base_options(optimize=optimize, threads=threads)
     if exact_qdq:
         for key, value in EXACT_QDQ_CONFIG.items():
             opts.add_session_config_entry(key, value)
-    if threads is not None:
-        if threads < 1:
-            raise UserInputError(f"threads must be >= 1, got {threads}")
-        opts.intra_op_num_threads = threads
-    # 4: fatal only. At 3 onnxruntime still prints its own [E:onnxruntime:...] line (a model it
-    # cannot initialize, a node failing at run time) before the one line edgeq reports it with.
-    opts.log_severity_level = 4
     return opts
 
 

@@ -315,7 +315,15 @@ def _vocab(session: Any) -> int:
 
 def resolve_model(path: str | os.PathLike) -> tuple[str, list[Path]]:
     """(mode family, graph files) for a folder or a .onnx file: ``("static-pair", [prefill, decode])``
-    when the folder holds both graphs, else ``("dynamic", [model.onnx])``."""
+    when the folder holds both graphs, else ``("dynamic", [model.onnx])``; each file passed the
+    loader's checks (``ir.check_model_file``)."""
+    from edgeq.ir import check_model_file
+
+    family, files = _model_files(path)
+    return family, [check_model_file(f) for f in files]
+
+
+def _model_files(path: str | os.PathLike) -> tuple[str, list[Path]]:
     p = Path(path)
     if not p.exists():
         raise UserInputError(f"model folder not found: {p}")

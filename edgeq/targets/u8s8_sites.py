@@ -193,8 +193,7 @@ def ort_fused_u8s8(model_path: str | os.PathLike) -> dict[str, dict]:
     from edgeq.targets.saturation import PAIR_LIMIT, worst_pair
 
     with tempfile.TemporaryDirectory(prefix="edgeq-ortopt-") as tmp:
-        opts = ort.SessionOptions()
-        opts.log_severity_level = 3
+        opts = ir.session_options(optimize=True)
         opts.optimized_model_filepath = str(Path(tmp) / "optimized.onnx")
         opts.add_session_config_entry("session.optimized_model_external_initializers_file_name", "optimized.data")
         opts.add_session_config_entry("session.optimized_model_external_initializers_min_size_in_bytes", "1024")

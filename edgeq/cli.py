@@ -14,7 +14,8 @@ that forgot the command must not read as a success; ``edgeq --help`` is the way 
 exit 0). An ``OSError`` about a path the user gave (a name too long, missing, a folder where a file
 was expected, no permission), or a file inside it, is bad input too (exit 2, one line), wherever
 it surfaces. Signals: SIGINT, SIGTERM and SIGHUP end a run with one line and exit 130 / 143 / 129,
-whatever they interrupt (module imports included: ``main`` installs its handlers first;
+whatever they interrupt (module imports included: ``main`` installs its handlers first and, while
+the command line's modules load, only notes a signal and acts on it once they are loaded;
 ``python -m edgeq`` also covers the import of this module); what was being written is removed on
 the way out.
 """
@@ -233,18 +234,30 @@ class Terminated(KeyboardInterrupt):
 
 
 _TERMINATING = tuple(getattr(signal, name) for name in ("SIGTERM", "SIGHUP") if hasattr(signal, name))
+# the signals received while the current command runs: an exception raised by a signal handler can
+# come out changed (an import in C code, numpy's among them, turns it into an ImportError), so what
+# ends the run is told by this, not by the exception's type
+_RECEIVED: list[int] = []
 
 
 def _terminate(signum, frame):
     for sig in _TERMINATING:  # a second signal must not interrupt the cleanup the first one starts
         signal.signal(sig, signal.SIG_IGN)
+    _RECEIVED.append(signum)
     raise Terminated(signum)
+
+
+def _interrupt(signum, frame):
+    _RECEIVED.append(signum)
+    raise KeyboardInterrupt
 
 
 @contextlib.contextmanager
 def _signals_unwind():
-    """While a command runs: SIGTERM and SIGHUP raise ``Terminated`` (installed here, not at import,
-    and put back after, so that importing edgeq changes nothing for its host)."""
+    """While a command runs: SIGTERM and SIGHUP raise ``Terminated``, SIGINT ``KeyboardInterrupt``,
+    each noted in ``_RECEIVED`` (installed here, not at import, and put back after, so that importing
+    edgeq changes nothing for its host; a signal the host ignores or handles itself is left alone)."""
+    _RECEIVED.clear()
     if threading.current_thread() is not threading.main_thread():
         yield
         return
@@ -253,10 +266,45 @@ def _signals_unwind():
         for sig in _TERMINATING:
             if signal.getsignal(sig) is not signal.SIG_IGN:  # (nohup: a hangup stays ignored)
                 previous[sig] = signal.signal(sig, _terminate)
+        if signal.getsignal(signal.SIGINT) is signal.default_int_handler:
+            previous[signal.SIGINT] = signal.signal(signal.SIGINT, _interrupt)
         yield
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
+
+
+def _note(signum, frame):
+    _RECEIVED.append(signum)
+
+
+@contextlib.contextmanager
+def _signals_deferred():
+    """While the command line's modules are imported (numpy, onnx: C extensions whose import an
+    exception raised in the middle of can turn into an ImportError, or crash), a signal is only
+    noted; it ends the run once they are loaded."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    active = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, *_TERMINATING)}
+    mine = {sig: handler for sig, handler in active.items() if handler in (_terminate, _interrupt)}
+    try:
+        for sig in mine:
+            signal.signal(sig, _note)
+        yield
+    finally:
+        for sig, handler in mine.items():
+            signal.signal(sig, handler)
+    if _RECEIVED:
+        signum = _RECEIVED[0]
+        raise KeyboardInterrupt if signum == signal.SIGINT else Terminated(signum)
+
+
+def _stopped(signum: int) -> int:
+    """The one line and the exit code of a run a signal ended."""
+    print("edgeq: interrupted" if signum == signal.SIGINT else f"edgeq: terminated by {signal.Signals(signum).name}",
+          file=sys.stderr)
+    return 128 + signum
 
 
 def one_line(exc: BaseException) -> str:
@@ -288,33 +336,47 @@ def _user_path_error(exc: OSError, argv: list[str]) -> str | None:
 def main(argv: list[str] | None = None) -> int:
     """Run one command; returns its exit code (see the module docstring). SIGTERM and SIGHUP are
     handled from the first line on (``_signals_unwind``), so a signal while the command's modules
-    are still being imported ends the run like one later: one line, 128 + the signal's number."""
-    argv = sys.argv[1:] if argv is None else list(argv)
+    are still being imported ends the run like one later: one line, 128 + the signal's number.
+    Called as the program (``argv`` None: the console script, ``python -m edgeq``), signals are
+    ignored once the command has ended: one then would kill a run whose output is complete while
+    the interpreter shuts down (exit -N, as if it had failed)."""
+    program = argv is None
+    code = _main(sys.argv[1:] if program else list(argv))
+    if program and threading.current_thread() is threading.main_thread():
+        for sig in (signal.SIGINT, *_TERMINATING):
+            signal.signal(sig, signal.SIG_IGN)
+    return code
+
+
+def _main(argv: list[str]) -> int:
     try:
         with _signals_unwind():
-            parser = build_parser()
+            with _signals_deferred():
+                parser = build_parser()
             args = parser.parse_args(argv)
             if not getattr(args, "func", None):
                 parser.print_help()
                 raise UserInputError("a command is required (the commands are listed above; edgeq COMMAND --help)")
             return int(args.func(args) or 0)
-    except Terminated as exc:
-        print(f"edgeq: terminated by {signal.Signals(exc.signum).name}", file=sys.stderr)
-        return 128 + exc.signum
-    except EdgeqError as exc:  # UserInputError (2) and the others
-        print(f"edgeq: error: {one_line(exc)}", file=sys.stderr)
-        return exc.exit_code
-    except KeyboardInterrupt:
-        print("edgeq: interrupted", file=sys.stderr)
-        return 130
-    except OSError as exc:
-        message = _user_path_error(exc, argv)
-        if message is None:
-            print(f"edgeq: internal error: {type(exc).__name__}: {one_line(exc)}", file=sys.stderr)
-            return 1
-        print(f"edgeq: error: {one_line(message)}", file=sys.stderr)
-        return 2
-    except Exception as exc:  # noqa: BLE001 (last resort: one line, exit 1)
+    except SystemExit:  # argparse: usage errors (2), --help and --version (0)
+        raise
+    except BaseException as exc:
+        if _RECEIVED:  # whatever the signal's exception became on its way up
+            return _stopped(_RECEIVED[0])
+        if isinstance(exc, Terminated):
+            return _stopped(exc.signum)
+        if isinstance(exc, KeyboardInterrupt):
+            return _stopped(signal.SIGINT)
+        if isinstance(exc, EdgeqError):  # UserInputError (2) and the others
+            print(f"edgeq: error: {one_line(exc)}", file=sys.stderr)
+            return exc.exit_code
+        if not isinstance(exc, Exception):
+            raise
+        message = _user_path_error(exc, argv) if isinstance(exc, OSError) else None
+        if message is not None:
+            print(f"edgeq: error: {one_line(message)}", file=sys.stderr)
+            return 2
+        # last resort: one line, exit 1
         print(f"edgeq: internal error: {type(exc).__name__}: {one_line(exc)}", file=sys.stderr)
         return 1
 

@@ -575,3 +575,16 @@ def test_report_values_json_cannot_hold_are_strings():
     text = strict_json(json_safe(report, default=str), None)
     assert json.loads(text) == {"sqnr_db": "inf", "drift": ["-inf", "nan"], "n": 3, "path": "x"}
 
+
+
+def test_empty_cache_dir_turns_caching_off(toy, tmp_path, capsys, monkeypatch):
+    """EDGEQ_CACHE_DIR="" is no cache (as for the tokens), not a calib/ folder in the current one."""
+    model, calib = toy
+    cwd = tmp_path / "cwd"
+    cwd.mkdir()
+    monkeypatch.chdir(cwd)
+    monkeypatch.setenv("EDGEQ_CACHE_DIR", "")
+    code, err, _ = _run(capsys, "compile", model, "--recipe", "w8a8", "--calib-windows", "1", "--seq-len", "16",
+                        "--calib", calib, "-o", tmp_path / "out")
+    assert code == 0, err
+    assert list(cwd.iterdir()) == []

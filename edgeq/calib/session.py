@@ -55,8 +55,13 @@ class CalibrationLog:
     ranges: dict[str, list[float]] = field(default_factory=dict)
 
 
-def default_cache_dir() -> Path:
-    return Path(os.environ.get("EDGEQ_CACHE_DIR", Path.home() / ".cache" / "edgeq")) / "calib"
+def default_cache_dir() -> Path | None:
+    """``$EDGEQ_CACHE_DIR/calib`` (``edgeq.textdata.cache_root``, the one reading of the variable);
+    None when the variable is set empty: caching off (not a ``calib`` folder in the current one)."""
+    from edgeq.textdata import cache_root
+
+    root = cache_root()
+    return None if root is None else root / "calib"
 
 
 @dataclass
@@ -115,7 +120,7 @@ class Calibrator:
     def __init__(self, data: CalibrationSet, cache_dir: Path | None = None, use_cache: bool = True):
         self.data = data
         self.cache_dir = cache_dir or default_cache_dir()
-        self.use_cache = use_cache
+        self.use_cache = use_cache and self.cache_dir is not None
         self.log = CalibrationLog()
         self._fingerprint_memo: dict = {}
         self.carry: StreamCarry | None = None  # set by a block-wise compile
@@ -257,8 +262,10 @@ class Calibrator:
         return h.hexdigest()[:32]
 
     def _load(self, key: str, names: list[str]) -> dict[str, Observer] | None:
+        if not self.use_cache:
+            return None
         path = self.cache_dir / f"{key}.npz"
-        if not self.use_cache or not path.is_file():
+        if not path.is_file():
             return None
         # a damaged entry (truncated, not a zip, a member or key missing) is a miss: recomputed
         # and overwritten by ``_save``, never trusted and never an error

@@ -22,6 +22,7 @@ from __future__ import annotations
 import dataclasses
 import errno
 import os
+import re
 import shutil
 import time
 from dataclasses import asdict, dataclass
@@ -392,12 +393,17 @@ def _check_out_dir(req: CompileRequest) -> None:
     (``ir.check_output_dir``) and a ``--dump-each`` folder that cannot hold the dumps."""
     ir.check_output_dir(req.out_dir, force=req.force, inputs=_inputs(req))
     if req.dump_each is not None:
-        _check_dump_each(req.dump_each, req.out_dir.resolve())
+        _check_dump_each(req.dump_each, req.out_dir.resolve(), req.force)
 
 
-def _check_dump_each(dump_each: Path, out: Path) -> None:
+_DUMP_FILE = re.compile(r"\d\d_[a-z0-9-]+\.onnx(\.data)?")
+
+
+def _check_dump_each(dump_each: Path, out: Path, force: bool = False) -> None:
     """``--dump-each DIR``: a folder (or a path where one can be made) that is writable and outside
-    the output folder, which the end of the compile replaces (the dumps would be thrown away)."""
+    the output folder, which the end of the compile replaces (the dumps would be thrown away). The
+    dumps are written into it as the passes run, so an existing folder must be empty or hold only
+    earlier dumps (``NN_<pass>.onnx``): files of the user's would be overwritten (``--force`` allows it)."""
     dump = dump_each.resolve()
     if dump == out or out in dump.parents:
         raise UserInputError(f"--dump-each {dump_each} is inside the output folder {out}, which is replaced at "
@@ -407,5 +413,9 @@ def _check_dump_each(dump_each: Path, out: Path) -> None:
             raise UserInputError(f"--dump-each {dump_each} exists and is not a folder")
         if not os.access(dump, os.W_OK | os.X_OK):
             raise UserInputError(f"--dump-each {dump_each} is not writable")
+        foreign = [p.name for p in dump.iterdir() if not _DUMP_FILE.fullmatch(p.name)]
+        if foreign and not force:
+            raise UserInputError(f"--dump-each {dump_each} holds files edgeq did not dump (e.g. {foreign[0]}); "
+                                 f"name an empty or new folder, or pass --force to write the dumps among them")
         return
     ir.check_writable_parent(dump, what="the --dump-each folder")

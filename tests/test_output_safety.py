@@ -456,3 +456,21 @@ def test_dump_each_on_a_read_only_mount_is_refused(toy, tmp_path, capsys, read_o
     _refused(capsys, tmp_path / "in", ["compile", model, *COMPILE, "--calib", calib, "-o", tmp_path / "out",
                                        "--dump-each", read_only_fs / sub], "not writable")
     assert not (tmp_path / "out").exists()
+
+
+def test_dump_each_into_a_folder_of_the_users_needs_force(tmp_path, capsys, monkeypatch):
+    from toy import toy_with_calib
+
+    model, calib = toy_with_calib(tmp_path)
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "notes.txt").write_text("keep")
+    argv = ["compile", str(model), "--recipe", "w8a8", "--calib", str(calib), "--calib-windows", "1", "--seq-len", "16",
+            "--no-cache", "-o", str(tmp_path / "out"), "--dump-each", str(mine)]
+    assert main(argv) == 2
+    assert "holds files edgeq did not dump" in capsys.readouterr().err
+    assert sorted(p.name for p in mine.iterdir()) == ["notes.txt"] and not (tmp_path / "out").exists()
+    assert main(argv + ["--force"]) == 0
+    assert (mine / "notes.txt").read_text() == "keep" and any(p.name.endswith("_qdq.onnx") for p in mine.iterdir())
+    assert main(argv[:-2] + ["--dump-each", str(tmp_path / "dumps")]) == 0
+    assert main(argv[:-2] + ["--dump-each", str(tmp_path / "dumps")]) == 0  # earlier dumps only: no --force needed

@@ -17,16 +17,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from edgeq.errors import EdgeqError
-from edgeq.targets.qnn_vendor import DEFAULT_HTP_ARCH, HTP_SOCS, prepare_context, vendor_version
+from edgeq.targets.qnn_vendor import DEFAULT_HTP_ARCH, HTP_SOCS, VendorRefused, prepare_context, vendor_version
 
 CONTEXT_FOLDER = "qnn"
-
-
-class VendorRefused(EdgeqError):
-    """The vendor's compiler did not prepare a graph (exit 3: the model is outside the target)."""
-
-    exit_code = 3
 
 
 def write_context_binaries(folder: Path, graphs: list[str], htp_arch: int | None = None) -> dict:

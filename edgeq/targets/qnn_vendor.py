@@ -23,6 +23,8 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from edgeq.errors import EdgeqError
+
 EP_NAME = "QNNExecutionProvider"
 # Snapdragon 8 Elite (HTP v79) is the current flagship generation the prepared binaries target by default
 DEFAULT_HTP_ARCH = 79
@@ -35,6 +37,12 @@ _UNIT_NODE = re.compile(r"^\s*Operator type: (?P<op>\S+) Node name: (?P<name>.*?
 _REASON = re.compile(r"^\s*REASON\s*:\s*(?P<reason>.*\S)\s*$")
 _PREPARE_ERROR = re.compile(r'<E> "(?P<name>[^"]*)" generated: (?P<reason>.*\S)')
 _UNSUPPORTED = re.compile(r"Unsupported nodes in QNN EP: \{ name: (?P<name>.*?), type: (?P<op>\S+) \}")
+
+
+class VendorRefused(EdgeqError):
+    """The vendor's compiler refused or failed to prepare a graph (exit 3: outside the target)."""
+
+    exit_code = 3
 
 
 def vendor_version() -> str | None:
@@ -118,8 +126,6 @@ def open_htp_session(model: str | os.PathLike, htp_arch: int = DEFAULT_HTP_ARCH)
     try:
         return ort.InferenceSession(str(model), htp_session_options(htp_arch, log_severity=4))
     except Exception as exc:  # noqa: BLE001 (onnxruntime's pybind errors)
-        from edgeq.targets.qnn_context import VendorRefused
-
         first = " ".join(str(exc).split())[:300]
         raise VendorRefused(f"QNN HTP v{htp_arch} does not run {model} whole: {first} "
                             f"(`edgeq check {model} --target qnn-htp` lists the nodes it refuses)") from None

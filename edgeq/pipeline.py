@@ -91,13 +91,12 @@ class Pipeline:
             del ref_session
         if opts.dump_each is not None:
             Path(opts.dump_each).mkdir(parents=True, exist_ok=True)
+        input_problem = None
         if isinstance(model, gs.Graph):  # already imported (block-wise compiles build it from numpy)
             graph, model = model, None
         else:
-            if opts.verify:  # what fails here is the input's fault, not the first pass's
-                problem = self._verify(model)
-                if problem is not None:
-                    raise UserInputError(f"the input model does not verify: {problem}")
+            if opts.verify:  # a failure below that the input already had is the input's fault, not the pass's
+                input_problem = self._verify(model)
             graph = ir.to_graph(model)
             if consume:
                 model.Clear()
@@ -129,8 +128,13 @@ class Pipeline:
                     ir.save_model(current, Path(opts.dump_each) / f"{i:02d}_{p.name}.onnx")
                 if opts.verify:
                     problem = self._verify(current)
+                    if problem is not None and input_problem is not None:
+                        # (an input a pass can repair, e.g. edgeq ops without their function bodies
+                        # before expand-functions, verifies after it; one it does not repair is the user's)
+                        raise UserInputError(f"the input model does not verify: {input_problem}")
                     if problem is not None:
                         raise PassFailure(p.name, f"output graph does not verify: {problem}")
+                    input_problem = None
                     record["verified"] = True
                 if reference is not None:
                     session = ir.make_session(current)

@@ -39,6 +39,7 @@ import os
 import re
 import shlex
 import shutil
+import signal
 import stat
 import subprocess
 import sys
@@ -68,6 +69,12 @@ EDGEQ_MARKERS = {"model.onnx", "prefill.onnx", "manifest.json", "report.json"}  
 LOG = os.environ.get("EDGEQ_FUZZ_LOG")  # a file: one JSON line per case (argv, exit code, stderr, breaches)
 SCALE = float(os.environ.get("EDGEQ_FUZZ_SCALE", "1"))  # e.g. 0.1 for a quick look, 10 for a long soak
 
+
+def _foreground_signals() -> None:
+    """preexec_fn: the child gets a terminal foreground job's signal dispositions (the runner may
+    have inherited SIGHUP ignored under nohup, or SIGINT ignored in a background job)."""
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, signal.SIG_DFL)
 
 def fuzz_settings(n: int):
     return settings(max_examples=max(1, round(n * SCALE)), deadline=None, derandomize=True, database=None,
@@ -225,7 +232,7 @@ def _run_subprocess(case: Case, fz: Fuzz) -> Outcome:
         return Outcome(done.returncode, done.stdout, done.stderr)
     sig, delay = case.signal_after
     with subprocess.Popen(cmd, cwd=fz.cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                          errors="replace") as proc:
+                          errors="replace", preexec_fn=_foreground_signals) as proc:
         try:
             proc.wait(timeout=delay)
         except subprocess.TimeoutExpired:

@@ -251,11 +251,19 @@ sys.exit(main(sys.argv[1:]))
 """
 
 
+def default_signals() -> None:
+    """preexec_fn: the child starts with the dispositions of a terminal's foreground job, whatever
+    the test runner inherited (under nohup SIGHUP is ignored, in a background job SIGINT is)."""
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, signal.SIG_DFL)
+
+
 def _signal_mid_compile(tmp_path: Path, argv: list, out: Path, signum: int, staging: tuple[str, ...]):
     ready = tmp_path / "ready"
     env = {**os.environ, "EDGEQ_PROGRESS": "0", "READY": str(ready)}
     child = subprocess.Popen([sys.executable, "-c", _CHILD, *map(str, argv), "-o", str(out)], cwd=REPO_ROOT,
-                             env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                             env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                             preexec_fn=default_signals)
     try:
         deadline = time.monotonic() + 240
         while not ready.exists():

@@ -121,6 +121,22 @@ def test_gptq_full_range_uses_all_int4_levels(layer):
         get_pass("gptq").Config(full_range=True, weight_symmetric=False)
 
 
+def test_gptq_full_range_positive_scales(layer):
+    """positive_scales (for the HTP, which computes negative scales wrongly): every scale > 0, -8
+    reached in groups whose extreme is negative, error between the restricted and the signed grid."""
+    from edgeq.passes.methods.gptq import IntColumns
+
+    x, w, h = layer
+    spec = QuantSpec("int4", True, axis=0, block_size=64)
+    positive = gptq_quantize(w, h, spec, group_size=64, columns=IntColumns(spec, full_range=True, positive=True))
+    restricted = gptq_quantize(w, h, spec, group_size=64)
+    assert (positive.scale > 0).all() and positive.q.min() == -8 and positive.q.max() <= 7
+    np.testing.assert_array_equal(dequantize_weight(positive.q, positive.scale, positive.zero_point, spec), positive.dequantized)
+    assert layer_error(x, w, positive.dequantized) < layer_error(x, w, restricted.dequantized)
+    with pytest.raises(UserInputError, match="positive_scales"):
+        get_pass("gptq").Config(positive_scales=True)
+
+
 def test_hessian_observer_weights_the_first_token():
     """The first token of every sequence (the attention sink) can be counted ``w`` times; the
     plain Hessian is unchanged, and the state survives the calibration cache."""

@@ -25,6 +25,9 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 from edgeq.cli import main
+from edgeq.passbase import PassContext
+from edgeq.pipeline import Pipeline
+from edgeq.registry import get_pass
 from edgeq.targets.qnn_vendor import ask_htp, htp_session_options, vendor_version
 
 if platform.machine() != "x86_64" or sys.version_info < (3, 11) or not sys.platform.startswith("linux"):
@@ -36,8 +39,10 @@ _ZP = {"uint8": (np.uint8, 128), "uint16": (np.uint16, 32768), "int16": (np.int1
 K, N = 64, 32
 
 
-def probe(weight: str, granularity: str, act_in: str | None, act_out: str | None) -> onnx.ModelProto:
-    """x -> [Q/DQ act_in] -> MatMul(DQ(weight)) -> [Q/DQ act_out] -> y."""
+def probe(weight: str, granularity: str, act_in: str | None, act_out: str | None,
+          negative: bool = False) -> onnx.ModelProto:
+    """x -> [Q/DQ act_in] -> MatMul(DQ(weight)) -> [Q/DQ act_out] -> y. ``negative``: every other
+    channel stored as (-q, -scale), the same real weight (what full-range symmetric quantizers write)."""
     w = np.random.default_rng(0).standard_normal((K, N)).astype(np.float32)
     qmax = 127 if weight == "int8" else 7
     if granularity == "channel":
@@ -45,6 +50,9 @@ def probe(weight: str, granularity: str, act_in: str | None, act_out: str | None
     else:
         scale, zp, attrs = np.array(np.abs(w).max() / qmax, np.float32), np.array(0, np.int8), {}
     q = np.clip(np.round(w / scale), -qmax, qmax).astype(np.int8)
+    if negative:
+        scale[::2] *= -1
+        q[:, ::2] *= -1
     if weight == "int4":
         inits = [helper.make_tensor("wq", TensorProto.INT4, q.shape, q.ravel().tolist()),
                  helper.make_tensor("wz", TensorProto.INT4, zp.shape, zp.ravel().tolist())]
@@ -117,6 +125,32 @@ def test_check_without_the_vendor_says_it_approximates(tmp_path, capsys, monkeyp
     assert "approximation of Qualcomm's compiler, which is not installed" in capsys.readouterr().out
 
 
+def test_negative_weight_scales_are_taken_and_computed_wrongly(tmp_path, capsys):
+    """Why the qnn-htp profile has ``positive_scales`` and its lowering ``positive-weight-scales``:
+    the vendor accepts a negative per-channel weight scale and computes as if it were positive."""
+    import onnxruntime as ort
+
+    from edgeq.targets.qnn_vendor import open_htp_session
+
+    x = {"x": (np.random.default_rng(1).standard_normal((1, 8, K)) * 0.5).astype(np.float32)}
+    for weight in ("int8", "int4"):
+        path = tmp_path / f"neg-{weight}.onnx"
+        onnx.save(probe(weight, "channel", "uint16", "uint16", negative=True), path)
+        want = ort.InferenceSession(probe(weight, "channel", "uint16", "uint16").SerializeToString(),
+                                    providers=["CPUExecutionProvider"]).run(None, x)[0]
+        cpu = ort.InferenceSession(path, providers=["CPUExecutionProvider"]).run(None, x)[0]
+        np.testing.assert_array_equal(cpu, want)  # the same weights for onnxruntime's CPU kernels
+        assert ask_htp(path).accepted
+        assert np.abs(open_htp_session(path).run(None, x)[0] - want).max() > 0.5 * np.abs(want).max()
+        assert main(["check", str(path), "--target", "qnn-htp", "--profile-only"]) == 3
+        assert "positive-scale" in capsys.readouterr().out
+        lowered, records = Pipeline([get_pass("positive-weight-scales")()]).run(onnx.load(path), PassContext())
+        assert records[0]["summary"]["channels_flipped"] == N // 2 and records[0]["summary"]["codes_saturated"] == 0
+        onnx.save(lowered, tmp_path / "lowered.onnx")
+        got = open_htp_session(tmp_path / "lowered.onnx").run(None, x)[0]
+        assert np.abs(got - want).max() <= 0.05 * np.abs(want).max()
+
+
 # --------------------------------------------------------------------------------------------
 # tiny static pairs through the lowering, the vendor and its context binaries
 # --------------------------------------------------------------------------------------------
@@ -159,6 +193,16 @@ def test_htp_recipes_load_whole_on_the_htp(tiny_past, tmp_path, recipe, capsys):
     for graph in ("prefill.onnx", "decode.onnx"):
         verdict = ask_htp(out / graph)
         assert verdict.accepted, (graph, verdict.refusals[:3], verdict.error)
+    # and computes what onnxruntime CPU does (mquant-w4a16 once loaded whole and gave unrelated logits:
+    # GPTQ's full-range scales were negative, which the HTP takes and computes as positive)
+    import onnxruntime as ort
+
+    from edgeq.targets.qnn_vendor import open_htp_session
+
+    cpu = ort.InferenceSession(out / "prefill.onnx", providers=["CPUExecutionProvider"])
+    feeds = _feeds(cpu)
+    want, got = cpu.run(None, feeds)[0], open_htp_session(out / "prefill.onnx").run(None, feeds)[0]
+    assert np.abs(got - want).max() <= 0.05 * np.abs(want).max(), (recipe, np.abs(got - want).max())
 
 
 def test_context_binaries_load_back_and_match_cpu(tiny_past, tmp_path, capsys):

@@ -234,3 +234,55 @@ def test_symmetric_weights_requantizes(cfg, signed, tiny_models, tmp_path):
         assert sqnr_db(ref, got) > LOSSY_MIN_SQNR_DB
     htp = check_model(out, load_target("qnn-htp")).counts()
     assert not {k for k in htp if k.startswith("weight-")} - {"weight-granularity"}
+
+
+# ---------------------------------------------------------------- positive-weight-scales
+
+def _negate_channels(model, saturate_one=False):
+    """Every other channel of each per-channel weight stored as (-q, -scale): the same real weights.
+    ``saturate_one``: one negated code of the first weight set to qmin (-qmin does not fit)."""
+    model = onnx.ModelProto.FromString(model.SerializeToString())
+    inits = {t.name: t for t in model.graph.initializer}
+    first = True
+    for node in model.graph.node:
+        if node.op_type != "DequantizeLinear" or node.input[0] not in inits:
+            continue
+        q, s = numpy_helper.to_array(inits[node.input[0]]).copy(), numpy_helper.to_array(inits[node.input[1]]).copy()
+        if s.ndim != 1:
+            continue
+        axis = next((a.i for a in node.attribute if a.name == "axis"), 1) % q.ndim
+        index = [slice(None)] * q.ndim
+        index[axis] = slice(None, None, 2)
+        s[::2] *= -1
+        q[tuple(index)] *= -1
+        if saturate_one and first:
+            q[tuple(0 for _ in q.shape)] = np.iinfo(q.dtype).min
+            first = False
+        inits[node.input[0]].CopyFrom(numpy_helper.from_array(q, node.input[0]))
+        inits[node.input[1]].CopyFrom(numpy_helper.from_array(s, node.input[1]))
+    return model
+
+
+def test_positive_weight_scales_flips_exactly(tiny_models, tmp_path):
+    quant, feeds, _ = _quantized(tiny_models, tmp_path, activation_dtype="uint8", weight_dtype="int8", weight_granularity="channel")
+    negative = _negate_channels(quant)
+    reference = _outputs(quant, feeds)
+    for ref, same in zip(reference, _outputs(negative, feeds)):
+        np.testing.assert_array_equal(same, ref)  # onnxruntime's CPU kernels compute negative scales exactly
+    assert check_model(negative, load_target("qnn-htp")).counts()["positive-scale"] == 15
+    out, record, got = _lower(negative, "positive-weight-scales", feeds, tmp_path)
+    assert record["summary"]["weights_flipped"] == 15 and record["summary"]["codes_saturated"] == 0
+    assert record["summary"]["weight_rel_rms_error"] == 0.0
+    for ref, new in zip(reference, got):
+        np.testing.assert_array_equal(new, ref)
+    assert "positive-scale" not in check_model(out, load_target("qnn-htp")).counts()
+
+
+def test_positive_weight_scales_saturates_what_does_not_fit(tiny_models, tmp_path):
+    quant, feeds, _ = _quantized(tiny_models, tmp_path, activation_dtype="uint8", weight_dtype="int8", weight_granularity="channel")
+    negative = _negate_channels(quant, saturate_one=True)
+    out, record, _ = _lower(negative, "positive-weight-scales", feeds, tmp_path)
+    assert record["summary"]["codes_saturated"] == 1
+    overall, worst = _rel_rms(_dequantized_weights(negative), _dequantized_weights(out))
+    assert record["summary"]["weight_rel_rms_error"] == pytest.approx(overall, rel=1e-5) and overall > 0
+    assert record["summary"]["weight_max_rel_rms_error"] == pytest.approx(worst, rel=1e-5)

@@ -40,7 +40,7 @@ def test_builtin_profiles_load():
     # full-range int8 weights only where the target says the CPU cannot saturate them (or runs no CPU kernel: the HTP)
     assert [load_target(n).int8_weight_range for n in BUILTINS] == ["u8s8-safe"] * 3 + ["full-vnni-only"] * 1 + ["u8s8-safe"] + ["full-vnni-only"]
     assert pow2.lowering == ("expand-functions", "matmulnbits-to-qdq", "int8-activations", "int8-weights", "symmetric-weights", "pow2-scales")
-    assert htp.lowering == ("expand-functions", "matmulnbits-to-qdq", "symmetric-weights", "outer-product-to-mul",
+    assert htp.lowering == ("expand-functions", "matmulnbits-to-qdq", "symmetric-weights", "positive-weight-scales", "outer-product-to-mul",
                             "fp16-safe-norms", "gather-table-qdq", "linear-output-qdq")
     assert htp.node_units and htp.vendor == "qnn-htp" and not generic.node_units and generic.vendor == ""
     assert pow2.activations.dtypes == {"int8"} and pow2.weights.dtypes == {"int8"}
@@ -301,7 +301,7 @@ def test_compile_with_target_records_it(toy, tmp_path, capsys):
     target = report["target"]
     assert target["name"] == "qnn-htp" and target["check"] == {"target": "qnn-htp", "clean": True, "counts": {}, "violations": []}
     assert [r["name"] for r in target["lowering"]] == ["expand-functions", "matmulnbits-to-qdq", "symmetric-weights",
-                                                       "outer-product-to-mul", "fp16-safe-norms", "gather-table-qdq",
+                                                       "positive-weight-scales", "outer-product-to-mul", "fp16-safe-norms", "gather-table-qdq",
                                                        "linear-output-qdq"]
     assert [r["name"] for r in report["passes"]] == ["qdq"]
     meta = {p.key: p.value for p in onnx.load(str(out / "model.onnx"), load_external_data=False).metadata_props}

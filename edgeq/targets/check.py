@@ -15,6 +15,8 @@ a pass meant to write. Rules, one violation line each:
   whose constant scale or zero point holds NaN or inf;
 - ``pow2-scale``: with ``power_of_two_scales``, a Q/DQ (subgraphs included) whose scale is not an
   exact power of two, or is computed at run time so that no power of two can be promised;
+- ``positive-scale``: with ``positive_scales``, a Q/DQ (subgraphs included) whose constant scale
+  has an entry <= 0 (full-range symmetric weights give negative ones; the HTP computes them wrongly);
 - ``u8s8-saturation``: unless the profile has ``int8_weight_range = "full-vnni-only"``, a linear
   onnxruntime runs as uint8 x int8 whose int8 weight codes have an adjacent K pair that can
   saturate VPMADDUBSW on CPUs without VNNI (``edgeq.targets.saturation``).
@@ -98,6 +100,8 @@ def check_model(model: onnx.ModelProto, profile: TargetProfile, encodings: dict 
     violations += _check_finite_params(graph)
     if profile.power_of_two_scales:
         violations += _check_pow2(graph, profile)
+    if profile.positive_scales:
+        violations += _check_positive_scales(graph, profile)
     if profile.int8_weight_range == "u8s8-safe":
         violations += _check_u8s8(model)
     if profile.static_shapes:
@@ -355,6 +359,23 @@ def _check_finite_params(graph: onnx.GraphProto) -> list[Violation]:
                 out.append(Violation(node.name or node.output[0], f"finite-{what.replace(' ', '-')}",
                                      f"{label}: {what} {name} is {float(bad[0])}{extra}; every value it touches "
                                      f"becomes NaN or saturates"))
+    return out
+
+
+def _check_positive_scales(graph: onnx.GraphProto, profile: TargetProfile) -> list[Violation]:
+    constants = _constants(graph)
+    out = []
+    for node in ir.proto_nodes(graph.node):
+        scale = constants.get(node.input[1]) if node.op_type in _QDQ and len(node.input) > 1 else None
+        if scale is None or scale.data_type not in _FLOAT_ELEMS:
+            continue
+        values = np.asarray(numpy_helper.to_array(scale)).astype(np.float64).ravel()
+        bad = values[~(values > 0)]
+        if bad.size:
+            extra = f" ({bad.size} of {values.size} scales)" if values.size > 1 else ""
+            out.append(Violation(node.name or node.output[0], "positive-scale",
+                                 f"{node.op_type} {node.name or node.output[0]} scale {float(bad[0]):.6g} is not positive{extra} "
+                                 f"({profile.name} computes such a node wrongly; lowering: positive-weight-scales)"))
     return out
 
 

@@ -66,12 +66,15 @@ class IntColumns:
 
     ``full_range`` (symmetric signed types): the value of largest magnitude maps to qmin exactly
     (scale = v / qmin, negative when v > 0), so all 2^b levels are used, as onnxruntime's
-    MatMulNBits quantizer does, instead of the restricted [-qmax, qmax]."""
+    MatMulNBits quantizer does, instead of the restricted [-qmax, qmax]. ``positive``: the scale
+    stays positive (Qualcomm's HTP computes garbage with negative ones), scale =
+    max(-min / -qmin, max / qmax): qmin is reached when the channel's extreme is negative, and the
+    grid is never coarser than the restricted one."""
 
     s8 = None
 
-    def __init__(self, spec: QuantSpec, mse: bool = False, full_range: bool = False):
-        self.spec, self.mse, self.full_range = spec, mse, full_range
+    def __init__(self, spec: QuantSpec, mse: bool = False, full_range: bool = False, positive: bool = False):
+        self.spec, self.mse, self.full_range, self.positive = spec, mse, full_range, positive
 
     def real_scale(self, scale: np.ndarray) -> np.ndarray:
         return scale
@@ -79,7 +82,11 @@ class IntColumns:
     def fit(self, w_rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         spec = self.spec
         lo, hi = w_rows.min(1), w_rows.max(1)
-        if self.full_range:
+        if self.full_range and self.positive:
+            ext = np.maximum(np.maximum(-lo, 0) / -spec.qmin, np.maximum(hi, 0) / spec.qmax)
+            scale = np.where(ext == 0, 1.0, ext).astype(np.float32)
+            zp = np.zeros_like(scale, dtype=spec.np_dtype)
+        elif self.full_range:
             ext = np.where(-lo > hi, lo, hi)
             scale = np.where(ext == 0, 1.0, ext / spec.qmin).astype(np.float32)
             zp = np.zeros_like(scale, dtype=spec.np_dtype)

@@ -53,6 +53,9 @@ class GptqConfig(PassConfig):
     # symmetric: map the largest-magnitude value to -2^(b-1) (all 16 int4 levels, signed scales,
     # like onnxruntime's MatMulNBits quantizer) instead of +-(2^(b-1) - 1)
     full_range: bool = False
+    # with full_range: keep every scale positive (scale = max(-min / 2^(b-1), max / (2^(b-1) - 1))):
+    # Qualcomm's HTP computes negative weight scales wrongly (passes/positive_weight_scales.py)
+    positive_scales: bool = False
     sink_weight: float = 1.0  # times each sequence's first token counts in the Hessian
     sink_roles: tuple[str, ...] = ATTENTION_ROLES  # linears whose Hessians weight the sink
     skip_roles: tuple[str, ...] = ()
@@ -73,6 +76,8 @@ class GptqConfig(PassConfig):
             raise UserInputError(f"{self.pass_name}: order 'gar' reorders groups; it needs weight_granularity = 'group'")
         if self.full_range and (not self.weight_symmetric or self.weight_dtype.startswith("u")):
             raise UserInputError(f"{self.pass_name}: full_range needs symmetric signed weights")
+        if self.positive_scales and not self.full_range:
+            raise UserInputError(f"{self.pass_name}: positive_scales refines full_range (without it every scale is positive already)")
         if not 0.0 <= self.damp < 1.0:
             raise UserInputError(f"{self.pass_name}: damp must be in [0, 1), got {self.damp}")
         if not self.sink_weight >= 1.0:
@@ -105,7 +110,7 @@ class GptqRewrite(Pass):
     # -- hooks the dpq pass overrides -------------------------------------------------------
     def columns(self, w_kn: np.ndarray) -> ColumnQuantizer:
         cfg: GptqConfig = self.config
-        return IntColumns(self.spec(False), cfg.mse, cfg.full_range)
+        return IntColumns(self.spec(False), cfg.mse, cfg.full_range, cfg.positive_scales)
 
     def write_weight(self, graph: gs.Graph, index: ir.GraphIndex, lin: Linear, w_kn: np.ndarray,
                      res: GptqResult, stored_nk: bool) -> gs.Variable:

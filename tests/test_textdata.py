@@ -14,6 +14,7 @@ from edgeq.textdata import (
     random_feeds,
     token_windows,
     tokenize_file,
+    window_convention,
 )
 
 tokenizers = pytest.importorskip("tokenizers")
@@ -77,6 +78,30 @@ def test_special_tokens_are_added_once_for_the_whole_file(tmp_path):
     np.testing.assert_array_equal(with_bos.reshape(-1), np.concatenate([[1], ids])[:12])
     plain = token_windows(text, tok, seq_len=4, special_tokens=False)
     np.testing.assert_array_equal(plain.reshape(-1), ids)
+
+
+@pytest.mark.parametrize("settings,convention", [
+    ({"add_bos_token": True, "bos_token": "<s>"}, "bos-each-window"),
+    ({"add_bos_token": True, "bos_token": {"content": "<s>", "special": True}}, "bos-each-window"),
+    ({"add_bos_token": False, "bos_token": "<s>"}, "one-stream"),  # SmolLM2's export: its GGUF says false
+    ({"bos_token": "<s>"}, "one-stream"),
+    ({"add_bos_token": True, "bos_token": "<nope>"}, "one-stream"),  # a BOS the vocabulary lacks
+], ids=["string", "added-token-dict", "false", "absent", "unknown-token"])
+def test_bos_leads_every_window_where_the_tokenizer_says(tmp_path, settings, convention):
+    import json
+
+    tok = make_tokenizer(tmp_path / "tok", bos=True)
+    (tok / "tokenizer_config.json").write_text(json.dumps(settings))
+    text, ids = write_text(tmp_path / "t.txt", 14)
+    got = token_windows(text, tok, seq_len=4)
+    assert window_convention(tok) == convention and window_convention(tok, special_tokens=False) == "raw-stream"
+    if convention == "bos-each-window":  # BOS + 3 text tokens per window, the text never lost or repeated
+        assert got.shape == (4, 4) and (got[:, 0] == 1).all()
+        np.testing.assert_array_equal(got[:, 1:].reshape(-1), ids[:12])
+        np.testing.assert_array_equal(token_windows(text, tok, seq_len=4, windows=1, offset=2)[0, 1:], ids[6:9])
+    else:
+        np.testing.assert_array_equal(got.reshape(-1), np.concatenate([[1], ids])[:12])
+    np.testing.assert_array_equal(token_windows(text, tok, seq_len=4, special_tokens=False).reshape(-1), ids[:12])
 
 
 def test_tokenizer_file_path_is_accepted(tmp_path):

@@ -103,7 +103,7 @@ def build_calibration_set(
     return CalibrationSet(
         batches,
         f"text:{digest}:{batch_size}",
-        f"{path.name}: {len(ids)} windows of {seq_len} tokens",
+        f"{path.name}: {len(ids)} windows of {seq_len} tokens ({textdata.window_convention(tokenizer_dir)})",
         samples=len(ids),
         tokens=int(ids.size),
     )

@@ -19,7 +19,7 @@ import numpy as np
 
 from edgeq.errors import UserInputError
 from edgeq.progress import progress
-from edgeq.textdata import feeds_for_windows, token_windows
+from edgeq.textdata import feeds_for_windows, token_windows, window_convention
 
 
 # onnxruntime session config that keeps every Q/DQ as written (no integer-kernel fusion: no
@@ -175,6 +175,7 @@ def perplexity(
         "seq_len": seq_len,
         "batch_size": batch_size,
         "special_tokens": special_tokens,
+        "window_convention": window_convention(tokenizer_dir, special_tokens),
         "seconds": seconds,
         "qdq": "exact" if exact_qdq else "kernels",
         "model": str(model_path),

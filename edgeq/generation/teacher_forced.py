@@ -28,7 +28,7 @@ from edgeq.errors import UserInputError
 from edgeq.evaluate.ppl import window_nll
 from edgeq.generation.decoders import Decoder, open_decoder
 from edgeq.progress import progress
-from edgeq.textdata import token_windows
+from edgeq.textdata import token_windows, window_convention
 
 THROUGH = ("prefill", "decode")
 
@@ -116,6 +116,7 @@ def perplexity_through(
         "seq_len": seq_len,
         "batch_size": 1,
         "special_tokens": special_tokens,
+        "window_convention": window_convention(tokenizer_dir, special_tokens),
         "seconds": seconds,
         "qdq": "exact" if exact_qdq else "kernels",
         "model": str(model_path),

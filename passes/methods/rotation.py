@@ -85,7 +85,7 @@ def rotate_post_norms(graph: gs.Graph, stream, editor: LinearEditor, q: np.ndarr
         branch = index.tensors[post.branch]
         name = f"{post.norm.name}_{tag}"
         if signs is not None:
-            _scale_norm(graph, index, nodes, post.norm, signs, name)
+            scale_norm_output(graph, index, nodes, post.norm, signs, name)
             rotated = insert_online_hadamard(graph, branch, stream.hidden, f"{name}_online_hadamard")
             counts["hadamard"] += 1
         else:
@@ -100,7 +100,7 @@ def rotate_post_norms(graph: gs.Graph, stream, editor: LinearEditor, q: np.ndarr
     return counts
 
 
-def _scale_norm(graph: gs.Graph, index: ir.GraphIndex, nodes: dict, norm, signs: np.ndarray, name: str) -> None:
+def scale_norm_output(graph: gs.Graph, index: ir.GraphIndex, nodes: dict, norm, signs: np.ndarray, name: str) -> None:
     """Multiply a norm's output by ``signs`` (exactly: sign flips) through its scale and bias, or
     with a Mul after it when it has no scale."""
     for const_name, node_name, label in ((norm.scale, norm.scale_node, "scale"), (norm.bias, norm.bias_node, "bias")):

@@ -66,6 +66,32 @@ def hadamard_signs(q: np.ndarray) -> np.ndarray | None:
     return s
 
 
+def rotate_at_norm_outputs(graph: gs.Graph, stream, editor: LinearEditor, q: np.ndarray, tag: str) -> int:
+    """Rotate what the linears read, not the stream: an online Hadamard after each stream norm
+    (its scale kept, the signs of ``q = diag(s) H`` folded into it), the readers absorb ``q^T``.
+    ``(RMSNorm(x) * g) @ q == (RMSNorm(x) * (g * s)) @ H``. For sandwich-norm families (Gemma), where
+    the stream placement already needs an online Hadamard per post-norm: the same count, and the
+    norm scales (0 to 60 within one Gemma 3 norm) stay out of the weights. Returns the count."""
+    signs = hadamard_signs(q)
+    if signs is None:
+        raise ValueError("norm-output rotation needs a randomized Hadamard of the hidden size")
+    index = editor.index
+    nodes = {n.name: n for n in graph.nodes}
+    for norm in stream.norms:
+        name = f"{norm.name}_{tag}"
+        scale_norm_output(graph, index, nodes, norm, signs, name)
+        out = index.tensors[norm.output]
+        readers = list(out.outputs)
+        rotated = insert_online_hadamard(graph, out, stream.hidden, f"{name}_online_hadamard")
+        for reader in readers:
+            for i, t in enumerate(reader.inputs):
+                if t is out:
+                    reader.inputs[i] = rotated
+    for lin in stream.readers:
+        editor.set_weight(lin, rotate_rows(editor.stored(lin), q))
+    return len(stream.norms)
+
+
 def rotate_post_norms(graph: gs.Graph, stream, editor: LinearEditor, q: np.ndarray, tag: str) -> dict[str, int]:
     """Enter each post-sublayer norm's output into the rotated stream: the residual add reads
     ``norm(y) @ q`` instead of ``norm(y)``.

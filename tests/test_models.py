@@ -138,8 +138,13 @@ def test_smollm2_greedy_decodes_paris(smollm2_dir):
     assert {"model.onnx", "config.json", "tokenizer.json"} <= {p.name for p in smollm2_dir.iterdir()}
     tokenizer = AutoTokenizer.from_pretrained(smollm2_dir)
     session = _session(smollm2_dir / "model.onnx")
-    ids = tokenizer("The capital of France is")["input_ids"]
-    assert ids[0] == tokenizer.bos_token_id, "the reference protocol tokenizes with one leading BOS"
+    # the GGUF says add_bos_token = false and the export keeps its word (transformers then adds none);
+    # edgeq's protocol (the tokenizers post-processor, one stream) still leads the file with one BOS
+    from edgeq.textdata import load_tokenizer, window_convention
+
+    assert window_convention(smollm2_dir) == "one-stream"
+    assert load_tokenizer(smollm2_dir).encode("The capital").ids[0] == tokenizer.bos_token_id
+    ids = [tokenizer.bos_token_id] + tokenizer("The capital of France is")["input_ids"]
     prompt_len = len(ids)
     for _ in range(3):
         batch = np.array([ids], dtype=np.int64)

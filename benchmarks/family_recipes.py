@@ -45,10 +45,14 @@ def main() -> None:
     ap.add_argument("--windows", type=int, default=40)
     args = ap.parse_args()
     results = json.loads(args.out.read_text()) if args.out.exists() else {
-        "command": " ".join(sys.argv), "model": args.model_dir.name,
+        "model": args.model_dir.name,
         "protocol": f"WikiText-2 test, first {args.windows} windows of 512 tokens (BOS-led where the tokenizer adds BOS), "
                     "onnxruntime CPU defaults and --exact-qdq; calibration: WikiText-2 valid, each recipe's own windows",
         "recipes": {}}
+    command = " ".join(["python", "benchmarks/family_recipes.py", *sys.argv[1:]])
+    results.setdefault("commands", [results.pop("command")] if "command" in results else [])
+    if command not in results["commands"]:
+        results["commands"].append(command)
     model = args.model_dir / "model.onnx"
     if "fp32" not in results:
         results["fp32"] = _ppl(model, args.model_dir, args.windows, exact=False)

@@ -136,6 +136,8 @@ def _run_compile(args) -> int:
     for miss in report.get("partial", []):
         print(f"edgeq: warning: essential pass '{miss['pass']}' did not apply ({miss['reason']}: {miss['detail']}); "
               f"the model was written without it (--allow-partial)", file=sys.stderr)
+    if "accuracy_warning" in report:
+        print(f"edgeq: warning: {report['accuracy_warning']}; the model is written, but expect that loss", file=sys.stderr)
     if target:
         graphs = " (both graphs)" if "static" in report else ""
         print(f"  target {target['name']}: {len(target['lowering'])} lowering pass(es), clean{graphs}")

@@ -31,6 +31,7 @@ from pathlib import Path
 import onnx
 
 import edgeq
+from edgeq.measured_accuracy import measured_accuracy
 from edgeq import ir
 from edgeq.artifacts.encodings import collect_encodings
 from edgeq.artifacts.manifest import input_model_record
@@ -367,6 +368,13 @@ def build_report(plan: CompilePlan, stages: dict, target: dict | None) -> tuple[
         report["partial"] = partial
     if target is not None:
         report["target"] = target
+    measured = measured_accuracy(plan.req.model, plan.req.recipe)
+    if measured is not None:  # what this recipe costs on the model's family, measured on real weights
+        report["measured_accuracy"] = measured
+        if not measured["sane"]:
+            report["accuracy_warning"] = (f"recipe {measured['recipe']} measured {measured['ppl_x_fp32']:.2f}x fp32 "
+                                          f"perplexity on {measured['measured_on']} ({measured['family']} family; "
+                                          f"{measured['results']})")
     u8s8 = {"int8_weight_range": plan.int8_weights, "guard": stages["guard"][0] if stages["guard"] else None}
     if plan.u8s8_from_blocks is not None:
         u8s8.update(plan.u8s8_from_blocks)  # (block-wise: probed block by block)

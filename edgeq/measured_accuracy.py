@@ -32,7 +32,7 @@ def measured_accuracy(model: str | os.PathLike, recipe: str) -> dict | None:
     entry = table.get(family) if isinstance(family, str) else None
     if not isinstance(entry, dict) or recipe not in entry.get("ratios", {}):
         return None
-    ratio = float(entry["ratios"][recipe])
+    measured = entry["ratios"][recipe]
+    ratio, sane = float(measured["x_fp32"]), float(table["sane_ratio"])
     return {"family": family, "measured_on": entry["model"], "recipe": recipe, "ppl_x_fp32": ratio,
-            "results": entry["results"], "sane_ratio": float(table["sane_ratio"]),
-            "sane": ratio <= float(table["sane_ratio"])}
+            "results": measured["results"], "sane_ratio": sane, "sane": ratio <= sane}

@@ -7,6 +7,8 @@ recipe's own window count (BOS-led too). One recipe at a time, resumable: a reci
 ``--out`` is skipped. The machine is stamped into the file.
 
 Usage: python benchmarks/family_recipes.py --model-dir artifacts/gemma3 --out F [--recipes a,b] [--windows 40]
+       python benchmarks/family_recipes.py --out F --table   (the README table: F beside SmolLM2's
+       ratios in edgeq/accuracy/measured.toml)
 """
 
 from __future__ import annotations
@@ -43,7 +45,11 @@ def main() -> None:
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--recipes", default="mquant-w8a8,w8a8,w8a16")
     ap.add_argument("--windows", type=int, default=40)
+    ap.add_argument("--table", action="store_true", help="print the markdown table of --out and stop")
     args = ap.parse_args()
+    if args.table:
+        print(markdown_table(json.loads(args.out.read_text())))
+        return
     results = json.loads(args.out.read_text()) if args.out.exists() else {
         "model": args.model_dir.name,
         "protocol": f"WikiText-2 test, first {args.windows} windows of 512 tokens (BOS-led where the tokenizer adds BOS), "
@@ -74,6 +80,24 @@ def main() -> None:
             row[f"{mode}_x_fp32"] = row[mode]["ppl"] / results["fp32"]["ppl"]
         results["recipes"][recipe] = row
         save_results(args.out, results)
+
+
+def markdown_table(results: dict) -> str:
+    """Every recipe of ``results`` (ratio default / exact QDQ) beside SmolLM2's measured ratio."""
+    import tomllib
+
+    smol = tomllib.loads((REPO / "edgeq" / "accuracy" / "measured.toml").read_text())["llama"]["ratios"]
+    rows = ["| recipe | Gemma 3 ppl (default / exact) | Gemma 3 x fp32 (default / exact) | SmolLM2 x fp32 (its results file) |",
+            "| --- | --- | --- | --- |",
+            f"| fp32 | {results['fp32']['ppl']:.2f} | 1.000 | 1.000 |"]
+    for recipe, row in results["recipes"].items():
+        other = f"{smol[recipe]['x_fp32']:.3f} (`{Path(smol[recipe]['results']).name}`)" if recipe in smol else "not measured"
+        if "default" not in row:
+            rows.append(f"| `{recipe}` | exit {row['exit']}: {' '.join(row['error'])} | | {other} |")
+            continue
+        rows.append(f"| `{recipe}` | {row['default']['ppl']:.2f} / {row['exact_qdq']['ppl']:.2f} | "
+                    f"{row['default_x_fp32']:.3f} / {row['exact_qdq_x_fp32']:.3f} | {other} |")
+    return "\n".join(rows)
 
 
 if __name__ == "__main__":

@@ -19,6 +19,8 @@ TABLE = tomllib.loads((REPO / "edgeq" / "accuracy" / "measured.toml").read_text(
 def _ratio_in(results: dict, recipe: str) -> float:
     if "recipes" in results:  # benchmarks/family_recipes.py
         return results["recipes"][recipe]["default_x_fp32"]
+    if "ort-cpu" in results[recipe]:  # benchmarks/npu_handoff.py: perplexity on onnxruntime CPU
+        return results[recipe]["ort-cpu"]["ppl"] / results["fp32"]
     return results[recipe]["x_fp32"]  # benchmarks/rotation.py, weight_quant.py, resq.py
 
 

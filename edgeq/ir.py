@@ -402,8 +402,8 @@ def check_writable_parent(out_dir: Path, what: str = "the output folder") -> Non
 EXPORT_MARKER = "edgeq-export.json"
 _MANIFEST = ("manifest.json", "edgeq-manifest/")
 _EXPORT = (EXPORT_MARKER, "edgeq-export/")
-# the temporary folders beside an output: .NAME.tmp-PID-XXXXXXXX (the folder being written),
-# .NAME.weights-PID-XXXXXXXX (a block-wise compile's streamed weights), .NAME.old-PID (the
+# the temporary folders beside an output: .NAME.tmp-PID-<random suffix> (the folder being written),
+# .NAME.weights-PID-<random suffix> (a block-wise compile's streamed weights), .NAME.old-PID (the
 # previous output during the swap)
 STAGING_KINDS = ("tmp", "weights", "old")
 
@@ -470,7 +470,7 @@ def check_output_dir(out_dir: str | os.PathLike, *, force: bool = False, inputs:
 
 
 def staging_dir(out_dir: Path, kind: str) -> Path:
-    """A new temporary folder ``.NAME.KIND-PID-XXXXXXXX`` beside ``out_dir`` (mode 0777 less the
+    """A new temporary folder ``.NAME.KIND-PID-<random suffix>`` beside ``out_dir`` (mode 0777 less the
     umask); the pid lets a later run (``remove_stale_staging``) tell whether its owner is alive."""
     out_dir = Path(out_dir)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.{kind}-{os.getpid()}-", dir=out_dir.parent))

@@ -92,7 +92,8 @@ class RotatePass(Pass, name="rotate", per_block=True, exactness=Exactness.FLOAT_
         online = fold_online_rotations(graph, stream, editor, writers_w, cfg.seed) if cfg.online_hadamard else {}
         post_norms = {} if at_norm_outputs else rotate_post_norms(graph, stream, editor, q, "rotate")
         set_writer_weights(stream, editor, writers_w)
-        graph.toposort()
+        if at_norm_outputs:
+            graph.toposort()  # the Hadamards appended after each norm (the stream placement leaves the order as it was)
         facts.ROTATED.set(graph, seed=cfg.seed, kind=kind)
         summary = {
             "hidden": d, "rotation": kind, "placement": "norm-outputs" if at_norm_outputs else "stream",

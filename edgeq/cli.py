@@ -103,6 +103,10 @@ def _add_compile(sub) -> None:
     p.add_argument("--htp-arch", type=int, metavar="N",
                    help="the HTP generation the context binaries are prepared for: 73 (Snapdragon 8 Gen 2), "
                         "75 (8 Gen 3), 79 (8 Elite, default)")
+    p.add_argument("--accuracy-level", type=int, metavar="N",
+                   help="with --target ort-genai: MatMulNBits accuracy_level of the 4-bit linears: 4 (default, "
+                        "onnxruntime-genai's own CPU setting: activations quantized to int8 per block inside the op, "
+                        "int8 x int4 GEMM) or 0 (float activations)")
     p.set_defaults(func=_run_compile)
 
 
@@ -119,7 +123,7 @@ def _run_compile(args) -> int:
         use_cache=not args.no_cache, target=args.target, allow_partial=args.allow_partial,
         blockwise=args.blockwise, static=parse_static(args.static) if args.static is not None else None,
         context_binary=args.context_binary, htp_arch=args.htp_arch,
-        force=args.force,
+        accuracy_level=args.accuracy_level, force=args.force,
     )
     try:
         report = compile_model(req)

@@ -72,6 +72,7 @@ class CompileRequest:
     force: bool = False  # replace a non-empty out_dir that edgeq did not write (ir.check_output_dir)
     context_binary: bool = False  # with --static and a QNN target: OUT/qnn/*_ctx.onnx prepared by the vendor's HTP
     htp_arch: int | None = None  # the HTP generation the context binaries are prepared for
+    accuracy_level: int | None = None  # --target ort-genai: MatMulNBits accuracy_level (default 4, genai's for the CPU)
 
 
 @dataclass
@@ -101,6 +102,8 @@ def compile_model(req: CompileRequest) -> dict:
     plan = plan_compile(req)
     if plan.static_shape is not None:
         return _compile_static(plan)
+    if plan.profile is not None and plan.profile.vendor == "ort-genai":
+        return _compile_genai(plan)
     if plan.partition is None:
         model, records, encodings, target = run_plan(plan)
         return write_plan(plan, model, records, encodings, target)
@@ -134,6 +137,7 @@ def plan_compile(req: CompileRequest) -> CompilePlan:
     model, locations = ir.load_model_and_locations(req.model, load_external=False)
     ir.check_opset(model)
     _check_context_binary(req, profile)
+    _check_genai(req, profile, recipe)
     static_shape = None
     if req.static is not None:
         from edgeq.static.specialize import cache_layout
@@ -143,6 +147,10 @@ def plan_compile(req: CompileRequest) -> CompilePlan:
             static_shape = dataclasses.replace(static_shape, cache_dtype=recipe.kv_cache.dtype)
         if req.blockwise == "on":
             raise UserInputError("--static compiles in memory: drop --blockwise on")
+        req = dataclasses.replace(req, blockwise="off")
+    if profile is not None and profile.vendor == "ort-genai":  # the genai writer reads the whole result
+        if req.blockwise == "on":
+            raise UserInputError("--target ort-genai compiles in memory: drop --blockwise on")
         req = dataclasses.replace(req, blockwise="off")
     part, why = _choose_path(req, model, passes + lowering + guard, locations)
     if static_shape is not None:
@@ -283,6 +291,37 @@ def _compile_static(plan: CompilePlan) -> dict:
                                 input_model=plan.input_model, target=plan.profile.name if plan.profile else None,
                                 u8s8=u8s8, started=plan.started, extra_files=tokenizer_files(plan.req.model),
                                 force=plan.req.force, inputs=_inputs(plan.req), after_graphs=vendor)
+
+
+def _check_genai(req: CompileRequest, profile: TargetProfile | None, recipe: Recipe) -> None:
+    """--target ort-genai: a weight-only recipe on a with-past Llama-form export (refused before any work)."""
+    genai = profile is not None and profile.vendor == "ort-genai"
+    if not genai:
+        if req.accuracy_level is not None:
+            raise UserInputError("--accuracy-level is a setting of --target ort-genai")
+        return
+    from edgeq.genai import ACCURACY_LEVELS, check_recipe, read_config
+
+    if req.accuracy_level is not None and req.accuracy_level not in ACCURACY_LEVELS:
+        raise UserInputError(f"--accuracy-level must be one of {', '.join(map(str, ACCURACY_LEVELS))}")
+    if req.static is not None:
+        raise UserInputError("--target ort-genai writes a dynamic-shape folder for onnxruntime-genai: drop --static")
+    check_recipe(recipe)
+    read_config(req.model)
+
+
+def _compile_genai(plan: CompilePlan) -> dict:
+    """``--target ort-genai``: the recipe on the with-past graph, then the folder onnxruntime-genai
+    opens, written from the result (``edgeq.genai``)."""
+    from edgeq.genai.write import write_genai_outputs
+
+    model, stages, encodings, target = run_plan(plan)
+    report, _ = build_report(plan, stages, target)
+    level = 4 if plan.req.accuracy_level is None else plan.req.accuracy_level
+    return write_genai_outputs(plan.req.out_dir, model, report, plan.req.model, level, encodings=encodings,
+                               recipe=plan.recipe,
+                               input_model=plan.input_model, target=plan.profile.name, started=plan.started,
+                               force=plan.req.force, inputs=_inputs(plan.req))
 
 
 def _check_context_binary(req: CompileRequest, profile: TargetProfile | None) -> None:

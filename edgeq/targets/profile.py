@@ -178,7 +178,7 @@ def parse_target(text: str, name: str, source: str = "target") -> TargetProfile:
     )
 
 
-VENDORS = ("qnn-htp",)
+VENDORS = ("qnn-htp", "ort-genai")
 
 
 def _vendor(optional: dict, source: str) -> str:

@@ -107,6 +107,10 @@ def _add_compile(sub) -> None:
                    help="with --target ort-genai: MatMulNBits accuracy_level of the 4-bit linears: 4 (default, "
                         "onnxruntime-genai's own CPU setting: activations quantized to int8 per block inside the op, "
                         "int8 x int4 GEMM) or 0 (float activations)")
+    p.add_argument("--lm-head-bits", type=int, metavar="B",
+                   help="with --target ort-genai, when the recipe leaves lm_head in float: 8 (default) writes it as "
+                        "int8 MatMulNBits (round to nearest, blocks of 32: genai reads it every token, 4x fewer bytes "
+                        "than float), 32 keeps it float")
     p.set_defaults(func=_run_compile)
 
 
@@ -123,7 +127,7 @@ def _run_compile(args) -> int:
         use_cache=not args.no_cache, target=args.target, allow_partial=args.allow_partial,
         blockwise=args.blockwise, static=parse_static(args.static) if args.static is not None else None,
         context_binary=args.context_binary, htp_arch=args.htp_arch,
-        accuracy_level=args.accuracy_level, force=args.force,
+        accuracy_level=args.accuracy_level, lm_head_bits=args.lm_head_bits, force=args.force,
     )
     try:
         report = compile_model(req)

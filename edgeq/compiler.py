@@ -73,6 +73,7 @@ class CompileRequest:
     context_binary: bool = False  # with --static and a QNN target: OUT/qnn/*_ctx.onnx prepared by the vendor's HTP
     htp_arch: int | None = None  # the HTP generation the context binaries are prepared for
     accuracy_level: int | None = None  # --target ort-genai: MatMulNBits accuracy_level (default 4, genai's for the CPU)
+    lm_head_bits: int | None = None  # --target ort-genai: a float lm_head as int8 MatMulNBits (8, default) or kept (32)
 
 
 @dataclass
@@ -297,13 +298,15 @@ def _check_genai(req: CompileRequest, profile: TargetProfile | None, recipe: Rec
     """--target ort-genai: a weight-only recipe on a with-past Llama-form export (refused before any work)."""
     genai = profile is not None and profile.vendor == "ort-genai"
     if not genai:
-        if req.accuracy_level is not None:
-            raise UserInputError("--accuracy-level is a setting of --target ort-genai")
+        if req.accuracy_level is not None or req.lm_head_bits is not None:
+            raise UserInputError("--accuracy-level and --lm-head-bits are settings of --target ort-genai")
         return
     from edgeq.genai import ACCURACY_LEVELS, check_recipe, read_config
 
     if req.accuracy_level is not None and req.accuracy_level not in ACCURACY_LEVELS:
         raise UserInputError(f"--accuracy-level must be one of {', '.join(map(str, ACCURACY_LEVELS))}")
+    if req.lm_head_bits is not None and req.lm_head_bits not in (8, 32):
+        raise UserInputError("--lm-head-bits must be 8 or 32")
     if req.static is not None:
         raise UserInputError("--target ort-genai writes a dynamic-shape folder for onnxruntime-genai: drop --static")
     check_recipe(recipe)
@@ -318,7 +321,9 @@ def _compile_genai(plan: CompilePlan) -> dict:
     model, stages, encodings, target = run_plan(plan)
     report, _ = build_report(plan, stages, target)
     level = 4 if plan.req.accuracy_level is None else plan.req.accuracy_level
-    return write_genai_outputs(plan.req.out_dir, model, report, plan.req.model, level, encodings=encodings,
+    head = 8 if plan.req.lm_head_bits is None else plan.req.lm_head_bits
+    return write_genai_outputs(plan.req.out_dir, model, report, plan.req.model, level, lm_head_bits=head,
+                               encodings=encodings,
                                recipe=plan.recipe,
                                input_model=plan.input_model, target=plan.profile.name, started=plan.started,
                                force=plan.req.force, inputs=_inputs(plan.req))

@@ -69,6 +69,38 @@ def _rotary_caches(head: int, theta: float, positions: int) -> tuple[np.ndarray,
     return np.cos(angles).astype(np.float32), np.sin(angles).astype(np.float32)
 
 
+def _pack8(w: QuantWeight) -> tuple[np.ndarray, np.ndarray]:
+    """MatMulNBits' 8-bit layout: codes ``q + 128`` as B [N, k_blocks, G] (short last block padded
+    with 128, which dequantizes to 0), scales [N, k_blocks]; the default zero point is 128."""
+    k, n = w.q.shape
+    blocks = -(-k // w.group)
+    codes = np.full((blocks * w.group, n), 128, np.uint8)
+    codes[:k] = (w.q + 128).astype(np.uint8)
+    packed = np.ascontiguousarray(codes.reshape(blocks, w.group, n).transpose(2, 0, 1))
+    return packed, np.ascontiguousarray(w.scale.reshape(blocks, n).T.astype(np.float32))
+
+
+def _pack(w: QuantWeight) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+    if w.bits == 8:
+        return (*_pack8(w), None)
+    return pack_matmulnbits(w.q, w.scale, w.zero_point, w.group, w.signed)
+
+
+def fused_qkv(att: dict[str, LinearWeights]) -> LinearWeights | None:
+    """q, k and v as one linear (outputs side by side), as genai's builder writes them: one GEMV
+    per step instead of three. Only when the three are 4-bit with the same grid and no online op."""
+    lins = [att[r] for r in ("q_proj", "k_proj", "v_proj")]
+    ws = [lin.weight for lin in lins]
+    if not all(isinstance(w, QuantWeight) for w in ws) or any(lin.chain or lin.bias is not None for lin in lins):
+        return None
+    if len({(w.group, w.signed, w.bits, w.zero_point is None) for w in ws}) != 1:
+        return None
+    zp = None if ws[0].zero_point is None else np.concatenate([w.zero_point for w in ws], axis=1)
+    fused = QuantWeight(np.concatenate([w.q for w in ws], axis=1), np.concatenate([w.scale for w in ws], axis=1),
+                        zp, ws[0].group, ws[0].signed, ws[0].bits)
+    return LinearWeights("qkv_proj", lins[0].k, sum(lin.n for lin in lins), fused)
+
+
 def _linear(b: _Builder, x: str, lin: LinearWeights, name: str, accuracy_level: int) -> str:
     for i, node in enumerate(lin.chain):  # the rotation's online ops, as the compiled graph has them
         extra = []
@@ -81,11 +113,11 @@ def _linear(b: _Builder, x: str, lin: LinearWeights, name: str, accuracy_level: 
         x = b.node(node.op, [x, *extra], f"{name}/pre{i}/{node.op}", domain=node.domain or "")[0]
     w = lin.weight
     if isinstance(w, QuantWeight):
-        packed, scales, zp = pack_matmulnbits(w.q, w.scale, w.zero_point, w.group, w.signed)
+        packed, scales, zp = _pack(w)
         inputs = [x, b.init(f"{name}.weight.qweight", packed), b.init(f"{name}.weight.scales", scales)]
         if zp is not None:
             inputs.append(b.init(f"{name}.weight.qzeros", zp))
-        y = b.node("MatMulNBits", inputs, f"{name}/MatMulNBits", domain=MS, K=lin.k, N=lin.n, bits=4,
+        y = b.node("MatMulNBits", inputs, f"{name}/MatMulNBits", domain=MS, K=lin.k, N=lin.n, bits=w.bits,
                    block_size=w.group, accuracy_level=accuracy_level)[0]
     else:
         y = b.node("MatMul", [x, b.init(f"{name}.weight", w)], f"{name}/MatMul")[0]
@@ -135,7 +167,11 @@ def build_genai_model(dec: DecoderLayers, config: dict, functions: list, opsets:
             h, _, _, residual = b.node("SkipSimplifiedLayerNormalization", [branch, residual, gamma],
                                        f"{p}/input_layernorm/SkipLayerNorm", outputs=4, domain=MS, epsilon=eps)
         att = dec.attention[i]
-        q, k, v = (_linear(b, h, att[r], f"{p}/attn/{r}", accuracy_level) for r in ("q_proj", "k_proj", "v_proj"))
+        qkv = fused_qkv(att)
+        if qkv is not None:  # packed: GroupQueryAttention splits it (key and value inputs left empty)
+            q, k, v = _linear(b, h, qkv, f"{p}/attn/qkv_proj", accuracy_level), "", ""
+        else:
+            q, k, v = (_linear(b, h, att[r], f"{p}/attn/{r}", accuracy_level) for r in ("q_proj", "k_proj", "v_proj"))
         attn = b.node("GroupQueryAttention",
                       [q, k, v, f"past_key_values.{i}.key", f"past_key_values.{i}.value", seqlens_k, total_len,
                        cos_cache, sin_cache], f"{p}/attn/GroupQueryAttention", domain=MS,

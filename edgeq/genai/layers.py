@@ -30,13 +30,26 @@ CHAIN_OPS = frozenset({"OnlineHadamard", "MatMul"})
 
 @dataclass(frozen=True)
 class QuantWeight:
-    """A 4-bit weight ``W[k, n] = (q[k, n] - zero_point[b, n]) * scale[b, n]``, ``b = k // group``."""
+    """A 4- or 8-bit weight ``W[k, n] = (q[k, n] - zero_point[b, n]) * scale[b, n]``, ``b = k // group``."""
 
-    q: np.ndarray  # int64 [K, N], signed [-8, 7] or unsigned [0, 15]
+    q: np.ndarray  # int64 [K, N], signed [-8, 7] or unsigned [0, 15] (8 bits: signed [-128, 127])
     scale: np.ndarray  # float32 [K // group (rounded up), N]
     zero_point: np.ndarray | None  # same shape as scale, or None for 0
     group: int
     signed: bool
+    bits: int = 4
+
+
+def rtn_int8(w: np.ndarray, group: int = 32) -> QuantWeight:
+    """Round-to-nearest symmetric int8 in blocks of ``group`` along K (scale = max|w| / 127): for a
+    float lm_head, which onnxruntime-genai would otherwise read as 4 bytes a weight every token."""
+    k, n = w.shape
+    pad = -k % group
+    blocks = np.pad(w.astype(np.float32), ((0, pad), (0, 0))).reshape(-1, group, n)
+    scale = np.abs(blocks).max(axis=1) / 127.0
+    scale[scale == 0] = 1.0
+    q = np.clip(np.rint(blocks / scale[:, None, :]), -127, 127).astype(np.int64).reshape(-1, n)[:k]
+    return QuantWeight(q, scale.astype(np.float32), None, group, True, bits=8)
 
 
 @dataclass(frozen=True)
@@ -178,7 +191,10 @@ def read_decoder(graph: gs.Graph, hidden: int, layers: int) -> DecoderLayers:
     if len(heads) != 1:
         raise UserInputError(f"--target ort-genai: expected one lm_head, found {len(heads)}")
     out.lm_head = _linear(graph, index, nodes, heads[0], set())
-    source = _chain(index, nodes[heads[0].node].inputs[0], set())[1].name
+    source = _chain(index, nodes[heads[0].node].inputs[0], set())[1]
+    while source.inputs and source.inputs[0].op in ("Cast", "Identity"):  # (fuse-norms leaves a float Cast)
+        source = source.inputs[0].inputs[0]
+    source = source.name
     final = [n for n in s.norms if n.output == source]
     if len(final) != 1:
         raise UserInputError("--target ort-genai: the norm before lm_head was not found")

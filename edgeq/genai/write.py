@@ -19,7 +19,9 @@ from edgeq import ir
 from edgeq.artifacts.writer import _check_loads, _write_rest
 from edgeq.genai import genai_tokenizer, read_config
 from edgeq.genai.emit import build_genai_model, dumps, genai_config
-from edgeq.genai.layers import QuantWeight, read_decoder
+import dataclasses
+
+from edgeq.genai.layers import QuantWeight, read_decoder, rtn_int8
 
 COPIED_FILES = ("tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja", "config.json",
                 "generation_config.json")
@@ -36,20 +38,22 @@ def genai_version() -> str | None:
 
 def _linear_summary(dec) -> dict:
     lins = [lin for layer in dec.attention + dec.mlp for lin in layer.values()] + [dec.lm_head]
-    four = sum(isinstance(lin.weight, QuantWeight) for lin in lins)
-    return {"matmulnbits": four, "float": len(lins) - four,
+    packed = sum(isinstance(lin.weight, QuantWeight) for lin in lins)
+    return {"matmulnbits": packed, "float": len(lins) - packed,
             "online_ops": sum(len(lin.chain) for lin in lins),
-            "lm_head": "int4" if isinstance(dec.lm_head.weight, QuantWeight) else "float32",
+            "lm_head": f"int{dec.lm_head.weight.bits}" if isinstance(dec.lm_head.weight, QuantWeight) else "float32",
             "group_sizes": sorted({lin.weight.group for lin in lins if isinstance(lin.weight, QuantWeight)})}
 
 
 def write_genai_outputs(out_dir: Path, model: onnx.ModelProto, report: dict, source_model: Path, accuracy_level: int,
-                        *, encodings: dict, recipe, input_model: dict, target: str, started: float, force: bool = False,
+                        *, lm_head_bits: int = 8, encodings: dict, recipe, input_model: dict, target: str, started: float, force: bool = False,
                         inputs: tuple = ()) -> dict:
     config, generation = read_config(source_model)
     functions, opsets = list(model.functions), {o.domain: o.version for o in model.opset_import}
     dec = read_decoder(ir.to_graph(model), int(config["hidden_size"]), int(config["num_hidden_layers"]))
     del model
+    if lm_head_bits == 8 and not isinstance(dec.lm_head.weight, QuantWeight):  # the recipe left it float
+        dec.lm_head = dataclasses.replace(dec.lm_head, weight=rtn_int8(dec.lm_head.weight))
     genai_model = build_genai_model(dec, config, functions, opsets, accuracy_level)
     report["genai"] = {"accuracy_level": accuracy_level, "linears": _linear_summary(dec), "family": config["model_type"],
                        "context_length": int(config.get("max_position_embeddings", 4096))}

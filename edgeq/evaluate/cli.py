@@ -50,7 +50,9 @@ def register(subparsers: Any) -> argparse.ArgumentParser:
     ppl.add_argument(
         "model", metavar="MODEL",
         help="model to evaluate: a .onnx file, or a folder holding a static pair (prefill.onnx + decode.onnx, "
-        "edgeq compile --static) or a model.onnx",
+        "edgeq compile --static), a model.onnx, or an onnxruntime-genai folder (compile --target ort-genai: run "
+        "through onnxruntime-genai, `pip install 'edgeq[genai]'`, each window appended to a Generator and scored "
+        "from the logits genai returns)",
     )
     ppl.add_argument("--text", required=True, metavar="FILE", help="UTF-8 text file (e.g. data/wikitext-2/test.txt)")
     ppl.add_argument(
@@ -165,9 +167,16 @@ def _ppl_route(args: argparse.Namespace) -> tuple[str | None, str]:
     from edgeq.generation.decoders import resolve_model
     from edgeq.ir import check_model_file
 
+    from edgeq.genai import is_genai_folder
+
     path = Path(args.model)
     if not path.exists():  # named before the text is tokenized
         raise UserInputError(f"model file not found: {path}")
+    if is_genai_folder(path):  # onnxruntime-genai's own loop and logits (edgeq.genai.runtime)
+        if args.kernel_check or args.batch_size != 1:
+            raise UserInputError("an onnxruntime-genai folder runs window by window in genai's own session: "
+                                 "drop --kernel-check/--batch-size")
+        return args.through or "prefill", str(path / "model.onnx")
     family, files = resolve_model(path) if path.is_dir() else ("dynamic", [check_model_file(path)])
     if family == "static-pair":
         through = args.through or "decode"

@@ -20,6 +20,7 @@ from edgeq.artifacts.writer import _check_loads, _write_rest
 from edgeq.genai import genai_tokenizer, read_config
 from edgeq.genai.emit import build_genai_model, dumps, genai_config
 import dataclasses
+from collections import Counter
 
 from edgeq.genai.layers import QuantWeight, read_decoder, rtn_int8
 
@@ -55,7 +56,10 @@ def write_genai_outputs(out_dir: Path, model: onnx.ModelProto, report: dict, sou
     if lm_head_bits == 8 and not isinstance(dec.lm_head.weight, QuantWeight):  # the recipe left it float
         dec.lm_head = dataclasses.replace(dec.lm_head, weight=rtn_int8(dec.lm_head.weight))
     genai_model = build_genai_model(dec, config, functions, opsets, accuracy_level)
+    ops = Counter(n.op_type for n in genai_model.graph.node)
     report["genai"] = {"accuracy_level": accuracy_level, "linears": _linear_summary(dec), "family": config["model_type"],
+                       "nodes": {op: ops[op] for op in ("MatMulNBits", "MatMul", "GroupQueryAttention",
+                                                        "SkipSimplifiedLayerNormalization", "OnlineHadamard")},
                        "context_length": int(config.get("max_position_embeddings", 4096))}
     del dec
     source = Path(source_model).parent

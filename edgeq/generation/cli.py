@@ -134,7 +134,8 @@ def run_generate(args: argparse.Namespace) -> int:
         prompt_ids = tokenizer.encode(args.prompt, add_special_tokens=True).ids
     eos = set() if args.ignore_eos else set().union(*(eos_ids(f, tokenizer) for f in folders))
 
-    decoder = open_decoder(args.model, threads=args.threads, provider=args.provider, htp_arch=args.htp_arch)
+    decoder = open_decoder(args.model, threads=args.threads, provider=args.provider, htp_arch=args.htp_arch,
+                           max_length=len(prompt_ids) + args.max_new_tokens)  # (an onnxruntime-genai folder's cache slots)
     sampling = bool(args.temperature)
     seed = (args.seed if args.seed is not None else secrets.randbits(32)) if sampling else None
     stream = None if args.json else _Stream(tokenizer, sys.stdout)

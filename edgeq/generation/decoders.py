@@ -317,8 +317,11 @@ def resolve_model(path: str | os.PathLike) -> tuple[str, list[Path]]:
     """(mode family, graph files) for a folder or a .onnx file: ``("static-pair", [prefill, decode])``
     when the folder holds both graphs, else ``("dynamic", [model.onnx])``; each file passed the
     loader's checks (``ir.check_model_file``)."""
+    from edgeq.genai import is_genai_folder
     from edgeq.ir import check_model_file
 
+    if is_genai_folder(path):  # genai's graph form (contrib ops in the default domain): genai checks it on opening
+        return "genai", [Path(path) / "model.onnx"]
     family, files = _model_files(path)
     return family, [check_model_file(f) for f in files]
 
@@ -354,15 +357,27 @@ PROVIDERS = ("cpu", "qnn-htp")
 
 
 def open_decoder(path: str | os.PathLike, threads: int | None = None, optimize: bool = True,
-                 exact_qdq: bool = False, provider: str = "cpu", htp_arch: int | None = None) -> Decoder:
+                 exact_qdq: bool = False, provider: str = "cpu", htp_arch: int | None = None,
+                 max_length: int | None = None) -> Decoder:
     """The decoder for ``path`` (a folder or a .onnx file; see the module docstring for the kinds).
 
     ``optimize=False``: onnxruntime graph optimizations off (the graphs as written, for exactness
     checks); ``exact_qdq``: Q/DQ not fused into integer kernels (``edgeq.evaluate.ppl``).
     ``provider="qnn-htp"``: a static pair on Qualcomm's (emulated) HTP through onnxruntime-qnn,
     CPU fallback disabled (``edgeq.targets.qnn_vendor.open_htp_session``): the pair's prepared
-    context binaries (``qnn/*_ctx.onnx``) when the folder has them, else its graphs."""
+    context binaries (``qnn/*_ctx.onnx``) when the folder has them, else its graphs.
+    A folder written by ``compile --target ort-genai`` runs through onnxruntime-genai
+    (``edgeq.genai.runtime.GenaiDecoder``, ``max_length`` cache slots: default the folder's)."""
     from edgeq.evaluate.ppl import open_session, session_options
+    from edgeq.genai import is_genai_folder
+
+    if is_genai_folder(path):
+        from edgeq.genai.runtime import GenaiDecoder
+
+        if provider != "cpu" or exact_qdq or not optimize:
+            raise UserInputError("an onnxruntime-genai folder runs in onnxruntime-genai's own session: "
+                                 "drop --exact-qdq/--no-optimize/--provider")
+        return GenaiDecoder(path, threads, max_length)
 
     if provider not in PROVIDERS:
         raise UserInputError(f"provider must be one of {', '.join(PROVIDERS)}, got {provider!r}")

@@ -95,7 +95,7 @@ def perplexity_through(
     ids = token_windows(text_path, tokenizer_dir, seq_len=seq_len, windows=windows, offset=offset,
                         special_tokens=special_tokens)
     decoder = open_decoder(model_path, threads=threads, optimize=optimize, exact_qdq=exact_qdq, provider=provider,
-                           htp_arch=htp_arch)
+                           htp_arch=htp_arch, max_length=seq_len)
     if decoder.context is not None and seq_len - 1 > decoder.context:
         raise UserInputError(f"--seq-len {seq_len} needs {seq_len - 1} cache slots, the model's context holds "
                              f"{decoder.context}: use --seq-len {decoder.context + 1} or less")

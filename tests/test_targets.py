@@ -22,7 +22,7 @@ from edgeq.recipes import load_recipe
 from edgeq.registry import get_pass
 from edgeq.targets import builtin_target_names, check_model, load_target, parse_target
 
-BUILTINS = ["generic-qdq", "ort-cpu", "ort-cpu-kernels", "ort-cpu-vnni", "pow2-int", "qnn-htp"]
+BUILTINS = ["generic-qdq", "ort-cpu", "ort-cpu-kernels", "ort-cpu-vnni", "ort-genai", "pow2-int", "qnn-htp"]
 
 
 # ---------------------------------------------------------------- profiles
@@ -38,11 +38,13 @@ def test_builtin_profiles_load():
     assert not htp.allows_op("", "Shape") and htp.allows_op("", "MatMul")
     assert pow2.power_of_two_scales
     # full-range int8 weights only where the target says the CPU cannot saturate them (or runs no CPU kernel: the HTP)
-    assert [load_target(n).int8_weight_range for n in BUILTINS] == ["u8s8-safe"] * 3 + ["full-vnni-only"] * 1 + ["u8s8-safe"] + ["full-vnni-only"]
+    assert [load_target(n).int8_weight_range for n in BUILTINS] == ["u8s8-safe"] * 3 + ["full-vnni-only"] * 2 + ["u8s8-safe"] + ["full-vnni-only"]
     assert pow2.lowering == ("expand-functions", "matmulnbits-to-qdq", "int8-activations", "int8-weights", "symmetric-weights", "pow2-scales")
     assert htp.lowering == ("expand-functions", "matmulnbits-to-qdq", "symmetric-weights", "positive-weight-scales", "outer-product-to-mul",
                             "fp16-safe-norms", "gather-table-qdq", "linear-output-qdq")
     assert htp.node_units and htp.vendor == "qnn-htp" and not generic.node_units and generic.vendor == ""
+    genai = load_target("ort-genai")  # a writer target (edgeq.genai): 4-bit weights brought to DQ form, then repacked
+    assert genai.vendor == "ort-genai" and genai.lowering == ("matmulnbits-to-qdq",)
     assert pow2.activations.dtypes == {"int8"} and pow2.weights.dtypes == {"int8"}
 
 

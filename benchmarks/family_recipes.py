@@ -7,7 +7,7 @@ recipe's own window count (BOS-led too). One recipe at a time, resumable: a reci
 ``--out`` is skipped. The machine is stamped into the file.
 
 Usage: python benchmarks/family_recipes.py --model-dir artifacts/gemma3 --out F [--recipes a,b] [--windows 40]
-       python benchmarks/family_recipes.py --out F --table   (the README table: F beside SmolLM2's
+       python benchmarks/family_recipes.py --out F --table   (the docs/model-families.md table: F beside SmolLM2's
        ratios in edgeq/accuracy/measured.toml)
 """
 

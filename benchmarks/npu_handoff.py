@@ -7,7 +7,7 @@ Per recipe: ``edgeq compile`` (the recipe's own calibration settings) gives the 
 (the ort-cpu profile keeps edgeq ops and lowers nothing); each other profile's lowering passes are
 then run on that graph, exactly the passes ``edgeq compile --target NAME`` appends to the recipe's,
 and the result is checked against the profile (``edgeq check``). Perplexity: WikiText-2 test, the
-first ``--eval-windows`` windows of 512 tokens (the README protocol). Latency: 512 tokens, batch 1,
+first ``--eval-windows`` windows of 512 tokens (the protocol of data/wikitext-2/README.md). Latency: 512 tokens, batch 1,
 median of 10 runs interleaved between the two graphs, for recipes whose graph has edgeq ops. A graph
 whose lowering turned MatMulNBits back into DQ + MatMul is also evaluated with
 ``session.qdq_matmulnbits_accuracy_level = 0``: onnxruntime re-fuses it into MatMulNBits, by default

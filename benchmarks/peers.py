@@ -186,7 +186,7 @@ def edgeq_rows(model: Path, work: Path) -> list[dict]:
                             "--no-cache", "-o", str(out)], log, env={**os.environ, "EDGEQ_PROGRESS": "0"})
         row = {"tool": "edgeq", "version": edgeq.__version__, **spec, "format": "onnx", "compile_s": run["seconds"],
                "peak_rss_mb": run["peak_rss_mb"], "error": None if run["code"] == 0 else _last_error(log),
-               "path": str(out), "docs": "README.md (Recipes)"}
+               "path": str(out), "docs": "docs/recipes.md"}
         if spec["setting"] in GPTQ_SETTINGS:
             row["notes"] = "GPTQ fits a K x K Hessian per linear: the recipe calibrates on 64 windows (16 over-fit)"
         rows.append(row)
@@ -277,7 +277,7 @@ def main(argv: list[str] | None = None) -> int:
                     "run finished (artifacts/peers/rows-partial.json); the figures then come from two runs")
     ap.add_argument("--timeout-min", type=float, default=30, help="a peer setting still quantizing after this is a row "
                     "with that error (default 30; edgeq's own compiles are not limited)")
-    ap.add_argument("--table", type=Path, metavar="RESULTS", help="print the README table of a results file and exit")
+    ap.add_argument("--table", type=Path, metavar="RESULTS", help="print the docs/peers.md table of a results file and exit")
     args = ap.parse_args(argv)
     if args.table:
         print(markdown_table(args.table))
@@ -335,7 +335,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def markdown_table(results: Path) -> str:
-    """The README table of a results file (``--table``)."""
+    """The docs/peers.md table of a results file (``--table``)."""
     data = json.loads(results.read_text())
     lines = ["| tool | setting | W/A bits | ppl (x fp32) | exact-QDQ ppl | compile s | peak RSS MiB | ORT latency ms | other runtime ms | error |",
              "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]

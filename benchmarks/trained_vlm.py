@@ -11,7 +11,7 @@ The model is ``edgeq export trained-vlm`` (a LLaVA-style VLM trained here on eas
   exact-match VQA accuracy (all and per question type), and against fp32 the mean KL divergence
   and top-1 agreement of the next-token distributions at the scored (answer) positions. Sessions
   use onnxruntime's default options; W8A8 rows also give the exact-QDQ accuracy (no integer-kernel
-  fusion), since the CPU's integer kernel can differ from the Q/DQ arithmetic (README, "Integer
+  fusion), since the CPU's integer kernel can differ from the Q/DQ arithmetic (docs/cpu-int8-kernels.md, "Integer
   kernels and your CPU").
 - ``latency``: one eval sample, batch 1, interleaved medians: fp32, single, MSQ (integer
   lowering), MSQ with the select lowering, MSQ+AIFS, at W8A8: AIFS's overhead.
@@ -214,7 +214,7 @@ def kv_part(model_dir: Path, samples: int) -> dict:
 
 
 def markdown(results: dict) -> str:
-    """The README tables of a results file."""
+    """The docs/figures-trained-vlm.md tables of a results file."""
     out = []
     m = results["metrics"]
     out.append("| question type | questions | accuracy | answer prior |\n| --- | --- | --- | --- |")
@@ -276,7 +276,7 @@ def main(argv=None) -> int:
     p.add_argument("--parts", default=",".join(PARTS), help=f"comma-separated subset of {','.join(PARTS)}")
     p.add_argument("--bits", default=",".join(BITS), help=f"comma-separated subset of {','.join(BITS)}")
     p.add_argument("--skip-compile", action="store_true", help="reuse the graphs already in --work")
-    p.add_argument("--table", action="store_true", help="print the README tables of --out and exit")
+    p.add_argument("--table", action="store_true", help="print the docs/figures-trained-vlm.md tables of --out and exit")
     a = p.parse_args(argv)
     if a.table:
         print(markdown(json.loads(a.out.read_text())))

@@ -1,5 +1,5 @@
 """One linear, every int8 weight form, on this CPU: what onnxruntime's integer kernel computes and
-how long it takes (the operator-level half of README "Integer kernels and your CPU").
+how long it takes (the operator-level half of docs/cpu-int8-kernels.md).
 
 A SmolLM2-shaped linear (M = 512 tokens; K x N = 576 x 1536 like gate_proj and 1536 x 576 like
 down_proj), activations as edgeq writes them (static symmetric uint8, zero point 128), weights

@@ -93,7 +93,7 @@ def _add_compile(sub) -> None:
                         "per run) and OUT/decode.onnx (1 token per run) over a fixed KV cache of C slots per layer, "
                         "every shape static, sharing one weights file (OUT/weights.data), from one recipe run. "
                         "MODEL must have a KV cache (`edgeq export smollm2 --with-past`); run the result with "
-                        "`edgeq generate OUT`. The graph contract is in the README (Deploying an LLM)")
+                        "`edgeq generate OUT`. The graph contract is in docs/static-llm-deployment.md")
     p.add_argument("--context-binary", action="store_true",
                    help="with --static and --target qnn-htp: also prepare both graphs with Qualcomm's own compiler "
                         "(onnxruntime-qnn, `pip install 'edgeq[qnn]'`) into OUT/qnn/prefill_ctx.onnx and "

@@ -132,7 +132,7 @@ def plan_compile(req: CompileRequest) -> CompilePlan:
     passes = [spec.build() for spec in recipe.passes]
     lowering = [get_pass(name)() for name in profile.lowering] if profile else []
     # every compile that may run on onnxruntime CPU ends with the saturation guard, unless the
-    # target allows full-range int8 weights (ort-cpu-vnni): README "Integer kernels and your CPU"
+    # target allows full-range int8 weights (ort-cpu-vnni): docs/cpu-int8-kernels.md
     int8_weights = profile.int8_weight_range if profile else "u8s8-safe"
     guard = [get_pass("u8s8-safe-weights")()] if int8_weights == "u8s8-safe" else []
     model, locations = ir.load_model_and_locations(req.model, load_external=False)

@@ -5,7 +5,7 @@
 - the default recipe keeps the sandwich family's norm scales out of the weights (``fuse-norms``
   ``sandwich = "keep"``, ``rotate`` at the norm outputs) and stays within 1.05x of fp32 perplexity
   with onnxruntime's defaults and with exact QDQ (4 calibration and 4 test windows here; 40 test
-  windows in README "Model families": 0.931x).
+  windows in docs/model-families.md: 0.931x).
 """
 
 from __future__ import annotations

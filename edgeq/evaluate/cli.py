@@ -81,7 +81,7 @@ def register(subparsers: Any) -> argparse.ArgumentParser:
     qdq.add_argument(
         "--kernel-check", action="store_true",
         help="run twice, with onnxruntime's integer kernels (default options) and with exact QDQ, print both "
-        f"and flag a gap above {KERNEL_GAP * 100:.1f}%% (the CPU's integer kernels lose accuracy: see the README, "
+        f"and flag a gap above {KERNEL_GAP * 100:.1f}%% (the CPU's integer kernels lose accuracy: see docs/cpu-int8-kernels.md, "
         "'Integer kernels and your CPU'); use 8 or more windows: below that, last-bit rounding differences "
         "between integer and float accumulation alone can move perplexity by ~0.5%%",
     )

@@ -24,7 +24,7 @@ from edgeq.textdata import feeds_for_windows, token_windows, window_convention
 
 # onnxruntime session config that keeps every Q/DQ as written (no integer-kernel fusion: no
 # MatMulIntegerToFloat / QLinearMatMul / QGemm), all other optimizations on: the exact-QDQ
-# reference that a kernel's result is compared with (README "Integer kernels and your CPU").
+# reference that a kernel's result is compared with (docs/cpu-int8-kernels.md).
 EXACT_QDQ_CONFIG = {"session.disable_quant_qdq": "1"}
 
 

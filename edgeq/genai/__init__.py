@@ -21,7 +21,7 @@ from pathlib import Path
 from edgeq.errors import UserInputError
 
 # recipe passes whose result genai's form can carry (weights and online rotations, nothing else)
-MAPPED_PASSES = frozenset({"fuse-norms", "ln-to-rms", "rotate", "gptq", "matmulnbits-to-qdq"})
+MAPPED_PASSES = frozenset({"expand-functions", "fuse-norms", "ln-to-rms", "rotate", "gptq", "matmulnbits-to-qdq"})
 # the model types whose attention genai's Llama form computes (config.json ``model_type``)
 MAPPED_FAMILIES = frozenset({"llama"})
 ACCURACY_LEVELS = (0, 1, 2, 3, 4)

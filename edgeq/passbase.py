@@ -2,9 +2,10 @@
 
 A pass receives a graphsurgeon graph and a ``PassContext`` (calibration access, settings shared by
 the pipeline) and returns a ``PassResult`` saying whether it changed the graph and what it did,
-or why it did not apply (``PassResult.skipped``, a typed ``NotApplicable``). Running a pass a
-second time on its own output must report ``modified=False``; the generic test harness checks
-that for every registered pass.
+or why it did not apply: it raises ``PassNotApplicable(reason, detail)`` before changing the
+graph, and the pipeline records that as the pass's typed ``not_applicable`` (the one way a pass
+says so). Running a pass a second time on its own output must report ``modified=False``; the
+generic test harness checks that for every registered pass.
 
 The lifecycle belongs to the framework, not to each pass:
 
@@ -77,6 +78,22 @@ class PassResult:
         """A pass that did not apply; the summary keeps the detail under the reason's usual key."""
         key = "already_applied" if reason is Reason.ALREADY_APPLIED else "not_applicable"
         return cls(modified, {key: detail, **summary}, NotApplicable(reason, detail))
+
+
+class PassNotApplicable(Exception):
+    """Raised by a pass's ``run`` (or a method it calls, e.g. ``analyze_stream``) when the pass does
+    not apply to this graph; raise it only before changing the graph. The pipeline catches it and
+    records ``PassResult.skipped(reason, detail, **summary)``: ``modified=False``, the typed
+    ``not_applicable`` in report.json, the detail in the summary next to ``summary``'s counts."""
+
+    def __init__(self, reason: Reason, detail: str, **summary: Any):
+        super().__init__(detail)
+        self.reason = reason
+        self.detail = detail
+        self.summary = summary
+
+    def result(self) -> PassResult:
+        return PassResult.skipped(self.reason, self.detail, **self.summary)
 
 
 # How 8-bit int8 weights read by uint8 x int8 kernels are quantized (PassContext.int8_weights):
@@ -164,7 +181,8 @@ class Pass(abc.ABC):
 
     @abc.abstractmethod
     def run(self, graph: gs.Graph, ctx: PassContext) -> PassResult:
-        """Rewrite ``graph`` in place; report whether anything changed."""
+        """Rewrite ``graph`` in place; report whether anything changed, or raise
+        ``PassNotApplicable`` (before changing it) when the pass does not apply."""
 
     @property
     def output_exactness(self) -> Exactness:

@@ -8,8 +8,10 @@ Optional instruments, each after every pass:
   an input that does not verify is the user's, exit 2, not the first pass's failure);
 - ``check_numerics``: run the graph on one reference sample and log the drift of every output
   against the input model's (max abs error, SQNR in dB).
-A pass that raises, or whose output fails verification, becomes a ``PassFailure`` naming it
-(exit 1); a ``UserInputError`` from a pass passes through unchanged (exit 2). The pass lifecycle
+A pass that raises ``PassNotApplicable`` did not apply: its record gets the typed
+``not_applicable`` (reason, detail). Any other exception, or an output that fails verification,
+becomes a ``PassFailure`` naming the pass (exit 1); a ``UserInputError`` from a pass passes
+through unchanged (exit 2). The pass lifecycle
 (``Pass.establishes`` markers, ``Pass.requires``) is enforced here: see ``edgeq.passbase``; so is
 the recipe's ``essential`` mark: an essential pass that does not apply stops the run at once
 (``EssentialPassNotApplied``, exit 4) unless ``allow_partial``, which records it and goes on.
@@ -31,7 +33,7 @@ import onnx_graphsurgeon as gs
 from edgeq import ir
 from edgeq.errors import EdgeqError, EssentialPassNotApplied, PassFailure, UserInputError
 from edgeq.evaluate.compare import sqnr_db  # noqa: F401  (re-exported: the one SQNR)
-from edgeq.passbase import NotApplicable, Pass, PassContext, PassResult, Reason
+from edgeq.passbase import NotApplicable, Pass, PassContext, PassNotApplicable, PassResult, Reason
 from edgeq.registry import get_pass
 
 
@@ -165,7 +167,8 @@ class Pipeline:
         """The framework's side of a pass's lifecycle: skip it when its marker is on the graph, or
         when a pass it requires (recipes list them earlier: checked when parsed) left no marker,
         i.e. did not apply; refuse it when that pass marks even where it does not apply (so it never
-        ran); else run it."""
+        ran); else run it. A pass that raises ``PassNotApplicable`` (before changing the graph) is
+        recorded as skipped with its reason."""
         marker = p.establishes
         if marker is not None and marker.present(graph):
             return PassResult.skipped(Reason.ALREADY_APPLIED, marker.text(graph))
@@ -178,7 +181,10 @@ class Pipeline:
                                          f"marker: {needed.meaning})")
                 return PassResult.skipped(Reason.PREREQUISITE_DID_NOT_APPLY,
                                           f"{name} did not apply to this graph (no '{needed.key}' marker: {needed.meaning})")
-        return p.run(graph, ctx)
+        try:
+            return p.run(graph, ctx)
+        except PassNotApplicable as why:
+            return why.result()
 
     @staticmethod
     def _verify(model: onnx.ModelProto) -> str | None:

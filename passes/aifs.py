@@ -39,7 +39,7 @@ The mask is found structurally: every Softmax's additive input is followed back 
 Cast / Expand / Identity) to one shared ``Where(cond, 0, very negative)``; the cone of ``cond``
 must hold exactly one index comparison whose inputs are ``Range(0, S, 1)`` chains of ``Unsqueeze``
 (node names are reported, not relied on). When the graph has no visual span inputs, or the pattern
-is not there, the pass returns ``not_applicable`` and changes nothing.
+is not there, the pass does not apply (``structure-not-found``) and changes nothing.
 """
 
 from __future__ import annotations
@@ -52,7 +52,7 @@ import onnx_graphsurgeon as gs
 from edgeq import facts, ir
 from edgeq.graph_builder import NodeBuilder
 from edgeq.modality_mask import span_input_names, visual_block_mask
-from edgeq.passbase import Exactness, Pass, PassConfig, PassContext, PassResult, Reason
+from edgeq.passbase import Exactness, Pass, PassConfig, PassContext, PassNotApplicable, PassResult, Reason
 from edgeq.structure import BreadthFirst
 
 # value "span=START,LEN;visual_count=TENSOR;original_order=T1,T2": MSQ reads the count, and knows
@@ -79,7 +79,7 @@ class AifsPass(Pass, name="aifs", exactness=Exactness.FLOAT_EQUIV, config=AifsCo
         cfg: AifsConfig = self.config
         found = _match(graph, cfg)
         if isinstance(found, str):
-            return PassResult.skipped(Reason.STRUCTURE_NOT_FOUND, found)
+            raise PassNotApplicable(Reason.STRUCTURE_NOT_FOUND, found)
         summary = _rewrite(graph, found)
         facts.AIFS.set(graph, span=f"{found['start'].name},{found['length'].name}", visual_count=summary["visual_count"],
                        original_order=",".join(summary["original_order_tensors"]))

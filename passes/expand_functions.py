@@ -22,7 +22,7 @@ import onnx_graphsurgeon as gs
 from onnx_graphsurgeon.exporters.onnx_exporter import OnnxExporter
 
 from edgeq import ir
-from edgeq.passbase import Exactness, Pass, PassContext, PassResult
+from edgeq.passbase import Exactness, Pass, PassContext, PassNotApplicable, PassResult, Reason
 from edgeq.runtime_ops.domain import DOMAIN, DOMAIN_VERSION
 from edgeq.runtime_ops.schema import get_schema
 
@@ -34,7 +34,8 @@ class ExpandFunctionsPass(Pass, name="expand-functions", exactness=Exactness.EXA
         nodes = [node for _, node in sites]
         carried = [f for f in graph.functions if f.domain == DOMAIN]
         if not nodes and not carried:
-            return PassResult(False, {"nodes_expanded": {}})
+            raise PassNotApplicable(Reason.STRUCTURE_NOT_FOUND, "no edgeq custom op or function in the graph",
+                                    nodes_expanded={})
         functions = {f.name: OnnxExporter.export_function(f) for f in carried}
         for op in {n.op for n in nodes} - set(functions):
             functions[op] = get_schema(op).function_builder(graph.opset)

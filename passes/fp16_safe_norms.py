@@ -28,7 +28,7 @@ import onnx_graphsurgeon as gs
 
 from edgeq import ir
 from edgeq.calib.observers import Observer
-from edgeq.passbase import Exactness, Pass, PassConfig, PassContext, PassResult, Reason
+from edgeq.passbase import Exactness, Pass, PassConfig, PassContext, PassNotApplicable, PassResult, Reason
 
 
 @dataclass(frozen=True)
@@ -78,7 +78,7 @@ class Fp16SafeNormsPass(Pass, name="fp16-safe-norms", exactness=Exactness.FLOAT_
         index = ir.GraphIndex(graph)
         norms = [n for n in (_match(index, node) for node in graph.nodes if node.op == "ReduceMean") if n is not None]
         if not norms:
-            return PassResult.skipped(Reason.STRUCTURE_NOT_FOUND, "no RMSNorm (x * 1/sqrt(mean(x^2) + eps))")
+            raise PassNotApplicable(Reason.STRUCTURE_NOT_FOUND, "no RMSNorm (x * 1/sqrt(mean(x^2) + eps))")
         observers = ctx.require_calibrator(self.name).observe(
             graph, {n.x.name: SumOfSquaresObserver for n in norms}, "fp16-safe-norms:sum-of-squares")
         worst_before = worst_after = 0.0
@@ -100,8 +100,8 @@ class Fp16SafeNormsPass(Pass, name="fp16-safe-norms", exactness=Exactness.FLOAT_
                                                     np.asarray(eps * np.float32(4.0 ** -k), np.float32))
             rescaled += 1
         if not rescaled:
-            return PassResult.skipped(Reason.NO_SITES, f"every RMSNorm's sum of squares is under {self.config.limit:g}",
-                                      norms=len(norms), max_sum_of_squares=worst_before)
+            raise PassNotApplicable(Reason.NO_SITES, f"every RMSNorm's sum of squares is under {self.config.limit:g}",
+                                    norms=len(norms), max_sum_of_squares=worst_before)
         return PassResult(True, {"norms": len(norms), "rescaled": rescaled, "max_sum_of_squares_before": worst_before,
                                  "max_sum_of_squares_after": worst_after})
 

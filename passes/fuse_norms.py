@@ -79,11 +79,12 @@ class FuseNormsPass(Pass, name="fuse-norms", per_block=True, exactness=Exactness
 
 def _sandwich_stream_norms(graph: gs.Graph) -> set[str]:
     """The stream norms' names when the stream has post-sublayer norms, else none."""
-    from edgeq.passes.methods.stream import NotApplicable, analyze_stream
+    from edgeq.passbase import PassNotApplicable
+    from edgeq.passes.methods.stream import analyze_stream
 
     try:
         stream = analyze_stream(graph)
-    except NotApplicable:
+    except PassNotApplicable:  # no stream rewrite will run: no sandwich norms to keep
         return set()
     return {norm.name for norm in stream.norms} if stream.post_norms else set()
 

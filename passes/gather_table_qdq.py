@@ -17,7 +17,7 @@ import numpy as np
 import onnx_graphsurgeon as gs
 
 from edgeq import ir
-from edgeq.passbase import Exactness, Pass, PassConfig, PassContext, PassResult, Reason
+from edgeq.passbase import Exactness, Pass, PassConfig, PassContext, PassNotApplicable, PassResult, Reason
 from edgeq.qdq_nodes import QuantizedTensor, ensure_opset, insert_dequantize
 from edgeq.quant import QuantSpec, dequantize, quantize, scale_zero_point
 from edgeq.targets.requant import relative_rms
@@ -44,7 +44,7 @@ class GatherTableQDQPass(Pass, name="gather-table-qdq", exactness=Exactness.LOSS
         index = ir.GraphIndex(graph)
         sites = [n for n in graph.nodes if n.op == "Gather" and _float_table(n.inputs[0])]
         if not sites:
-            return PassResult.skipped(Reason.NO_SITES, "no Gather of a float constant table")
+            raise PassNotApplicable(Reason.NO_SITES, "no Gather of a float constant table")
         spec = QuantSpec(self.config.dtype, symmetric=False)
         ensure_opset(graph, spec)
         tables: dict[str, QuantizedTensor] = {}

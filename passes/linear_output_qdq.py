@@ -28,7 +28,7 @@ import onnx_graphsurgeon as gs
 
 from edgeq import ir
 from edgeq.calib.observers import MinMaxObserver
-from edgeq.passbase import Exactness, Pass, PassConfig, PassContext, PassResult, Reason
+from edgeq.passbase import Exactness, Pass, PassConfig, PassContext, PassNotApplicable, PassResult, Reason
 from edgeq.qdq_nodes import ensure_opset, insert_dequantize, insert_quantize
 from edgeq.quant import QuantSpec, scale_zero_point
 
@@ -59,7 +59,7 @@ class LinearOutputQDQPass(Pass, name="linear-output-qdq", exactness=Exactness.LO
         sites = [n for n in graph.nodes if n.op in _LINEARS and _per_channel_weight(index, n)
                  and not _output_quantized(index, n)]
         if not sites:
-            return PassResult.skipped(Reason.NO_SITES, "no linear with a per-channel weight and a float output")
+            raise PassNotApplicable(Reason.NO_SITES, "no linear with a per-channel weight and a float output")
         wide = None if self.config.activations == "match" else QuantSpec(self.config.activations, symmetric=False)
         inputs = {n.name: _input_quantizer(index, n) for n in sites}
         float_inputs = sorted({n.inputs[0].name for n in sites if inputs[n.name] is None})

@@ -6,7 +6,7 @@ its writers write, so subtracting each writer's per-row mean makes every stream 
 embedding rows and other stream constants ``E' = E - mean(E)``, a patch-embedding Conv over its
 output channels, and every block output linear ``W' = W - mean_N(W)``, ``b' = b - mean(b)``.
 Every writer must be covered or the equivalence silently breaks, so the pass works from
-``analyze_stream`` and refuses (summary ``not_applicable``) when the stream is not fully known.
+``analyze_stream`` and does not apply (``structure-not-found``) when the stream is not fully known.
 Each LayerNorm then becomes an RMSNorm with the same epsilon, scale and bias: a fused
 LayerNormalization is replaced by its RMS decomposition, a decomposed one loses its mean
 subtraction.
@@ -19,8 +19,8 @@ import numpy as np
 import onnx_graphsurgeon as gs
 
 from edgeq import ir
-from edgeq.passbase import Exactness, Pass, PassContext, PassResult
-from edgeq.passes.methods.stream import NotApplicable, analyze_stream, transform_stream_input
+from edgeq.passbase import Exactness, Pass, PassContext, PassNotApplicable, PassResult, Reason
+from edgeq.passes.methods.stream import analyze_stream, transform_stream_input
 from edgeq.structure import Norm
 from edgeq.passes.methods.weights import LinearEditor
 
@@ -28,17 +28,15 @@ from edgeq.passes.methods.weights import LinearEditor
 class LnToRmsPass(Pass, name="ln-to-rms", per_block=True, exactness=Exactness.FLOAT_EQUIV,
                   summary="LayerNorm -> RMSNorm by making every residual-stream writer zero-mean"):
     def run(self, graph: gs.Graph, ctx: PassContext) -> PassResult:
-        try:
-            stream = analyze_stream(graph)
-        except NotApplicable as exc:
-            return PassResult(False, {"not_applicable": str(exc)})
+        stream = analyze_stream(graph)  # PassNotApplicable (structure-not-found) when the stream does not fit
         layer_norms = [n for n in stream.norms if n.kind == "layer"]
         if not layer_norms:
-            return PassResult(False, {"layer_norms": 0})
+            raise PassNotApplicable(Reason.NO_SITES, "no LayerNorm on the residual stream (its norms are RMSNorms)",
+                                    layer_norms=0)
         if stream.post_norms:
             # a post-sublayer norm's output (norm(y) * g + b) writes the stream and is not zero-mean
-            return PassResult(False, {"not_applicable": f"post-sublayer norm {stream.post_norms[0].norm.name} writes "
-                                                        "the residual stream; its output cannot be made zero-mean"})
+            raise PassNotApplicable(Reason.STRUCTURE_NOT_FOUND, f"post-sublayer norm {stream.post_norms[0].norm.name} "
+                                    "writes the residual stream; its output cannot be made zero-mean")
         editor = LinearEditor(graph)
         index = editor.index
         for lin in stream.writers:

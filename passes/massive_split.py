@@ -31,7 +31,7 @@ import onnx_graphsurgeon as gs
 from edgeq import facts, ir
 from edgeq.calib.observers import PerChannelAbsMaxObserver
 from edgeq.errors import UserInputError
-from edgeq.passbase import Exactness, PassConfig, PassContext, PassResult
+from edgeq.passbase import Exactness, PassConfig, PassContext, PassNotApplicable, PassResult, Reason
 from edgeq.runtime_ops.online_hadamard import OP_TYPE, hadamard_matrix_for_fold
 from edgeq.passes.methods.side_branch import SideBranchPass, add_branch, check_branch, quantize_branches
 from edgeq.structure import analyze
@@ -87,7 +87,8 @@ class MassiveSplitPass(SideBranchPass, name="massive-split", per_block=True, exa
             else:
                 sites[lin.node] = (lin, nodes[lin.node].inputs[0], None)
         if not sites:
-            return PassResult(False, {"linears": 0, "roles": list(cfg.roles)})
+            raise PassNotApplicable(Reason.NO_SITES, f"no float linear in roles {', '.join(cfg.roles)} to split",
+                                    linears=0, roles=list(cfg.roles))
         observers = ctx.require_calibrator(self.name).observe(
             graph, {t.name: PerChannelAbsMaxObserver for _, t, _ in sites.values()}, "massive-split:channel-absmax")
         branches, ranges, report = [], {}, {}

@@ -50,7 +50,7 @@ import onnx_graphsurgeon as gs
 
 from edgeq import ir
 from edgeq.passes.methods.matmulnbits import BITS, DOMAIN
-from edgeq.passbase import Exactness, Pass, PassContext, PassResult
+from edgeq.passbase import Exactness, Pass, PassContext, PassNotApplicable, PassResult, Reason
 from edgeq.qdq_nodes import ensure_opset, insert_weight_dequantize
 from edgeq.quant import QuantSpec
 from edgeq.targets.requant import read_constant
@@ -211,8 +211,11 @@ class MatMulNBitsToQDQPass(Pass, name="matmulnbits-to-qdq", exactness=Exactness.
             if p.accuracy_level not in (0, 1):  # computed in float now; level 4 quantized A to int8 in the kernel
                 levels[str(p.accuracy_level)] += 1
         summary = {"nodes_rewritten": sum(weights.values()), "nodes_refused": refused}
-        if not weights:
-            return PassResult(False, summary)
+        if not sites:
+            raise PassNotApplicable(Reason.STRUCTURE_NOT_FOUND, "no com.microsoft MatMulNBits node", **summary)
+        if not weights:  # the graph is unchanged: each node was refused before its rewrite
+            raise PassNotApplicable(Reason.NO_SITES, f"every MatMulNBits node ({len(sites)}) was refused "
+                                    "(nodes_refused says why)", **summary)
         graph.cleanup()
         if not any(n.domain == DOMAIN for _, n in ir.nodes_with_graphs(graph)):
             ir.drop_domain_import(graph, DOMAIN)

@@ -35,7 +35,7 @@ import onnx_graphsurgeon as gs
 from edgeq import facts, ir
 from edgeq.calib.observers import ChannelStatsObserver
 from edgeq.errors import UserInputError
-from edgeq.passbase import Exactness, Pass, PassConfig, PassContext, PassResult
+from edgeq.passbase import Exactness, Pass, PassConfig, PassContext, PassNotApplicable, PassResult, Reason
 from edgeq.passes.methods.side_branch import add_branch
 from edgeq.structure import Norm, analyze
 from edgeq.passes.methods.weights import LinearEditor, norm_weights, position_wise_readers
@@ -109,7 +109,8 @@ class MuxqPass(Pass, name="muxq", exactness=Exactness.FLOAT_EQUIV, config=MuxqCo
                 continue
             sites.setdefault(lin.input, []).append(lin)
         if not sites:
-            return PassResult(False, {"inputs": 0})
+            raise PassNotApplicable(Reason.NO_SITES, "no float linear to split (every linear is quantized, kept "
+                                    "float or outside roles)", inputs=0)
         stats = ctx.require_calibrator(self.name).observe(
             graph, {name: ChannelStatsObserver for name in sites}, "muxq:channel-stats")
         norms = {n.output: n for n in structure.norms if n.skip is None}

@@ -16,7 +16,7 @@ import numpy as np
 import onnx_graphsurgeon as gs
 
 from edgeq import ir
-from edgeq.passbase import Exactness, Pass, PassContext, PassResult, Reason
+from edgeq.passbase import Exactness, Pass, PassContext, PassNotApplicable, PassResult, Reason
 from edgeq.quant import dequantize
 
 
@@ -37,7 +37,7 @@ class OuterProductToMulPass(Pass, name="outer-product-to-mul", exactness=Exactne
             node.name = f"{node.name}_as_Mul"
             done += 1
         if not done:
-            return PassResult.skipped(Reason.NO_SITES, "no MatMul with a constant [1, N] weight")
+            raise PassNotApplicable(Reason.NO_SITES, "no MatMul with a constant [1, N] weight")
         graph.cleanup()
         return PassResult(True, {"matmuls_to_mul": done})
 

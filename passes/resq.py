@@ -31,11 +31,11 @@ from edgeq import facts, ir
 from edgeq.passes.methods.attention_tensors import AttentionNotFound, AttentionTensors, find_attention_tensors
 from edgeq.calib.observers import HessianObserver, PerChannelAbsMaxObserver
 from edgeq.errors import UserInputError
-from edgeq.passbase import Exactness, Pass, PassConfig, PassContext, PassResult, Reason
+from edgeq.passbase import Exactness, Pass, PassConfig, PassContext, PassNotApplicable, PassResult
 from edgeq.passes.methods.rotation import fold_online_rotations, rotate_post_norms, rotate_stream, set_writer_weights
 from edgeq.passes.methods.resq import SubspaceBasis, linf_basis, subspace_basis
 from edgeq.runtime_ops.hadamard import randomized_hadamard
-from edgeq.passes.methods.stream import NotApplicable, analyze_stream, require_weightless_rms
+from edgeq.passes.methods.stream import analyze_stream, require_weightless_rms
 from edgeq.passes.methods.weights import LinearEditor
 
 BASES = ("pca", "linf", "hadamard")
@@ -71,10 +71,11 @@ class ResqPass(Pass, name="resq", exactness=Exactness.FLOAT_EQUIV, config=ResqCo
         cfg: ResqConfig = self.config
         try:
             stream = analyze_stream(graph)
-        except NotApplicable as exc:
-            # recorded, so resq-qdq reports the same instead of asking for resq
-            facts.RESQ.set(graph, {"basis": cfg.basis, "not_applicable": str(exc)})
-            return PassResult.skipped(Reason.STRUCTURE_NOT_FOUND, str(exc), modified=True)
+        except PassNotApplicable as exc:
+            # the reason is left on the graph (so resq-qdq reports it instead of asking for resq): a
+            # marker, so the graph did change and the result is built here, not by the pipeline
+            facts.RESQ.set(graph, {"basis": cfg.basis, "not_applicable": exc.detail})
+            return PassResult.skipped(exc.reason, exc.detail, modified=True)
         require_weightless_rms(graph, stream, self.name)
         attention: list[AttentionTensors] = []
         skipped = None

@@ -29,7 +29,7 @@ from edgeq import facts, ir
 from edgeq.calib.observers import ChannelMinMaxObserver, HessianObserver
 from edgeq.errors import UserInputError
 from edgeq.passes.methods.gptq import IntColumns, gptq_quantize
-from edgeq.passbase import Exactness, Pass, PassConfig, PassContext, PassResult, Reason
+from edgeq.passbase import Exactness, Pass, PassConfig, PassContext, PassNotApplicable, PassResult, Reason
 from edgeq.qdq_nodes import (check_weights_finite, ensure_opset, insert_dequantize, insert_quantize,
                               insert_token_fake_quant_asymmetric, insert_weight_dequantize)
 from edgeq.quant import QuantSpec, quantize_weight, scale_zero_point
@@ -115,11 +115,12 @@ class ResqQDQPass(Pass, name="resq-qdq", exactness=Exactness.LOSSY, config=ResqQ
         cfg: ResqQDQConfig = self.config
         layout = facts.RESQ.get(graph)
         if "not_applicable" in layout:
-            return PassResult.skipped(Reason.PREREQUISITE_DID_NOT_APPLY, f"resq did not apply: {layout['not_applicable']}")
+            raise PassNotApplicable(Reason.PREREQUISITE_DID_NOT_APPLY, f"resq did not apply: {layout['not_applicable']}")
         keep_float = facts.KEEP_FLOAT.names(graph)
         linears = [lin for lin in find_linears(graph) if lin.role not in cfg.skip_roles and lin.node not in keep_float]
         if not linears:
-            return PassResult(False, {"linears_quantized": 0})
+            raise PassNotApplicable(Reason.NO_SITES, "no linear left to quantize (every linear is kept float or in "
+                                    "skip_roles)", linears_quantized=0)
         check_weights_finite(ir.GraphIndex(graph), linears)
         self._split_cache: dict[str, list] = {}
         sites = {lin.node: self._site(lin, layout) for lin in linears}

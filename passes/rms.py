@@ -25,7 +25,7 @@ from edgeq import facts, ir
 from edgeq.calib.observers import MinMaxObserver
 from edgeq.passes.methods.eq9 import eq9_columns
 from edgeq.errors import UserInputError
-from edgeq.passbase import Exactness, PassConfig, PassContext, PassResult
+from edgeq.passbase import Exactness, PassConfig, PassContext, PassNotApplicable, PassResult, Reason
 from edgeq.runtime_ops.online_hadamard import OP_TYPE, hadamard_matrix_for_fold
 from edgeq.passes.methods.side_branch import SideBranchPass, add_branch, check_branch, quantize_branches
 from edgeq.structure import analyze
@@ -64,7 +64,8 @@ class RmsPass(SideBranchPass, name="rms", per_block=True, exactness=Exactness.FL
                 continue
             branches.append(_split(graph, index, editor, editor.nodes[lin.node], lin, w_r))
         if not eq9:
-            return PassResult(False, {"online_hadamard_linears": 0})
+            raise PassNotApplicable(Reason.STRUCTURE_NOT_FOUND, "no float linear reads an online Hadamard (rotate's "
+                                    "online_hadamard puts one before each down_proj/fc2)", online_hadamard_linears=0)
         if branches:
             ranges = {}
             if self.quantized_branch:

@@ -55,11 +55,11 @@ from dataclasses import dataclass
 import onnx_graphsurgeon as gs
 
 from edgeq import facts
-from edgeq.passbase import Exactness, Pass, PassConfig, PassContext, PassResult, Reason
+from edgeq.passbase import Exactness, Pass, PassConfig, PassContext, PassResult
 from edgeq.runtime_ops.hadamard import randomized_hadamard
 from edgeq.passes.methods.rotation import (fold_online_rotations, rotate_at_norm_outputs, rotate_post_norms, rotate_stream,
                                            set_writer_weights)
-from edgeq.passes.methods.stream import NotApplicable, analyze_stream, require_weightless_rms
+from edgeq.passes.methods.stream import analyze_stream, require_weightless_rms
 from edgeq.passes.methods.weights import LinearEditor
 
 @dataclass(frozen=True)
@@ -73,10 +73,7 @@ class RotatePass(Pass, name="rotate", per_block=True, exactness=Exactness.FLOAT_
                  summary="randomized-Hadamard residual rotation (offline) + online Hadamard before down_proj/fc2"):
     def run(self, graph: gs.Graph, ctx: PassContext) -> PassResult:
         cfg: RotateConfig = self.config
-        try:
-            stream = analyze_stream(graph)
-        except NotApplicable as exc:
-            return PassResult.skipped(Reason.STRUCTURE_NOT_FOUND, str(exc))
+        stream = analyze_stream(graph)  # PassNotApplicable (structure-not-found) when the stream does not fit
         d = stream.hidden
         q, is_hadamard = randomized_hadamard(d, seed=cfg.seed)
         at_norm_outputs = bool(stream.post_norms) and is_hadamard and not _weightless(graph, stream)

@@ -21,7 +21,7 @@ import numpy as np
 import onnx_graphsurgeon as gs
 
 from edgeq import ir
-from edgeq.passbase import Exactness, Pass, PassContext, PassResult
+from edgeq.passbase import Exactness, Pass, PassContext, PassNotApplicable, PassResult, Reason
 from edgeq.quant import QuantSpec
 from edgeq.targets.check import is_power_of_two
 from edgeq.targets.requant import ErrorMeter, WeightDQ, broadcast_param, pow2_ceil, replace_weight
@@ -34,6 +34,9 @@ class U8S8SafeWeightsPass(Pass, name="u8s8-safe-weights", per_block=True, exactn
     def run(self, graph: gs.Graph, ctx: PassContext) -> PassResult:
         index = ir.GraphIndex(graph)
         sites = u8s8_weights(graph, index)
+        if not sites:
+            raise PassNotApplicable(Reason.STRUCTURE_NOT_FOUND,
+                                    "no uint8 x int8 linear (8-bit activation and int8 weight DequantizeLinear)")
         meter = ErrorMeter()
         changed_weights, channels, fixes = 0, 0, 0
         done: set[tuple] = set()
@@ -51,8 +54,6 @@ class U8S8SafeWeightsPass(Pass, name="u8s8-safe-weights", per_block=True, exactn
             changed_weights += 1
             channels += n_channels
             fixes += n_fixes
-        if not sites:
-            return PassResult(False, {"not_applicable": "no uint8 x int8 linear (8-bit activation and int8 weight DequantizeLinear)"})
         summary = {"u8s8_linears": len(sites), "weights_requantized": changed_weights, "channels_rescaled": channels,
                    "pair_fixes": fixes}
         if changed_weights:

@@ -172,7 +172,7 @@ def _ppl_route(args: argparse.Namespace) -> tuple[str | None, str]:
     path = Path(args.model)
     if not path.exists():  # named before the text is tokenized
         raise UserInputError(f"model file not found: {path}")
-    if is_genai_folder(path):  # onnxruntime-genai's own loop and logits (edgeq.genai.runtime)
+    if is_genai_folder(path):  # onnxruntime-genai's own loop and logits (edgeq.generation.genai_decoder)
         if args.kernel_check or args.batch_size != 1:
             raise UserInputError("an onnxruntime-genai folder runs window by window in genai's own session: "
                                  "drop --kernel-check/--batch-size")

@@ -28,7 +28,6 @@ and returns the last position's logits, ``step(token)`` feeds one more token and
 
 from __future__ import annotations
 
-import abc
 import json
 import os
 from pathlib import Path
@@ -37,6 +36,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from edgeq.errors import UserInputError
+from edgeq.generation.decoder_base import Decoder
 from edgeq.kv_cache import PAST_PREFIX, PRESENT_PREFIX
 from edgeq.textdata import ort_dtype
 
@@ -79,46 +79,6 @@ def _check_decoder_graph(session: Any, label: str) -> tuple[list[str], list[str]
         if name.startswith(PAST_PREFIX) and PRESENT_PREFIX + name[len(PAST_PREFIX):] not in outputs:
             raise UserInputError(f"{label}: cache input {name} has no matching present output")
     return inputs, outputs
-
-
-class Decoder(abc.ABC):
-    """One interface over the graph kinds (see the module docstring). Subclasses set ``mode``,
-    ``context`` (tokens the cache holds; None: unbounded), ``prefill_length`` (S of a static pair,
-    else None) and ``vocab``."""
-
-    mode: str = ""
-    context: int | None = None
-    prefill_length: int | None = None
-    vocab: int = 0
-
-    def __init__(self) -> None:
-        self.position = 0
-
-    def room(self) -> int | None:
-        """Tokens the decoder can still take (None: no bound)."""
-        return None if self.context is None else self.context - self.position
-
-    def _check_fits(self, count: int) -> None:
-        room = self.room()
-        if room is not None and count > room:
-            raise UserInputError(
-                f"{count} tokens do not fit: the context holds {self.context} tokens and {self.position} are used"
-            )
-
-    def reset(self) -> None:
-        self.position = 0
-
-    def prefill(self, ids: Sequence[int] | np.ndarray) -> np.ndarray:
-        """Feed ``ids`` after the tokens held (normally after ``reset``); float32 [vocab] logits of the last."""
-        return self.prefill_all(ids)[-1]
-
-    @abc.abstractmethod
-    def prefill_all(self, ids: Sequence[int] | np.ndarray) -> np.ndarray:
-        """Feed ``ids``; float32 [len(ids), vocab] logits of every one of them."""
-
-    @abc.abstractmethod
-    def step(self, token: int) -> np.ndarray:
-        """Feed one token; float32 [vocab] logits of it."""
 
 
 class RecomputeDecoder(Decoder):
@@ -367,12 +327,12 @@ def open_decoder(path: str | os.PathLike, threads: int | None = None, optimize: 
     CPU fallback disabled (``edgeq.targets.qnn_vendor.open_htp_session``): the pair's prepared
     context binaries (``qnn/*_ctx.onnx``) when the folder has them, else its graphs.
     A folder written by ``compile --target ort-genai`` runs through onnxruntime-genai
-    (``edgeq.genai.runtime.GenaiDecoder``, ``max_length`` cache slots: default the folder's)."""
+    (``edgeq.generation.genai_decoder.GenaiDecoder``, ``max_length`` cache slots: default the folder's)."""
     from edgeq.evaluate.ppl import open_session, session_options
     from edgeq.genai import is_genai_folder
 
     if is_genai_folder(path):
-        from edgeq.genai.runtime import GenaiDecoder
+        from edgeq.generation.genai_decoder import GenaiDecoder
 
         if provider != "cpu" or exact_qdq or not optimize:
             raise UserInputError("an onnxruntime-genai folder runs in onnxruntime-genai's own session: "

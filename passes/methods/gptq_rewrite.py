@@ -30,7 +30,7 @@ from edgeq import facts, ir
 from edgeq.calib.observers import HessianObserver, PlainHessianObserver
 from edgeq.errors import UserInputError
 from edgeq.passes.methods.gptq import ORDERS, ColumnQuantizer, GptqResult, IntColumns, gptq_quantize
-from edgeq.passbase import Exactness, Pass, PassConfig, PassContext, PassResult
+from edgeq.passbase import Exactness, Pass, PassConfig, PassContext, PassNotApplicable, PassResult, Reason
 from edgeq.qdq_nodes import check_weights_finite, ensure_opset, insert_weight_dequantize
 from edgeq.quant import QuantSpec, dequantize_weight, quantize_weight
 from edgeq.structure import find_linears
@@ -134,7 +134,8 @@ class GptqRewrite(Pass):
         linears = [lin for lin in find_linears(graph) if lin.role not in cfg.skip_roles and lin.node not in keep_float]
         group = cfg.group_size if cfg.weight_granularity == "group" else 0
         if not linears:
-            return PassResult(False, {"linears_quantized": 0})
+            raise PassNotApplicable(Reason.NO_SITES, "no float linear left to quantize (every linear is already "
+                                    "quantized, kept float or in skip_roles)", linears_quantized=0)
         check_weights_finite(index, linears)
         if cfg.lowering == "matmulnbits" and any(lin.op != "MatMul" for lin in linears):
             raise UserInputError(f"{self.name}: lowering 'matmulnbits' handles MatMul linears only; this model has Gemm linears")

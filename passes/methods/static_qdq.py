@@ -28,7 +28,7 @@ import onnx_graphsurgeon as gs
 from edgeq import facts, ir
 from edgeq.calib.observers import HistogramObserver, MinMaxObserver
 from edgeq.errors import UserInputError
-from edgeq.passbase import Exactness, Pass, PassConfig, PassContext, PassResult
+from edgeq.passbase import Exactness, Pass, PassConfig, PassContext, PassNotApplicable, PassResult, Reason
 from edgeq.qdq_nodes import (QuantizedTensor, check_weights_finite, ensure_opset, insert_dequantize, insert_quantize,
                               insert_token_fake_quant, insert_weight_dequantize)
 from edgeq.quant import QuantSpec
@@ -117,7 +117,8 @@ class StaticQDQ(Pass):
             and not _is_dequantized(index, lin.input)
         ]
         if not linears:
-            return PassResult(False, {"linears_quantized": 0})
+            raise PassNotApplicable(Reason.NO_SITES, "no float linear left to quantize (every linear is already "
+                                    "quantized, kept float, excluded or in skip_roles)", linears_quantized=0)
         check_weights_finite(index, linears)
         act_spec = QuantSpec(cfg.activation_dtype, cfg.activation_symmetric, value_bits=cfg.activation_bits)
         site_specs = self._site_specs(linears, act_spec)

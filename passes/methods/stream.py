@@ -2,8 +2,8 @@
 
 Rotation (``rotate``) and zero-mean conversion (``ln-to-rms``) are exact only if EVERY writer of
 the stream is rewritten and nothing but norms, residual adds and elementwise casts reads it.
-``analyze_stream`` collects exactly that or raises ``NotApplicable`` with the reason (e.g. BERT's
-post-LN stream, where norm outputs feed the residual adds).
+``analyze_stream`` collects exactly that or raises ``PassNotApplicable`` (``structure-not-found``)
+with the reason (e.g. BERT's post-LN stream, where norm outputs feed the residual adds).
 
 - norms: the stream norms, whose input is the residual stream (per-head q/k norms and other norms
   inside a block are not);
@@ -29,14 +29,17 @@ import numpy as np
 import onnx_graphsurgeon as gs
 
 from edgeq import ir
+from edgeq.passbase import PassNotApplicable, Reason
 from edgeq.structure import Linear, Norm, analyze
 from edgeq.passes.methods.weights import SHAPE_ONLY as _SHAPE_ONLY
 from edgeq.passes.methods.weights import TRANSPARENT as _TRANSPARENT
 from edgeq.passes.methods.weights import position_wise_readers
 
 
-class NotApplicable(Exception):
-    """The graph's residual stream is not one a stream rewrite can handle exactly."""
+def _not_applicable(detail: str) -> PassNotApplicable:
+    """The graph's residual stream is not one a stream rewrite can handle exactly (the passes let
+    it propagate: the pipeline records it as ``structure-not-found``)."""
+    return PassNotApplicable(Reason.STRUCTURE_NOT_FOUND, detail)
 
 
 @dataclass(frozen=True)
@@ -65,7 +68,7 @@ class ResidualStream:
 
 def analyze_stream(graph: gs.Graph) -> ResidualStream:
     """Find the norms, readers, writers and sources of the residual stream, or raise
-    ``NotApplicable`` saying what does not fit.
+    ``PassNotApplicable`` (``structure-not-found``) saying what does not fit.
 
     The stream is found from data flow: the tensors the residual adds read and write, followed
     through casts and position-wise Reshapes (those keeping the hidden axis last, as OPT's
@@ -76,10 +79,10 @@ def analyze_stream(graph: gs.Graph) -> ResidualStream:
     s = analyze(graph)
     index = ir.GraphIndex(graph)
     if not s.residual_adds:
-        raise NotApplicable("no residual stream with norms found")
+        raise _not_applicable("no residual stream with norms found")
     for norm in s.norms:
         if norm.skip is not None:
-            raise NotApplicable(f"fused Skip*Norm {norm.name}: the residual add is inside the op")
+            raise _not_applicable(f"fused Skip*Norm {norm.name}: the residual add is inside the op")
     by_node = {lin.node: lin for lin in s.linears if not lin.quantized}
     writers, post_norms = [], []
     for r in s.residual_adds:
@@ -89,17 +92,17 @@ def analyze_stream(graph: gs.Graph) -> ResidualStream:
             post_norms.append(PostNorm(r.post_norm, _writer(index, by_node, r.post_norm.input), r.node, r.branch))
     hidden = writers[0].n if writers else post_norms[0].writer.n
     if any(lin.n != hidden for lin in writers) or any(p.writer.n != hidden for p in post_norms):
-        raise NotApplicable("the writers of the residual stream disagree on the hidden size")
+        raise _not_applicable("the writers of the residual stream disagree on the hidden size")
     stream = _stream_tensors(index, s.residual_adds, hidden)
     norms = [norm for norm in s.norms if norm.input in stream]
     if not norms:
-        raise NotApplicable("no residual stream with norms found")
+        raise _not_applicable("no residual stream with norms found")
     readers = []
     for norm in norms:
         for consumer in position_wise_readers(index, norm.output):
             lin = by_node.get(consumer.name)
             if lin is None:
-                raise NotApplicable(f"norm {norm.name} output is read by {consumer.op} {consumer.name}, not a linear")
+                raise _not_applicable(f"norm {norm.name} output is read by {consumer.op} {consumer.name}, not a linear")
             readers.append(lin)
     norm_nodes = {name for norm in norms for name in norm.nodes}
     add_nodes = {r.node for r in s.residual_adds}
@@ -107,20 +110,20 @@ def analyze_stream(graph: gs.Graph) -> ResidualStream:
     first = min(s.residual_adds, key=lambda r: _position(graph, r.node))
     sources = _sources(index, first.stream, stream)
     if any(lin.k != hidden for lin in readers):
-        raise NotApplicable("readers and writers of the stream disagree on the hidden size")
+        raise _not_applicable("readers and writers of the stream disagree on the hidden size")
     for src in sources:
         if src["kind"] == "transpose":
             continue
         if src["kind"] == "input":
             shape = index.tensors[src["tensor"]].shape
             if not shape or shape[-1] != hidden:
-                raise NotApplicable(f"stream input {src['tensor']} has last dimension {shape and shape[-1]}, not {hidden}")
+                raise _not_applicable(f"stream input {src['tensor']} has last dimension {shape and shape[-1]}, not {hidden}")
             continue
         node = next(n for n in graph.nodes if n.name == src["node"])
         value = index.constant_value(node.inputs[src["operand"]])
         width = value.shape[0] if src["kind"] == "conv" else value.shape[-1]
         if width != hidden:
-            raise NotApplicable(f"stream source {node.name} has width {width}, not the hidden size {hidden}")
+            raise _not_applicable(f"stream source {node.name} has width {width}, not the hidden size {hidden}")
     mlp_outputs = [by_node[b.linears[-1]] for b in s.mlp_blocks if b.linears and b.linears[-1] in by_node]
     return ResidualStream(hidden, tuple(norms), tuple(_unique(readers)), tuple(_unique(writers)),
                           tuple(sources), tuple(_unique(mlp_outputs)), tuple(post_norms))
@@ -163,14 +166,14 @@ def _check_stream_readers(graph, index, stream: set[str], allowed: set[str], hid
             continue
         seen.add(name)
         if name in outputs:
-            raise NotApplicable(f"residual stream tensor {name} is a graph output")
+            raise _not_applicable(f"residual stream tensor {name} is a graph output")
         for node in index.consumers(name):
             if node.name in allowed or node.op in ("Shape", "Size"):
                 continue
             if node.op in _TRANSPARENT or _keeps_last_dim(index, node, name, stream, hidden):
                 todo.append(node.outputs[0].name)
                 continue
-            raise NotApplicable(f"residual stream tensor {name} is read by {node.op} {node.name}")
+            raise _not_applicable(f"residual stream tensor {name} is read by {node.op} {node.name}")
 
 
 def _stream_tensors(index, adds, hidden: int) -> set[str]:
@@ -320,7 +323,7 @@ def _writer(index, by_node, branch: str):
     while True:
         producer = index.producer(name)
         if producer is None:
-            raise NotApplicable(f"block output {branch} has no producer")
+            raise _not_applicable(f"block output {branch} has no producer")
         if producer.name in by_node:
             return by_node[producer.name]
         if producer.op in _SHAPE_ONLY or producer.op in _TRANSPARENT:
@@ -331,7 +334,7 @@ def _writer(index, by_node, branch: str):
                         and p.name in by_node and by_node[p.name].bias_add == producer.name), None)
             if lin is not None:
                 return lin
-        raise NotApplicable(f"block output {branch} is written by {producer.op} {producer.name}, not a linear")
+        raise _not_applicable(f"block output {branch} is written by {producer.op} {producer.name}, not a linear")
 
 
 def _square_constant(index, tensor) -> bool:
@@ -374,7 +377,7 @@ def _sources(index, start: str, stream: set[str]) -> list[dict]:
             for i, t in enumerate(node.inputs):
                 if index.constant_value(t) is not None:
                     if node.op == "Sub":
-                        raise NotApplicable(f"constant subtracted from the stream at {node.name}")
+                        raise _not_applicable(f"constant subtracted from the stream at {node.name}")
                     sources.append({"kind": f"constant-{node.op.lower()}", "node": node.name, "operand": i})
                 else:
                     todo.append(t.name)
@@ -392,7 +395,7 @@ def _sources(index, start: str, stream: set[str]) -> list[dict]:
         elif node.op == "Conv" and index.constant_value(node.inputs[1]) is not None:
             sources.append({"kind": "conv", "node": node.name, "operand": 1})
         else:
-            raise NotApplicable(f"stream source {node.op} {node.name} is not an embedding, constant or conv")
+            raise _not_applicable(f"stream source {node.op} {node.name} is not an embedding, constant or conv")
     return sources
 
 

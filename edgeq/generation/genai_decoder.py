@@ -1,4 +1,4 @@
-"""Run a ``--target ort-genai`` folder through onnxruntime-genai: the decoder ``edgeq generate`` and
+"""A ``--target ort-genai`` folder run through onnxruntime-genai: the decoder ``edgeq generate`` and
 ``edgeq eval ppl`` use for such a folder.
 
 The logits are the ones onnxruntime-genai itself returns (``Generator.get_output("logits")``): the
@@ -16,7 +16,7 @@ from typing import Sequence
 import numpy as np
 
 from edgeq.errors import UserInputError
-from edgeq.generation.decoders import Decoder
+from edgeq.generation.decoder_base import Decoder
 
 
 def require_genai():

@@ -26,8 +26,7 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from foundation import DATA, save_results  # noqa: E402
+from foundation import DATA, save_results
 
 REPO = Path(__file__).resolve().parents[1]
 

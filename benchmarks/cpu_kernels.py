@@ -24,8 +24,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from foundation import DATA, bench_parser, fused_ops, interleaved_latency_ms, save_results  # noqa: E402
+from foundation import DATA, bench_parser, fused_ops, interleaved_latency_ms, save_results
 
 RECIPES_8BIT = ("w8a8,w8a8-mse,quarot-w8a8,mquant-w8a8,mquant-w4a8,muxq-w8a8,resq-w4a8,mquant-w8a8-a16down")
 

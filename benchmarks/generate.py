@@ -33,11 +33,10 @@ import tempfile
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
-sys.path.insert(0, str(REPO / "benchmarks" / "peers"))
+from edgeq.evaluate.machine import machine_info
 
-from edgeq.evaluate.machine import machine_info  # noqa: E402
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "benchmarks" / "peers"))
 
 EDGEQ = [sys.executable, "-m", "edgeq"]
 RECIPES = ("fp32", "mquant-w8a8", "mquant-w8a8-kv8", "gptq-w4a16")

@@ -21,9 +21,7 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from edgeq.generation import generate, open_decoder  # noqa: E402
+from edgeq.generation import generate, open_decoder
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -27,16 +27,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 import time
 from pathlib import Path
 
 import numpy as np
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "benchmarks"))
+from foundation import save_results
 
-from foundation import save_results  # noqa: E402
+REPO = Path(__file__).resolve().parents[1]
 
 BITS = (8, 4, 2, 1)
 SEARCH = {"clip_search": True, "tau_search": True, "calibrate": True}

@@ -33,10 +33,9 @@ from pathlib import Path
 
 import numpy as np
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "benchmarks"))
+from foundation import fused_ops, interleaved_latency_ms, save_results
 
-from foundation import fused_ops, interleaved_latency_ms, save_results  # noqa: E402
+REPO = Path(__file__).resolve().parents[1]
 
 VARIANTS = ("single", "msq", "msq+aifs", "msq+aifs-all", "token")
 LATENCY_ONLY = ("msq-select",)

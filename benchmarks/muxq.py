@@ -23,11 +23,11 @@ import subprocess
 import sys
 from pathlib import Path
 
+from foundation import bench_parser, fused_ops, interleaved_latency_ms, save_results
+
 REPO = Path(__file__).resolve().parents[1]
 DATA = REPO / "data" / "wikitext-2"
-sys.path.insert(0, str(REPO / "benchmarks"))
 
-from foundation import bench_parser, fused_ops, interleaved_latency_ms, save_results  # noqa: E402
 
 def _recipe_muxq_settings() -> str:
     """The muxq pass settings of the muxq-w8a8 recipe, as TOML lines (the MUXQ-auto column)."""

@@ -26,11 +26,10 @@ import sys
 import time
 from pathlib import Path
 
+from foundation import interleaved_latency_ms, save_results
+
 REPO = Path(__file__).resolve().parents[1]
 DATA = REPO / "data" / "wikitext-2"
-sys.path.insert(0, str(REPO / "benchmarks"))
-
-from foundation import interleaved_latency_ms, save_results  # noqa: E402
 
 RECIPES = ("w8a8", "w8a8-mse", "w8a16", "muxq-w8a8", "quarot-w8a8", "mquant-w8a8", "mquant-w8a8-a16down",
            "mquant-w4a8", "gptq-w4a16", "dpq-w4a8", "resq-w4a8", "resq-w4a4")

@@ -25,11 +25,10 @@ from pathlib import Path
 
 import numpy as np
 
+from foundation import save_results
+
 REPO = Path(__file__).resolve().parents[1]
 DATA = REPO / "data" / "wikitext-2"
-sys.path.insert(0, str(REPO / "benchmarks"))
-
-from foundation import save_results  # noqa: E402
 
 RECIPES = ("mquant-w8a8", "w8a16", "mquant-w4a16")
 STATIC = "prefill=128,context=1024"

@@ -23,12 +23,11 @@ import sys
 import time
 from pathlib import Path
 
+from foundation import bench_parser, latency_results, save_results
+from weight_quant import ablation_recipe
+
 REPO = Path(__file__).resolve().parents[1]
 DATA = REPO / "data" / "wikitext-2"
-sys.path.insert(0, str(REPO / "benchmarks"))
-
-from foundation import bench_parser, latency_results, save_results  # noqa: E402
-from weight_quant import ablation_recipe  # noqa: E402
 
 RECIPES = ("resq-w4a4", "resq-w4a8")
 # variants: (name, base recipe, pass, settings replaced in that pass)

@@ -20,11 +20,10 @@ import sys
 import tempfile
 from pathlib import Path
 
+from foundation import bench_parser, fused_ops, latency_ms, save_results
+
 REPO = Path(__file__).resolve().parents[1]
 DATA = REPO / "data" / "wikitext-2"
-sys.path.insert(0, str(REPO / "benchmarks"))
-
-from foundation import bench_parser, fused_ops, latency_ms, save_results  # noqa: E402
 
 ROTATE_FP32 = '[[pass]]\nname = "fuse-norms"\n\n[[pass]]\nname = "ln-to-rms"\n\n[[pass]]\nname = "rotate"\n'
 

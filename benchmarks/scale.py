@@ -31,10 +31,9 @@ from pathlib import Path
 
 import numpy as np
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
+from edgeq.evaluate.machine import machine_info
 
-from edgeq.evaluate.machine import machine_info  # noqa: E402
+REPO = Path(__file__).resolve().parents[1]
 
 
 def run_measured(cmd: list[str], log: Path, rss_limit_mb: float | None = None, env: dict | None = None) -> dict:

@@ -20,11 +20,9 @@ from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from edgeq.evaluate.machine import machine_info  # noqa: E402
-from edgeq.generation import generate, open_decoder  # noqa: E402
-from edgeq.textdata import load_tokenizer  # noqa: E402
+from edgeq.evaluate.machine import machine_info
+from edgeq.generation import generate, open_decoder
+from edgeq.textdata import load_tokenizer
 
 PROMPTS = [
     "The capital of France is",

@@ -37,11 +37,10 @@ from pathlib import Path
 
 import numpy as np
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "benchmarks"))
+from foundation import interleaved_latency_ms, save_results
+from multimodal_msq import compile_variant, range_table, recipe_text
 
-from foundation import interleaved_latency_ms, save_results  # noqa: E402
-from multimodal_msq import compile_variant, range_table, recipe_text  # noqa: E402
+REPO = Path(__file__).resolve().parents[1]
 
 VARIANTS = ("single", "msq", "msq+aifs", "token")
 LATENCY_VARIANTS = ("single", "msq", "msq-select", "msq+aifs")

@@ -25,10 +25,8 @@ import numpy as np
 import onnxruntime as ort
 from onnx import TensorProto, helper, numpy_helper
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from edgeq.evaluate.machine import machine_info  # noqa: E402
-from edgeq.targets.saturation import quantize_pair_bounded  # noqa: E402
+from edgeq.evaluate.machine import machine_info
+from edgeq.targets.saturation import quantize_pair_bounded
 
 FORMS = ("full", "pair", "7bit", "u8u8")
 

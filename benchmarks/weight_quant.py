@@ -26,11 +26,10 @@ from pathlib import Path
 
 import numpy as np
 
+from foundation import bench_parser, latency_results, save_results
+
 REPO = Path(__file__).resolve().parents[1]
 DATA = REPO / "data" / "wikitext-2"
-sys.path.insert(0, str(REPO / "benchmarks"))
-
-from foundation import bench_parser, latency_results, save_results  # noqa: E402
 
 RECIPES = ("gptq-w4a16", "dpq-w4a8", "mquant-w4a8")
 # ablations: (name, base recipe, pass, settings replaced in that pass)

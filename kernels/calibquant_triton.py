@@ -85,7 +85,7 @@ __all__ = ["calibquant_decode_attention", "calibquant_qk", "calibquant_pv", "tok
 # qk_*: Algorithm 1's kernel; pv_*: Algorithm 2's. *_block: tokens a step; *_warps: warps a program
 # (more warps than 16-row MMA tiles would repeat the same tile: the 1-bit PV dot has one);
 # *_per_sm: programs per SM the token chunking aims for. Defaults: the fastest of
-# ``bench_calibquant.py --sweep`` at B=64, H=32, N=8192, D=128 on an H100.
+# ``benchmarks/kernels/bench_calibquant.py --sweep`` at B=64, H=32, N=8192, D=128 on an H100.
 DEFAULT_UNPACK = "asm-sub"
 DEFAULT_CONFIG = {1: {"qk_block": 256, "qk_warps": 2, "qk_stages": 3, "qk_per_sm": 8,
                       "pv_block": 256, "pv_warps": 1, "pv_stages": 3, "pv_per_sm": 16},

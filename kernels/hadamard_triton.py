@@ -40,7 +40,7 @@ from edgeq.runtime_ops.hadamard import hadamard_factor_matrices, hadamard_factor
 MAX_P = 1 << 14
 DEFAULT_TILE = 8192  # fp32 elements of the output tile a program keeps in registers
 DEFAULT_FP32_MODE = "split3"
-# 4 warps beat 8 at every size of the H200 sweep (kernels/bench_hadamard.py --variants), by up to
+# 4 warps beat 8 at every size of the H200 sweep (benchmarks/kernels/bench_hadamard.py --variants), by up to
 # 1.6x (n = 11008, fp32); tile sizes 4096..16384 were within noise of each other.
 DEFAULT_WARPS = 4
 

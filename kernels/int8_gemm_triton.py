@@ -26,7 +26,7 @@ Layout of B: any strides. int8 tensor-core instructions on Hopper (wgmma) take B
 fastest B is a weight stored ``[N, K + k]`` (the nn.Linear layout) and passed as its transpose
 view ``w.T`` (``to_k_major``); a row-major ``[K + k, N]`` B is correct too (Triton transposes it
 on chip) but was 3.7x to 5.8x slower at M = 4096 and 4x to 6x at M = 512 on an H200
-(``kernels/bench_int8_gemm.py`` times both; ``benchmarks/results/int8-gemm-h200.json``).
+(``benchmarks/kernels/bench_int8_gemm.py`` times both; ``benchmarks/results/int8-gemm-h200.json``).
 
 Autotuning: ``CONFIGS`` holds prefill tiles (BLOCK_M >= 64: wgmma needs M tiles of 64 and 4 or 8
 warps) and decode tiles (BLOCK_M 16 or 32, narrow N so that N / BLOCK_N programs fill the

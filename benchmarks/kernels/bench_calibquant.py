@@ -27,7 +27,7 @@ What it does, on one GPU:
 
 Timing: ``bench_timing.bench_graph`` (CUDA-graph replay; operand sets rotated so the cache streams
 from HBM: enough copies to exceed 256 MB) after ``warm_up``. Usage:
-``python kernels/bench_calibquant.py --out $OUT/calibquant-h100.json [--sweep] [--fig PNG]``
+``python benchmarks/kernels/bench_calibquant.py --out $OUT/calibquant-h100.json [--sweep] [--fig PNG]``
 (``benchmarks/results/calibquant-h100.json`` and ``calibquant-h100-fig3.png``: ``--sweep --rep-ms 60``
 on an H100, about 100 s).
 """
@@ -40,7 +40,7 @@ import time
 
 import torch
 
-from edgeq.kernels.bench_timing import bench_graph, bench_parser, device_meta, no_cuda, warm_up, write_json
+from bench_timing import bench_graph, bench_parser, device_meta, no_cuda, warm_up, write_json
 
 LAYERS = 32
 TAU = (0.0, 3.0)

@@ -23,7 +23,7 @@ host's launch cost, which at M = 16 is larger than the kernel. ``<op>_eager_ms``
 (``int8_gemm_ref``), max absolute and relative to max |ref|; ``int32_exact`` checks the raw
 accumulator for equality, ``int_mm_exact`` cuBLASLt's against the same reference.
 
-Usage: python kernels/bench_int8_gemm.py --out $OUT/int8-gemm.json [--m 16 512 4096] [--outliers 0 64 256]
+Usage: python benchmarks/kernels/bench_int8_gemm.py --out $OUT/int8-gemm.json [--m 16 512 4096] [--outliers 0 64 256]
 """
 
 from __future__ import annotations
@@ -32,9 +32,9 @@ import sys
 
 import torch
 
-from edgeq.kernels.bench_timing import device_meta, gemm_parser, no_cuda, time_ops, write_json
-from edgeq.kernels.bench_timing import fmt_ms as _fmt
-from edgeq.kernels.bench_timing import warm_up as _warm_up
+from bench_timing import device_meta, gemm_parser, no_cuda, time_ops, write_json
+from bench_timing import fmt_ms as _fmt
+from bench_timing import warm_up as _warm_up
 
 
 def _tops(m: int, n: int, k: int, ms) -> float | None:

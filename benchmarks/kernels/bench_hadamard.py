@@ -12,7 +12,7 @@ Errors are measured against the float64 reference (``hadamard_ref``); ``rel_err`
 absolute error divided by max |y|. Times are ``triton.testing.do_bench`` medians, in ms. Prints a
 table and writes JSON (``--out``).
 
-Usage: python kernels/bench_hadamard.py --out $OUT/hadamard.json [--rows 4096] [--sizes ...]
+Usage: python benchmarks/kernels/bench_hadamard.py --out $OUT/hadamard.json [--rows 4096] [--sizes ...]
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ import sys
 
 import torch
 
-from edgeq.kernels.bench_timing import bench_eager, bench_parser, device_meta, no_cuda, warm_up, write_json
+from bench_timing import bench_eager, bench_parser, device_meta, no_cuda, warm_up, write_json
 
 
 def _bench(fn) -> float:

@@ -1,4 +1,4 @@
-"""GPU timing helpers shared by the kernel benchmarks (``kernels/bench_*.py``).
+"""GPU timing helpers shared by the kernel benchmarks (``benchmarks/kernels/bench_*.py``).
 
 Why one module: every kernel benchmark must time the same way (warm clocks, CUDA-graph replay over
 rotating operand sets so weights stream from HBM, medians), or their ratios are not comparable; and

@@ -26,7 +26,7 @@ default path). Targets:
 speedup_vs_bf16 >= 1.5 at M <= 16, time_vs_fp8 <= 1.25 at M = 4096. Errors: against the exact
 float64 reference, max |y - exact| / max |exact|, for w4a8, w4a8_fast and both ``_scaled_mm``.
 
-Usage: python kernels/bench_w4a8_gemm.py --out $OUT/w4a8-gemm.json [--m 1 16 256 4096] [--sass PATH]
+Usage: python benchmarks/kernels/bench_w4a8_gemm.py --out $OUT/w4a8-gemm.json [--m 1 16 256 4096] [--sass PATH]
 (``benchmarks/results/w4a8-gemm-h200.json``: ``--m 1 16 128 256 4096`` on an H200; ``--sass`` adds
 registers, spills and SASS opcode counts of the tuned configs.)
 """
@@ -37,9 +37,9 @@ import sys
 
 import torch
 
-from edgeq.kernels.bench_timing import device_meta, gemm_parser, no_cuda, time_ops, write_json
-from edgeq.kernels.bench_timing import fmt_ms as _fmt
-from edgeq.kernels.bench_timing import warm_up as _warm_up
+from bench_timing import device_meta, gemm_parser, no_cuda, time_ops, write_json
+from bench_timing import fmt_ms as _fmt
+from bench_timing import warm_up as _warm_up
 
 
 def _weight_set(n: int, k: int, gen) -> dict:

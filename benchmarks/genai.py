@@ -32,6 +32,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -114,14 +115,37 @@ def speed(folder: Path, prompt: Path, new_tokens: int, repeats: int, log: Path) 
             "load_s": r["load_s"], "peak_rss_mb": step["peak_rss_mb"], "output_ids": r["output_ids"][:16]}
 
 
+def table(path: Path) -> str:
+    """The markdown table of a results file (README, docs/ort-genai.md)."""
+    data = json.loads(path.read_text())
+    lines = ["| model (all run by onnxruntime-genai) | lm_head | perplexity | x fp32 | decode tok/s, 100 / 500-token prompt "
+             "| x genai's own | TTFT ms, 100 / 500 | peak RSS MiB |", "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for name, row in data["rows"].items():
+        ppl = row["perplexity"].get("ppl")
+        head = (row.get("genai") or {}).get("linears", {}).get("lm_head", "int4 (block 32)")
+        p100, p500 = row["prompt_100"], row["prompt_500"]
+        ratio = row["decode_x_own_build"]
+        rss = max(v for v in (p100["peak_rss_mb"], p500["peak_rss_mb"]) if v is not None)
+        lines.append(f"| {name} | {head} | {ppl:.3f} | {row['ppl_x_fp32']:.3f} | {p100['decode_tok_s']:.1f} / "
+                     f"{p500['decode_tok_s']:.1f} | {ratio['100']:.3f} / {ratio['500']:.3f} | {p100['ttft_ms']:.1f} / "
+                     f"{p500['ttft_ms']:.1f} | {rss:.1f} |")
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--table", action="store_true", help="print the markdown table of --out and stop")
+    ap.add_argument("--reuse-perplexity", type=Path, metavar="RESULTS",
+                    help="take each model's perplexity from an earlier results file (same folders) and time only")
     ap.add_argument("--windows", type=int, default=40)
     ap.add_argument("--repeats", type=int, default=3, help="timed runs per model and prompt (after 1 warm-up)")
     ap.add_argument("--rounds", type=int, default=2, help="interleaved rounds of the speed runs")
     ap.add_argument("--new-tokens", type=int, default=128)
     args = ap.parse_args(argv)
+    if args.table:
+        print(table(args.out))
+        return 0
 
     sys.path.insert(0, str(REPO / "benchmarks" / "peers"))
     from build_ortgenai import build
@@ -147,6 +171,10 @@ def main(argv: list[str] | None = None) -> int:
         report = path / "report.json"
         if report.is_file():
             rows[name]["genai"] = json.loads(report.read_text()).get("genai")
+        if args.reuse_perplexity is not None:
+            earlier = json.loads(args.reuse_perplexity.read_text())["rows"][name]["perplexity"]
+            rows[name]["perplexity"] = {**earlier, "from": str(args.reuse_perplexity)}
+            continue
         print(f"[genai] perplexity: {name}", file=sys.stderr)
         rows[name]["perplexity"] = perplexity(path, args.windows, logs / f"ppl-{path.name}.log")
 
@@ -184,7 +212,10 @@ def main(argv: list[str] | None = None) -> int:
                               f"median over {args.rounds} interleaved rounds", "prompts": "first 100 / 500 tokens of WikiText-2 test"},
         "builds": builds,
         "rows": rows,
-        "command": "python benchmarks/genai.py --out " + str(args.out),
+        "command": "python benchmarks/genai.py --out " + str(args.out)
+                   + (f" --reuse-perplexity {args.reuse_perplexity}" if args.reuse_perplexity else "")
+                   + f" --rounds {args.rounds} --repeats {args.repeats}",
+        "date": time.strftime("%Y-%m-%d"),
     })
     return 0
 

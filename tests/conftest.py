@@ -183,3 +183,20 @@ def trained_vlm_quick_dir() -> Path:
         return _cached(_cache_root() / key, lambda out: export_trained_vlm(out, quick=True, log=lambda m: None)).parent
     except UserInputError as exc:
         pytest.fail(f"cannot export the trained VLM for the tests: {exc}", pytrace=False)
+
+
+@pytest.fixture(scope="session")
+def tiny_past(tmp_path_factory) -> Path:
+    """The tiny llama with a KV cache (``model/``, seeded random weights) with the toy word tokenizer
+    beside it, and ``calib.txt`` (toy text): what the static-pair, QNN and ort-genai tests compile.
+    Test files that need another layout define their own ``tiny_past``."""
+    from toy import write_text, write_tokenizer
+
+    from edgeq.models.kv_export import export_tiny_with_past
+
+    folder = tmp_path_factory.mktemp("tiny-past")
+    export_tiny_with_past("llama", folder / "model")
+    write_tokenizer(folder / "model")
+    write_text(folder / "calib.txt", 600)
+    return folder
+

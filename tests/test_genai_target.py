@@ -15,7 +15,6 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from toy import write_text, write_tokenizer
 
 from edgeq.cli import main
 from edgeq.evaluate.ppl import perplexity
@@ -24,17 +23,6 @@ from edgeq.generation import generate, open_decoder
 og = pytest.importorskip("onnxruntime_genai", reason="onnxruntime-genai is installed by `make test` ([genai] extra)")
 
 PROMPT = [1, 5, 9, 33, 7, 2, 11, 40, 12, 3]
-
-
-@pytest.fixture(scope="module")
-def tiny_past(tmp_path_factory) -> Path:
-    from edgeq.models.kv_export import export_tiny_with_past
-
-    folder = tmp_path_factory.mktemp("genai-tiny")
-    export_tiny_with_past("llama", folder / "model")
-    write_tokenizer(folder / "model")
-    write_text(folder / "calib.txt", 600)
-    return folder
 
 
 def _compile(tiny_past: Path, out: Path, recipe: str, *extra: str, model: Path | None = None) -> int:

@@ -156,19 +156,6 @@ def test_negative_weight_scales_are_taken_and_computed_wrongly(tmp_path, capsys)
 # --------------------------------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def tiny_past(tmp_path_factory):
-    from toy import write_text, write_tokenizer
-
-    from edgeq.models.kv_export import export_tiny_with_past
-
-    folder = tmp_path_factory.mktemp("qnn-tiny")
-    export_tiny_with_past("llama", folder / "model")
-    write_tokenizer(folder / "model")
-    write_text(folder / "calib.txt", 600)
-    return folder
-
-
 def _compile(tiny_past, out, recipe, *extra):
     return main(["compile", str(tiny_past / "model" / "model.onnx"), "--recipe", recipe, "--calib",
                  str(tiny_past / "calib.txt"), "--seq-len", "32", "--calib-windows", "2", "--no-cache",

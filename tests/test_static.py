@@ -17,7 +17,6 @@ from pathlib import Path
 import numpy as np
 import onnx
 import pytest
-from toy import write_text, write_tokenizer
 
 from edgeq.cli import main
 from edgeq.generation import generate, open_decoder
@@ -26,18 +25,6 @@ from edgeq.static.specialize import check_static, describe, parse_static
 PREFILL, CONTEXT = 8, 48
 REPO = Path(__file__).resolve().parents[1]
 ROLES = ("prefill", "decode")
-
-
-@pytest.fixture(scope="module")
-def tiny_past(tmp_path_factory) -> Path:
-    """The tiny llama with a KV cache, with the toy word tokenizer beside it (calibration text)."""
-    from edgeq.models.kv_export import export_tiny_with_past
-
-    folder = tmp_path_factory.mktemp("tiny-past")
-    export_tiny_with_past("llama", folder / "model")
-    write_tokenizer(folder / "model")
-    write_text(folder / "calib.txt", 600)
-    return folder
 
 
 def _compile(tiny_past: Path, out: Path, recipe: str, *extra: str) -> int:

@@ -37,6 +37,11 @@ class Fact:
     def write(self, graph: gs.Graph, text: str) -> None:
         ir.set_graph_metadata(graph, self.key, text)
 
+    def not_applied(self, graph: gs.Graph) -> str | None:
+        """Why the pass that leaves this marker did not apply, where the marker records it (a pass
+        that ``marks_when_not_applicable``); None for a marker that says the pass applied."""
+        return None
+
 
 @dataclass(frozen=True)
 class KeyValueFact(Fact):
@@ -54,9 +59,12 @@ class KeyValueFact(Fact):
 
 @dataclass(frozen=True)
 class JsonFact(Fact):
-    """A JSON value (a layout, calibrated parameters)."""
+    """A JSON value (a layout, calibrated parameters). With a ``reason_key``, the marker of a pass
+    that ``marks_when_not_applicable``: where the pass did not apply, an object with the reason
+    under that key (``set_not_applied``; the pipeline writes it)."""
 
     sort_keys: bool = False
+    reason_key: str | None = None
 
     def get(self, graph: gs.Graph):
         raw = self.text(graph)
@@ -68,6 +76,13 @@ class JsonFact(Fact):
     def encode(self, value) -> str:
         """The metadata text of ``value`` (for a model built as a proto, not a graph)."""
         return json.dumps(value, sort_keys=self.sort_keys)
+
+    def set_not_applied(self, graph: gs.Graph, detail: str, **fields) -> None:
+        self.set(graph, {**fields, self.reason_key: detail})
+
+    def not_applied(self, graph: gs.Graph) -> str | None:
+        value = self.get(graph) if self.reason_key else None
+        return value.get(self.reason_key) if isinstance(value, dict) else None
 
 
 @dataclass(frozen=True)
@@ -89,7 +104,7 @@ MUXQ = KeyValueFact("edgeq.muxq", "MUXQ Body/Aux split is in (method, rule, form
 AIFS = KeyValueFact("edgeq.aifs", "tokens are reordered visual-first (span inputs, visual count tensor, ...)")
 MSQ = KeyValueFact("edgeq.msq", "per-modality static scales are in (layout, lowering)")
 RESQ = JsonFact("edgeq.resq", "ResQ projections are folded in: the subspace layout, or why they could not be",
-                sort_keys=True)
+                sort_keys=True, reason_key="not_applicable")
 RESQ_QDQ = JsonFact("edgeq.resq_qdq", "ResQ mixed-precision quantization is in (activation mode)")
 STATIC = JsonFact("edgeq.static", "a static prefill or decode graph: its role and fixed cache layout "
                   "(prefill, context, layers, kv_heads, head_dim, cache_dtype)", sort_keys=True)

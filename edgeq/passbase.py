@@ -7,14 +7,30 @@ graph, and the pipeline records that as the pass's typed ``not_applicable`` (the
 says so). Running a pass a second time on its own output must report ``modified=False``; the
 generic test harness checks that for every registered pass.
 
-The lifecycle belongs to the framework, not to each pass:
+The lifecycle belongs to the framework, not to each pass, and every pass declares its part in its
+class line (``Pass.__init_subclass__`` refuses the same names set as plain class attributes):
 
 - ``establishes``: the marker (an ``edgeq.facts`` fact) a pass leaves on the graph. When it is
   already there, the pipeline does not run the pass and records ``already-applied``.
-- ``requires``: passes that must come earlier. Recipes are checked against it when parsed; on a
-  graph where a required pass left no marker the pipeline skips the pass
-  (``prerequisite-did-not-apply``), or refuses it (a one-line ``UserInputError``) when the
-  required pass marks even where it does not apply (``marks_when_not_applicable``: it never ran).
+- ``requires``: passes that must come earlier. Recipes are checked against it when parsed. The
+  pipeline records the outcome of every pass it runs and checks each required pass against its
+  marker on the graph and its outcome earlier in the same run:
+
+  - its marker is on the graph: satisfied, unless the marker records why the pass did not apply
+    (``marks_when_not_applicable``): then the pass is skipped (``prerequisite-did-not-apply``, that reason);
+  - it leaves a marker and there is none: skipped (``prerequisite-did-not-apply``: it did not apply,
+    in this run or in the compile that made this graph), or refused (a one-line ``UserInputError``:
+    put X before it) when it marks even where it does not apply (so it never ran);
+  - it leaves no marker (``fuse-norms``, ``ln-to-rms``): satisfied by its outcome earlier in this
+    run, applied or not (``no-sites``, ``structure-not-found``: the graph already has the form it
+    makes); skipped when it was itself skipped for a prerequisite; refused when it did not run
+    earlier in this pipeline.
+- ``marks_when_not_applicable``: where the pass does not apply, the pipeline leaves its marker
+  anyway, recording the reason (``JsonFact.reason_key``), so later compiles and the passes that
+  require it read why (``resq`` -> ``resq-qdq``).
+- ``needs``: the kind of graph the pass refuses to work without (``NEEDS``: ``vlm``, ``kv-cache``);
+  the pass's own checks raise the ``UserInputError`` (they read its config), the declaration says
+  which passes do (the test harness reads it).
 """
 
 from __future__ import annotations
@@ -23,7 +39,7 @@ import abc
 import dataclasses
 import enum
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, Any, Callable, ClassVar
 
 import onnx_graphsurgeon as gs
 
@@ -122,10 +138,47 @@ class PassContext:
         return self.calibrator
 
 
+# The kinds of graph a pass can need (``needs=``): on a graph of another kind it refuses with a
+# ``UserInputError`` saying so (its own check: it reads the pass's config, e.g. msq's mask input).
+NEEDS = {"vlm": "a vision-language graph with visual span inputs",
+         "kv-cache": "a decoder graph with a KV cache (past_key_values inputs)"}
+
 # class-line keyword -> the attribute the framework reads (``Pass.__init_subclass__``)
 _DECLARATIONS = {"name": "name", "exactness": "exactness", "config": "Config", "requires": "requires",
-                 "establishes": "establishes", "calibrates": "needs_calibration", "summary": "summary_line",
-                 "marks_when_not_applicable": "marks_when_not_applicable", "per_block": "per_block"}
+                 "establishes": "establishes", "calibrates": "calibrates", "summary": "summary_line",
+                 "marks_when_not_applicable": "marks_when_not_applicable", "per_block": "per_block",
+                 "needs": "needs"}
+# attribute -> keyword: only a class line sets these (``needs_calibration`` is what ``calibrates`` gives)
+_LIFECYCLE = {**{attr: key for key, attr in _DECLARATIONS.items()}, "needs_calibration": "calibrates"}
+
+
+def _check_declared(cls: type, declared: dict[str, Any]) -> None:
+    """Each declared value has the type its keyword takes (a typo fails when the class is created)."""
+    from edgeq.facts import Fact, JsonFact
+
+    def fail(key: str, expected: str) -> None:
+        raise TypeError(f"{cls.__name__}: {key}= must be {expected}, got {declared[key]!r}")
+
+    checks = {"name": (lambda v: isinstance(v, str) and bool(v), "a non-empty string"),
+              "exactness": (lambda v: isinstance(v, Exactness), "an Exactness"),
+              "config": (lambda v: isinstance(v, type) and issubclass(v, PassConfig), "a PassConfig subclass"),
+              "requires": (lambda v: isinstance(v, tuple) and all(isinstance(r, str) for r in v),
+                           "a tuple of pass names"),
+              "establishes": (lambda v: v is None or isinstance(v, Fact), "an edgeq.facts fact"),
+              "calibrates": (lambda v: isinstance(v, bool) or callable(v), "a bool or a function of the config"),
+              "summary": (lambda v: isinstance(v, str), "a string"),
+              "marks_when_not_applicable": (lambda v: isinstance(v, bool), "a bool"),
+              "per_block": (lambda v: isinstance(v, bool), "a bool"),
+              "needs": (lambda v: isinstance(v, tuple) and set(v) <= set(NEEDS), f"a tuple of {sorted(NEEDS)}")}
+    for key in declared:
+        ok, expected = checks[key]
+        if not ok(declared[key]):
+            fail(key, expected)
+    if declared.get("marks_when_not_applicable"):
+        fact = declared.get("establishes", getattr(cls, "establishes", None))
+        if not (isinstance(fact, JsonFact) and fact.reason_key):
+            raise TypeError(f"{cls.__name__}: marks_when_not_applicable needs establishes= a JsonFact with a "
+                            f"reason_key (the marker records why the pass did not apply)")
 
 
 class Pass(abc.ABC):
@@ -136,43 +189,74 @@ class Pass(abc.ABC):
             def run(self, graph, ctx): ...
 
     Keywords: ``name``, ``exactness``, ``config`` (a frozen ``PassConfig`` subclass), ``requires``,
-    ``establishes`` (an ``edgeq.facts`` marker), ``calibrates`` (needs calibration data),
-    ``marks_when_not_applicable``, ``per_block`` (block-wise compiles may run it),
-    ``summary`` (the line ``edgeq passes`` prints). A class that
+    ``establishes`` (an ``edgeq.facts`` marker), ``calibrates`` (needs calibration data: a bool,
+    or a function of the config for passes where that depends on it), ``marks_when_not_applicable``,
+    ``per_block`` (block-wise compiles may run it), ``needs`` (kinds of graph, ``NEEDS``), ``summary``
+    (the line ``edgeq passes`` prints). The class line is the only place for them: a class that sets
+    one of their attributes (``name``, ``exactness``, ``Config``, ``requires``, ``establishes``,
+    ``needs_calibration``, ``calibrates``, ``per_block``, ``summary_line``,
+    ``marks_when_not_applicable``, ``needs``) in its body is refused (``TypeError``). A class that
     declares a ``name`` is registered (``edgeq.registry``) when it is created; abstract bases that
-    share code between passes (``StaticQDQ``, ``GptqRewrite``) declare none.
+    share code between passes (``StaticQDQ``, ``GptqRewrite``, ``SideBranchPass``) declare nothing,
+    so each registered pass states its whole declaration (a registered pass subclassing another
+    inherits what it does not restate).
     """
 
     name: ClassVar[str]
     exactness: ClassVar[Exactness]
     Config: ClassVar[type[PassConfig]] = PassConfig
-    needs_calibration: ClassVar[bool] = False
+    # Needs calibration data: a bool, or a function of the config (read through ``needs_calibration``).
+    calibrates: ClassVar[bool | Callable[[Any], bool]] = False
     summary_line: ClassVar[str] = ""
     # Passes that must have run before this one (MLIR-style declared requirements): recipes are
-    # checked against it, the pipeline refuses without their markers, the harness runs them first.
+    # checked against it, the pipeline against markers and this run's outcomes, the harness runs them first.
     requires: ClassVar[tuple[str, ...]] = ()
     # The marker this pass leaves (an edgeq.facts fact); present -> the pipeline skips the pass.
     establishes: ClassVar["Fact | None"] = None
-    # True when the marker is left even where the pass does not apply (with the reason), so its
-    # absence means the pass never ran: passes requiring it are refused instead of skipped.
+    # True when the marker is left even where the pass does not apply (the pipeline writes it, with
+    # the reason), so its absence means the pass never ran: passes requiring it are refused instead
+    # of skipped, and skipped with the recorded reason where it did not apply.
     marks_when_not_applicable: ClassVar[bool] = False
     # True when the pass gives the same result on each decoder block of a model, compiled one block
     # at a time between the model's prologue and epilogue (``edgeq.blockwise``), as on the whole
     # model: it rewrites within a block and keys nothing on the block's position. Declared only
     # for passes tested that way (tests/test_blockwise.py).
     per_block: ClassVar[bool] = False
+    # The kinds of graph (``NEEDS``) the pass refuses to work without.
+    needs: ClassVar[tuple[str, ...]] = ()
 
     def __init_subclass__(cls, **declared: Any) -> None:
         unknown = sorted(set(declared) - set(_DECLARATIONS))
         if unknown:
             raise TypeError(f"{cls.__name__}: unknown pass declaration(s) {unknown} (known: {sorted(_DECLARATIONS)})")
+        in_body = sorted(attr for attr in _LIFECYCLE if attr in cls.__dict__)
+        if in_body:
+            raise TypeError(f"{cls.__name__}: {', '.join(in_body)} set in the class body; declare "
+                            f"{', '.join(sorted({_LIFECYCLE[a] + '=' for a in in_body}))} in the class line instead")
+        if declared and "name" not in declared and not hasattr(cls, "name"):
+            raise TypeError(f"{cls.__name__}: declares {sorted(declared)} but no name: a shared base declares "
+                            f"nothing, the registered pass (name=...) declares it all")
+        _check_declared(cls, declared)
         super().__init_subclass__()
         for key, value in declared.items():
-            setattr(cls, _DECLARATIONS[key], value)
+            setattr(cls, _DECLARATIONS[key], staticmethod(value) if key == "calibrates" and callable(value) else value)
         if "name" in declared:  # the declaration is the registration: one registry, no decorator to forget
+            if not isinstance(getattr(cls, "exactness", None), Exactness):
+                raise TypeError(f"{cls.__name__}: a registered pass declares its exactness= in the class line")
             from edgeq.registry import register_pass
 
             register_pass(cls)
+
+    @property
+    def needs_calibration(self) -> bool:
+        """Whether this configured instance needs calibration data (the ``calibrates`` declaration)."""
+        calibrates = type(self).calibrates
+        return bool(calibrates(self.config)) if callable(calibrates) else calibrates
+
+    def marker_fields(self) -> dict[str, Any]:
+        """What a ``marks_when_not_applicable`` pass's marker records beside the reason where the pass
+        does not apply (default: nothing)."""
+        return {}
 
     def __init__(self, config: PassConfig | None = None):
         self.config = config if config is not None else self.Config()

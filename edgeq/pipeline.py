@@ -12,7 +12,8 @@ A pass that raises ``PassNotApplicable`` did not apply: its record gets the type
 ``not_applicable`` (reason, detail). Any other exception, or an output that fails verification,
 becomes a ``PassFailure`` naming the pass (exit 1); a ``UserInputError`` from a pass passes
 through unchanged (exit 2). The pass lifecycle
-(``Pass.establishes`` markers, ``Pass.requires``) is enforced here: see ``edgeq.passbase``; so is
+(``Pass.establishes`` markers, ``Pass.requires`` read against the markers and the outcomes this run
+recorded, ``marks_when_not_applicable``) is enforced here: see ``edgeq.passbase``; so is
 the recipe's ``essential`` mark: an essential pass that does not apply stops the run at once
 (``EssentialPassNotApplied``, exit 4) unless ``allow_partial``, which records it and goes on.
 """
@@ -103,13 +104,15 @@ class Pipeline:
             if consume:
                 model.Clear()
         records: list[dict[str, Any]] = []
+        outcomes: dict[str, PassResult] = {}  # pass name -> its outcome in this run (what ``requires`` reads)
         for i, p in enumerate(self.passes):
             ops_before = collections.Counter(n.op for n in graph.nodes)
             start = time.perf_counter()
             if ctx.calibrator is not None:
                 ctx.calibrator.begin_pass(i)
             try:
-                result = self._run_pass(p, graph, ctx)
+                result = self._run_pass(p, graph, ctx, outcomes)
+                outcomes[p.name] = result
                 graph.cleanup().toposort()
                 if ctx.calibrator is not None:
                     ctx.calibrator.end_pass(i, graph, p.needs_calibration, result.modified)
@@ -163,28 +166,54 @@ class Pipeline:
         record["essential_not_applied"] = True
 
     @staticmethod
-    def _run_pass(p: Pass, graph, ctx: PassContext) -> PassResult:
-        """The framework's side of a pass's lifecycle: skip it when its marker is on the graph, or
-        when a pass it requires (recipes list them earlier: checked when parsed) left no marker,
-        i.e. did not apply; refuse it when that pass marks even where it does not apply (so it never
-        ran); else run it. A pass that raises ``PassNotApplicable`` (before changing the graph) is
-        recorded as skipped with its reason."""
+    def _run_pass(p: Pass, graph, ctx: PassContext, outcomes: dict[str, PassResult]) -> PassResult:
+        """The framework's side of a pass's lifecycle: skip it when its marker is on the graph;
+        check what it requires against their markers and ``outcomes`` (the passes run earlier in
+        this run: ``_unmet``); else run it. A pass that raises ``PassNotApplicable`` (before changing
+        the graph) is recorded as skipped with its reason; one that ``marks_when_not_applicable``
+        gets its marker, with the reason, wherever it does not apply."""
         marker = p.establishes
         if marker is not None and marker.present(graph):
             return PassResult.skipped(Reason.ALREADY_APPLIED, marker.text(graph))
+        result = Pipeline._unmet(p, graph, outcomes)
+        if result is None:
+            try:
+                return p.run(graph, ctx)
+            except PassNotApplicable as why:
+                result = why.result()
+        if p.marks_when_not_applicable:  # the reason is left on the graph for the passes that require it
+            marker.set_not_applied(graph, result.not_applicable.detail, **p.marker_fields())
+            result.modified = True
+        return result
+
+    @staticmethod
+    def _unmet(p: Pass, graph, outcomes: dict[str, PassResult]) -> PassResult | None:
+        """None when every pass ``p`` requires is satisfied; a skip when one did not apply; raises
+        ``UserInputError`` when one never ran (rules: ``edgeq.passbase``). Recipes list them earlier
+        (checked when parsed)."""
+        never_ran, skip = [], None
         for name in p.requires:
             required = get_pass(name)
             needed = required.establishes
-            if needed is not None and not needed.present(graph):
+            if needed is None:  # no marker: this run's outcome is the only record that it ran
+                outcome = outcomes.get(name)
+                if outcome is None:
+                    never_ran.append((name, f"{name} did not run earlier in this pipeline"))
+                elif (missed := outcome.not_applicable) is not None and missed.reason is Reason.PREREQUISITE_DID_NOT_APPLY:
+                    skip = skip or PassResult.skipped(Reason.PREREQUISITE_DID_NOT_APPLY, f"{name} did not apply: {missed.detail}")
+            elif not needed.present(graph):
                 if required.marks_when_not_applicable:  # no marker at all: it never ran
-                    raise UserInputError(f"{p.name}: put {name} before {p.name} (the graph has no '{needed.key}' "
-                                         f"marker: {needed.meaning})")
-                return PassResult.skipped(Reason.PREREQUISITE_DID_NOT_APPLY,
-                                          f"{name} did not apply to this graph (no '{needed.key}' marker: {needed.meaning})")
-        try:
-            return p.run(graph, ctx)
-        except PassNotApplicable as why:
-            return why.result()
+                    never_ran.append((name, f"the graph has no '{needed.key}' marker: {needed.meaning}"))
+                else:
+                    skip = skip or PassResult.skipped(
+                        Reason.PREREQUISITE_DID_NOT_APPLY,
+                        f"{name} did not apply to this graph (no '{needed.key}' marker: {needed.meaning})")
+            elif (why := needed.not_applied(graph)) is not None:
+                skip = skip or PassResult.skipped(Reason.PREREQUISITE_DID_NOT_APPLY, f"{name} did not apply: {why}")
+        if never_ran:
+            raise UserInputError(f"{p.name}: put {', '.join(n for n, _ in never_ran)} before {p.name} "
+                                 f"({'; '.join(why for _, why in never_ran)})")
+        return skip
 
     @staticmethod
     def _verify(model: onnx.ModelProto) -> str | None:

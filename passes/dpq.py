@@ -35,7 +35,7 @@ from edgeq.passes.methods.dpq import DpqColumns
 from edgeq.errors import UserInputError
 from edgeq.passes.methods.fp8 import FP8_MAX, power_of_two_scale
 from edgeq.passes.methods.gptq import ColumnQuantizer, GptqResult, IntColumns
-from edgeq.passbase import PassContext
+from edgeq.passbase import Exactness, PassContext
 from edgeq.qdq_nodes import insert_fp8_qdq
 from edgeq.quant import QuantSpec
 from edgeq.structure.linears import Linear
@@ -65,7 +65,7 @@ class DpqConfig(GptqConfig):
         super().__post_init__()
 
 
-class DpqPass(GptqRewrite, name="dpq", config=DpqConfig,
+class DpqPass(GptqRewrite, name="dpq", exactness=Exactness.LOSSY, config=DpqConfig, calibrates=True,
               summary="DPQ W4A8: INT4 weights dequantized to FP8, static FP8 activations, two-level GPTQ + GAR"):
     def spec(self, stored_nk: bool) -> QuantSpec:
         cfg: DpqConfig = self.config

@@ -7,10 +7,12 @@ over the sweep in ``edgeq.passes.methods.gptq``; ``dpq`` builds on the same rewr
 
 from __future__ import annotations
 
+from edgeq.passbase import Exactness
 from edgeq.passes.methods.gptq_rewrite import GptqConfig, GptqRewrite
 
 __all__ = ["GptqConfig", "GptqPass"]
 
 
-class GptqPass(GptqRewrite, name="gptq", per_block=True):
-    """GPTQ weights; everything but the name is ``GptqRewrite``'s."""
+class GptqPass(GptqRewrite, name="gptq", exactness=Exactness.LOSSY, config=GptqConfig, calibrates=True, per_block=True,
+               summary="GPTQ weights (int4/int8, per channel or group) with Hessian error compensation"):
+    """GPTQ weights; the rewrite is ``GptqRewrite``'s."""

@@ -71,7 +71,8 @@ class KvQuantConfig(PassConfig):
 
 
 class KvQuantPass(Pass, name="kvquant", exactness=Exactness.LOSSY, config=KvQuantConfig, establishes=facts.KVQUANT,
-                  calibrates=True, summary="CalibQuant visual KV cache: packed 1/2-bit channel-wise codes, post-scaled attention, logit calibration"):
+                  calibrates=True, needs=("kv-cache",),
+                  summary="CalibQuant visual KV cache: packed 1/2-bit channel-wise codes, post-scaled attention, logit calibration"):
     def run(self, graph: gs.Graph, ctx: PassContext) -> PassResult:
         cfg: KvQuantConfig = self.config
         sites = find_kv_sites(graph)

@@ -67,9 +67,8 @@ def massive_channels(absmax: np.ndarray, ratio: float, max_channels: int) -> np.
 
 class MassiveSplitPass(SideBranchPass, name="massive-split", per_block=True, exactness=Exactness.FLOAT_EQUIV,
                        config=MassiveSplitConfig, establishes=facts.MASSIVE_SPLIT,
+                       calibrates=True,  # the massive channels are found in calibration, whatever the branch's precision
                        summary="split massive-activation input channels (before any online Hadamard) into a GEMV branch"):
-    needs_calibration = True  # the massive channels are found in calibration, whatever the branch's precision
-
     def run(self, graph: gs.Graph, ctx: PassContext) -> PassResult:
         cfg: MassiveSplitConfig = self.config
         editor = LinearEditor(graph)

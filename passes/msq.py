@@ -37,8 +37,8 @@ from edgeq import facts, ir
 from edgeq.errors import UserInputError
 from edgeq.graph_builder import NodeBuilder
 from edgeq.modality_mask import prefix_mask, span_input_names, visual_block_mask
-from edgeq.passbase import PassContext, PassResult
-from edgeq.passes.methods.static_qdq import QDQConfig, StaticQDQ
+from edgeq.passbase import Exactness, PassContext, PassResult
+from edgeq.passes.methods.static_qdq import QDQConfig, StaticQDQ, static_activations
 from edgeq.qdq_nodes import QuantizedTensor, insert_dequantize, insert_quantize
 from edgeq.quant import QuantSpec, scale_zero_point
 from edgeq.runtime_ops.domain import DOMAIN
@@ -76,7 +76,8 @@ class _RescaledSite:
     gain: gs.Variable  # [B, S, 1]: readers divide their output by it
 
 
-class MsqPass(StaticQDQ, name="msq", config=MsqConfig, establishes=facts.MSQ,
+class MsqPass(StaticQDQ, name="msq", exactness=Exactness.LOSSY, config=MsqConfig, establishes=facts.MSQ,
+              calibrates=static_activations, needs=("vlm",),
               summary="MQuant MSQ: qdq with a visual and a text static scale per activation site (after aifs: visual-first slices)"):
     def run(self, graph: gs.Graph, ctx: PassContext) -> PassResult:
         cfg: MsqConfig = self.config

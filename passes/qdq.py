@@ -7,10 +7,13 @@ per-linear DequantizeLinear, per-channel/group/tensor weights, per-token studies
 
 from __future__ import annotations
 
-from edgeq.passes.methods.static_qdq import QDQConfig, StaticQDQ
+from edgeq.passbase import Exactness
+from edgeq.passes.methods.static_qdq import QDQConfig, StaticQDQ, static_activations
 
 __all__ = ["QDQConfig", "QDQPass"]
 
 
-class QDQPass(StaticQDQ, name="qdq", per_block=True):
-    """Static QDQ; everything but the name is ``StaticQDQ``'s."""
+class QDQPass(StaticQDQ, name="qdq", exactness=Exactness.LOSSY, config=QDQConfig, calibrates=static_activations,
+              per_block=True, summary="activation QDQ (static per-tensor; per-token for studies) and per-channel/group "
+                                      "weight DQ on every linear"):
+    """Static QDQ; the rewrite is ``StaticQDQ``'s."""

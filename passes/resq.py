@@ -31,7 +31,7 @@ from edgeq import facts, ir
 from edgeq.passes.methods.attention_tensors import AttentionNotFound, AttentionTensors, find_attention_tensors
 from edgeq.calib.observers import HessianObserver, PerChannelAbsMaxObserver
 from edgeq.errors import UserInputError
-from edgeq.passbase import Exactness, Pass, PassConfig, PassContext, PassNotApplicable, PassResult
+from edgeq.passbase import Exactness, Pass, PassConfig, PassContext, PassResult
 from edgeq.passes.methods.rotation import fold_online_rotations, rotate_post_norms, rotate_stream, set_writer_weights
 from edgeq.passes.methods.resq import SubspaceBasis, linf_basis, subspace_basis
 from edgeq.runtime_ops.hadamard import randomized_hadamard
@@ -58,24 +58,18 @@ class ResqConfig(PassConfig):
             raise UserInputError(f"resq: damp must be in [0, 1), got {self.damp}")
 
 
+# marks_when_not_applicable: where resq does not apply, the pipeline leaves its marker with the
+# reason (and the basis, ``marker_fields``), so resq-qdq (which requires resq) is skipped with it
 class ResqPass(Pass, name="resq", exactness=Exactness.FLOAT_EQUIV, config=ResqConfig,
-               requires=("fuse-norms", "ln-to-rms"), establishes=facts.RESQ):
-    marks_when_not_applicable = True  # resq-qdq reports resq's reason instead of asking for resq
-    summary_line = "ResQ projections: PCA bases (U_A stream, U_B values, U_C keys online) + online Hadamard (U_D)"
-
-    @property
-    def needs_calibration(self) -> bool:  # type: ignore[override]
-        return self.config.basis != "hadamard"
+               requires=("fuse-norms", "ln-to-rms"), establishes=facts.RESQ, marks_when_not_applicable=True,
+               calibrates=lambda cfg: cfg.basis != "hadamard",
+               summary="ResQ projections: PCA bases (U_A stream, U_B values, U_C keys online) + online Hadamard (U_D)"):
+    def marker_fields(self) -> dict:
+        return {"basis": self.config.basis}
 
     def run(self, graph: gs.Graph, ctx: PassContext) -> PassResult:
         cfg: ResqConfig = self.config
-        try:
-            stream = analyze_stream(graph)
-        except PassNotApplicable as exc:
-            # the reason is left on the graph (so resq-qdq reports it instead of asking for resq): a
-            # marker, so the graph did change and the result is built here, not by the pipeline
-            facts.RESQ.set(graph, {"basis": cfg.basis, "not_applicable": exc.detail})
-            return PassResult.skipped(exc.reason, exc.detail, modified=True)
+        stream = analyze_stream(graph)  # PassNotApplicable: the pipeline leaves the reason on the marker
         require_weightless_rms(graph, stream, self.name)
         attention: list[AttentionTensors] = []
         skipped = None

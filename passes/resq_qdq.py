@@ -106,16 +106,11 @@ def _act_spec(bits: int) -> QuantSpec:
 
 class ResqQDQPass(Pass, name="resq-qdq", exactness=Exactness.LOSSY, config=ResqQDQConfig,
                   requires=("fuse-norms", "ln-to-rms", "resq"), establishes=facts.RESQ_QDQ,
+                  calibrates=lambda cfg: cfg.weights == "gptq" or cfg.activations == "static",
                   summary="ResQ mixed precision: SubspaceQDQ activations (4-bit low / 8-bit high subspace), 4/8-bit GPTQ weight rows, K/V"):
-    @property
-    def needs_calibration(self) -> bool:  # type: ignore[override]
-        return self.config.weights == "gptq" or self.config.activations == "static"
-
     def run(self, graph: gs.Graph, ctx: PassContext) -> PassResult:
         cfg: ResqQDQConfig = self.config
-        layout = facts.RESQ.get(graph)
-        if "not_applicable" in layout:
-            raise PassNotApplicable(Reason.PREREQUISITE_DID_NOT_APPLY, f"resq did not apply: {layout['not_applicable']}")
+        layout = facts.RESQ.get(graph)  # resq applied: where it did not, the pipeline skipped this pass (requires)
         keep_float = facts.KEEP_FLOAT.names(graph)
         linears = [lin for lin in find_linears(graph) if lin.role not in cfg.skip_roles and lin.node not in keep_float]
         if not linears:

@@ -27,7 +27,7 @@ from edgeq.passes.methods.eq9 import eq9_columns
 from edgeq.errors import UserInputError
 from edgeq.passbase import Exactness, PassConfig, PassContext, PassNotApplicable, PassResult, Reason
 from edgeq.runtime_ops.online_hadamard import OP_TYPE, hadamard_matrix_for_fold
-from edgeq.passes.methods.side_branch import SideBranchPass, add_branch, check_branch, quantize_branches
+from edgeq.passes.methods.side_branch import SideBranchPass, add_branch, branch_quantized, check_branch, quantize_branches
 from edgeq.structure import analyze
 from edgeq.passes.methods.weights import LinearEditor
 
@@ -45,7 +45,7 @@ class RmsConfig(PassConfig):
 
 
 class RmsPass(SideBranchPass, name="rms", per_block=True, exactness=Exactness.FLOAT_EQUIV, config=RmsConfig,
-              requires=("fuse-norms", "ln-to-rms", "rotate"), establishes=facts.RMS,
+              requires=("fuse-norms", "ln-to-rms", "rotate"), establishes=facts.RMS, calibrates=branch_quantized,
               summary="MQuant RMS: split rotated channel 0 of Eq. 9 layers into a GEMV branch"):
     def run(self, graph: gs.Graph, ctx: PassContext) -> PassResult:
         cfg: RmsConfig = self.config

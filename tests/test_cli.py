@@ -12,7 +12,7 @@ from toy import VOCAB, toy_model_dir, write_text
 from edgeq import ir
 from edgeq.cli import main
 from edgeq.passbase import Exactness, Pass, PassConfig
-from edgeq.registry import _PASSES, register_pass
+from edgeq.registry import _PASSES
 
 
 @pytest.fixture
@@ -163,18 +163,12 @@ class _BoomConfig(PassConfig):
     pass
 
 
-class _BoomPass(Pass):
-    name = "test-boom"
-    exactness = Exactness.EXACT
-    Config = _BoomConfig
-
-    def run(self, graph, ctx):
-        raise ZeroDivisionError("simulated bug")
-
-
 def test_internal_error_names_pass(toy, tmp_path, capsys):
-    register_pass(_BoomPass)
     try:
+        class _BoomPass(Pass, name="test-boom", exactness=Exactness.EXACT, config=_BoomConfig):  # registers it
+            def run(self, graph, ctx):
+                raise ZeroDivisionError("simulated bug")
+
         recipe = tmp_path / "r.toml"
         recipe.write_text('[[pass]]\nname = "test-boom"\n')
         out = tmp_path / "out"

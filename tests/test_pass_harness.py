@@ -19,12 +19,12 @@ from edgeq.models.tiny import TINY_ARCHS
 from edgeq.registry import all_passes
 
 PASSES = sorted(all_passes())
-# passes that need a vision-language graph (visual span inputs): on the text-only tiny models they
-# must refuse with a clear error; their harness checks run on tiny Qwen2-VL in their own tests
-VLM_ONLY = {"msq": "tests/test_msq.py"}
-# passes that need a decoder graph with a KV cache (past_key_values inputs): on the tiny models
-# (exported without a cache) they must refuse clearly; their harness checks run in their own tests
-CACHE_ONLY = {"kvquant": "tests/test_kvquant.py"}
+# The kind of graph a pass needs is its declaration (``needs=``, ``edgeq.passbase.NEEDS``), not a list
+# here. On the tiny models (text-only, exported without a KV cache) such a pass must refuse with a
+# clear error; its harness checks run in its own tests (msq: tests/test_msq.py on tiny Qwen2-VL;
+# kvquant: tests/test_kvquant.py on a decoder with a cache).
+NEEDS_REFUSAL = {"vlm": "visual span inputs|no 'attention_mask' input",
+                 "kv-cache": "needs a decoder graph with a KV cache"}
 # Minimum output SQNR a lossy pass must keep on a tiny random model with its default (8-bit) config.
 LOSSY_MIN_SQNR_DB = 15.0
 # Gemma's sandwich norms scale every block output to unit RMS before the residual add: on the tiny
@@ -61,23 +61,22 @@ def test_pass_on_tiny_model(pass_name, tiny_model_name, tiny_models, tmp_path):
     reference = _run(model, feeds)
 
     pass_cls = all_passes()[pass_name]
-    if pass_name in VLM_ONLY:
-        with pytest.raises(UserInputError, match="visual span inputs|no 'attention_mask' input"):
-            Pipeline([pass_cls()]).run(model, ctx)
-        return
-    if pass_name in CACHE_ONLY:
-        with pytest.raises(UserInputError, match="needs a decoder graph with a KV cache"):
+    if pass_cls.needs:
+        with pytest.raises(UserInputError, match="|".join(NEEDS_REFUSAL[need] for need in pass_cls.needs)):
             Pipeline([pass_cls()]).run(model, ctx)
         return
     exactness = pass_cls().output_exactness
+    # the pipeline checks ``requires`` against markers and this run's outcomes: the prerequisites run
+    # in the same pipeline, first (and once alone, for the reference of a float-equivalent pass)
+    def chain():
+        return [all_passes()[name]() for name in pass_cls.requires] + [pass_cls()]
+
     if pass_cls.requires:
-        prereqs = [all_passes()[name]() for name in pass_cls.requires]
-        model, _ = Pipeline(prereqs).run(model, ctx)
-        reference_pre = _run(model, feeds)
+        reference_pre = _run(Pipeline(chain()[:-1]).run(model, ctx)[0], feeds)
         if exactness is not Exactness.LOSSY:
             reference = reference_pre  # the prerequisites are checked by their own harness runs
-    out, records = Pipeline([pass_cls()], PipelineOptions(verify=True)).run(model, ctx)
-    assert records[0]["verified"]
+    out, records = Pipeline(chain(), PipelineOptions(verify=True)).run(model, ctx)
+    assert records[-1]["verified"]
     got = _run(out, feeds)
     for ref, new in zip(reference, got):
         if exactness is Exactness.EXACT:
@@ -91,8 +90,10 @@ def test_pass_on_tiny_model(pass_name, tiny_model_name, tiny_models, tmp_path):
                      else LOSSY_MIN_SQNR_DB)
             assert sqnr_db(ref, new) > floor
 
-    again, records2 = Pipeline([pass_cls()]).run(out, ctx)
-    assert records2[0]["modified"] is False, f"{pass_name} is not idempotent"
+    # its marker stands for the prerequisites; without one (it did not apply) they run again first
+    marked = pass_cls.establishes is not None and pass_cls.establishes.key in {p.key for p in out.metadata_props}
+    again, records2 = Pipeline(chain()[-1:] if marked else chain()).run(out, ctx)
+    assert records2[-1]["modified"] is False, f"{pass_name} is not idempotent"
     for a, b in zip(got, _run(again, feeds)):
         np.testing.assert_array_equal(a, b)
 

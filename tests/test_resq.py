@@ -139,7 +139,7 @@ def test_resq_qdq_mixed_weights_and_sites(activations, weights, tiny_models, tmp
 
 def test_resq_qdq_errors_and_idempotence(tiny_models, tmp_path):
     model = ir.load_model(tiny_models["llama"])
-    with pytest.raises(UserInputError, match="put resq before resq-qdq"):
+    with pytest.raises(UserInputError, match="put fuse-norms, ln-to-rms, resq before resq-qdq"):
         Pipeline([ResqQDQPass()]).run(model, _ctx(model, tmp_path))
     with pytest.raises(UserInputError, match="activations"):
         ResqQDQConfig(activations="token")

@@ -30,7 +30,7 @@ from edgeq import facts, ir
 from edgeq.calib.observers import HessianObserver, PlainHessianObserver
 from edgeq.errors import UserInputError
 from edgeq.passes.methods.gptq import ORDERS, ColumnQuantizer, GptqResult, IntColumns, gptq_quantize
-from edgeq.passbase import Exactness, Pass, PassConfig, PassContext, PassNotApplicable, PassResult, Reason
+from edgeq.passbase import Pass, PassConfig, PassContext, PassNotApplicable, PassResult, Reason
 from edgeq.qdq_nodes import check_weights_finite, ensure_opset, insert_weight_dequantize
 from edgeq.quant import QuantSpec, dequantize_weight, quantize_weight
 from edgeq.structure import find_linears
@@ -92,13 +92,8 @@ class GptqConfig(PassConfig):
 
 
 class GptqRewrite(Pass):
-    """Not registered: ``edgeq.passes.gptq`` registers it as ``gptq``; ``dpq`` subclasses it."""
-
-    name = "gptq"
-    exactness = Exactness.LOSSY
-    Config = GptqConfig
-    needs_calibration = True
-    summary_line = "GPTQ weights (int4/int8, per channel or group) with Hessian error compensation"
+    """Not registered and declares nothing: ``edgeq.passes.gptq`` (``gptq``) and ``edgeq.passes.dpq``
+    (``dpq``) subclass it, each declaring itself in its class line (config: a ``GptqConfig``)."""
 
     def spec(self, stored_nk: bool) -> QuantSpec:
         cfg: GptqConfig = self.config

@@ -33,26 +33,29 @@ def check_branch(pass_name: str, branch: str) -> None:
         raise UserInputError(f"{pass_name}: branch must be one of {', '.join(BRANCH_PRECISIONS)}, got '{branch}'")
 
 
+def branch_quantized(config) -> bool:
+    """Whether a config's ``branch`` is quantized: it then needs the branch inputs' calibrated
+    ranges (``rms`` declares ``calibrates=branch_quantized``)."""
+    return BRANCH_PRECISIONS[config.branch] is not None
+
+
 class SideBranchPass(Pass):
-    """Not registered: the base of the passes that split channels into a side branch (``rms``,
-    ``massive-split``), whose config has a ``branch`` precision.
+    """Not registered and declares nothing: the base of the passes that split channels into a side
+    branch (``rms``, ``massive-split``), whose config has a ``branch`` precision.
 
     The split itself is float-equivalent (the class's ``exactness``); a quantized branch makes the
     configured pass LOSSY (what ``describe()`` and ``edgeq passes`` report) and needs the branch
-    inputs' calibrated ranges. One definition, so the two passes cannot disagree on it.
+    inputs' calibrated ranges (``branch_quantized``, for the passes' ``calibrates=``). One
+    definition, so the two passes cannot disagree on it.
     """
 
     @property
     def quantized_branch(self) -> bool:
-        return BRANCH_PRECISIONS[self.config.branch] is not None
+        return branch_quantized(self.config)
 
     @property
     def output_exactness(self) -> Exactness:
         return Exactness.LOSSY if self.quantized_branch else self.exactness
-
-    @property
-    def needs_calibration(self) -> bool:  # type: ignore[override]
-        return self.quantized_branch
 
 
 def add_branch(graph: gs.Graph, index: ir.GraphIndex, node: gs.Node, lin, x_branch: gs.Variable,

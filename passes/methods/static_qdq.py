@@ -28,7 +28,7 @@ import onnx_graphsurgeon as gs
 from edgeq import facts, ir
 from edgeq.calib.observers import HistogramObserver, MinMaxObserver
 from edgeq.errors import UserInputError
-from edgeq.passbase import Exactness, Pass, PassConfig, PassContext, PassNotApplicable, PassResult, Reason
+from edgeq.passbase import Pass, PassConfig, PassContext, PassNotApplicable, PassResult, Reason
 from edgeq.qdq_nodes import (QuantizedTensor, check_weights_finite, ensure_opset, insert_dequantize, insert_quantize,
                               insert_token_fake_quant, insert_weight_dequantize)
 from edgeq.quant import QuantSpec
@@ -94,17 +94,16 @@ class QDQConfig(PassConfig):
         return out
 
 
+def static_activations(cfg: QDQConfig) -> bool:
+    """Whether a ``QDQConfig`` needs calibration (static scales; per-token ones are dynamic): the
+    ``calibrates=`` of the passes built on ``StaticQDQ``."""
+    return cfg.activation_granularity == "tensor"
+
+
 class StaticQDQ(Pass):
-    """Not registered: ``edgeq.passes.qdq`` registers it as ``qdq``; ``msq`` subclasses it."""
-
-    name = "qdq"
-    exactness = Exactness.LOSSY
-    Config = QDQConfig
-    summary_line = "activation QDQ (static per-tensor; per-token for studies) and per-channel/group weight DQ on every linear"
-
-    @property
-    def needs_calibration(self) -> bool:  # type: ignore[override]
-        return self.config.activation_granularity == "tensor"
+    """Not registered and declares nothing: ``edgeq.passes.qdq`` (``qdq``) and ``edgeq.passes.msq``
+    (``msq``) subclass it, each declaring itself in its class line (config: a ``QDQConfig``,
+    ``calibrates=static_activations``)."""
 
     def run(self, graph: gs.Graph, ctx: PassContext) -> PassResult:
         cfg: QDQConfig = self.config

@@ -136,6 +136,8 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--table", action="store_true", help="print the markdown table of --out and stop")
+    ap.add_argument("--only", default=None, metavar="A,B",
+                    help="time only these rows (names as in the results file, comma-separated)")
     ap.add_argument("--reuse-perplexity", type=Path, metavar="RESULTS",
                     help="take each model's perplexity from an earlier results file (same folders) and time only")
     ap.add_argument("--windows", type=int, default=40)
@@ -166,6 +168,9 @@ def main(argv: list[str] | None = None) -> int:
         if recipe != "fp32":
             models[f"{name} L0"] = with_accuracy_level(folder, ART / f"{recipe}-level0", 0)
 
+    if args.only:
+        keep = set(args.only.split(","))
+        models = {name: path for name, path in models.items() if name in keep}
     rows = {name: {"folder": str(path.relative_to(REPO))} for name, path in models.items()}
     for name, path in models.items():
         report = path / "report.json"
@@ -194,7 +199,7 @@ def main(argv: list[str] | None = None) -> int:
             "ttft_ms": round(statistics.median(x["ttft_ms"] for x in ok), 1) if ok else None,
             "peak_rss_mb": max(x["peak_rss_mb"] for x in ok) if ok else None,
             "rounds": results}
-    fp32 = rows["edgeq fp32 L4"]["perplexity"].get("ppl")
+    fp32 = (rows.get("edgeq fp32 L4") or json.loads(args.reuse_perplexity.read_text())["rows"]["edgeq fp32 L4"])["perplexity"].get("ppl")
     for row in rows.values():
         ppl = row["perplexity"].get("ppl")
         row["ppl_x_fp32"] = round(ppl / fp32, 4) if ppl and fp32 else None

@@ -8,18 +8,14 @@
   producer and metadata of the original model (graphsurgeon drops metadata_props).
 - ``save_model``: always writes weights as external data next to the model, so models over 2 GB
   save; never mutates the caller's proto.
-- ``check_output_dir``: the one check of an output folder before any work (what may be replaced).
-- ``atomic_output_dir``: write a whole output folder under a temporary name, rename at the end.
+- ``check_output_dir``, ``atomic_output_dir`` (re-exported from ``edgeq.output_dir``): the one check of an output
+  folder before any work, and the whole folder written under a temporary name, renamed at the end.
 - ``GraphIndex``: name -> tensor, producer and consumer lookups in O(1) after one O(N) build.
 """
 
 from __future__ import annotations
 
-import contextlib
-import errno
 import os
-import re
-import shutil
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -34,6 +30,10 @@ from edgeq.errors import UserInputError
 from edgeq.modelcheck import check_structure, tensor_bytes
 from edgeq.session_files import constants_as_external_data, temporary_files
 from edgeq.protowalk import proto_nodes  # noqa: F401  (re-exported: ir is where graph code looks)
+from edgeq.output_dir import (  # noqa: F401  (re-exported: the output-folder rules, edgeq.output_dir)
+    EXPORT_MARKER, STAGING_KINDS, atomic_output_dir, check_output_dir, check_writable_parent, honour_umask,
+    is_edgeq_output, remove_stale_staging, staging_dir,
+)
 
 EXTERNAL_DATA_SUFFIX = ".data"
 # Opsets of the default domain the passes are written for. Older graphs lack per-channel QDQ
@@ -370,209 +370,6 @@ def save_model(model: onnx.ModelProto, path: str | os.PathLike, size_threshold: 
     if data_file.exists():
         honour_umask(data_file)  # onnx creates it 0600; the model beside it is 0666 less the umask
     return path
-
-
-def _umask() -> int:
-    umask = os.umask(0)
-    os.umask(umask)
-    return umask
-
-
-def honour_umask(path: str | os.PathLike, folder: bool = False) -> None:
-    """Give ``path`` the mode a plain ``open``/``mkdir`` would (0666/0777 less the umask): onnx writes
-    external data files 0600 and ``mkdtemp`` makes 0700 folders, unlike every other output file."""
-    os.chmod(path, (0o777 if folder else 0o666) & ~_umask())
-
-
-def check_writable_parent(out_dir: Path, what: str = "the output folder") -> None:
-    """The nearest existing ancestor of ``out_dir`` must be a folder this process can write into,
-    else a one-line ``UserInputError`` (checked before any work, so nothing is half-done)."""
-    parent = Path(out_dir).parent
-    while not parent.exists():
-        parent = parent.parent
-    if not parent.is_dir():
-        raise UserInputError(f"cannot create {what} {out_dir}: {parent} is not a folder")
-    if not os.access(parent, os.W_OK | os.X_OK):
-        raise UserInputError(f"cannot create {what} {out_dir}: {parent} is not writable")
-
-
-# What marks a folder as edgeq's own output, which a later run may replace without --force:
-# compile writes manifest.json (edgeq.artifacts.manifest, "version": "edgeq-manifest/N"), export
-# writes EXPORT_MARKER ({"version": "edgeq-export/N", ...}) through ``atomic_output_dir(marker=...)``.
-EXPORT_MARKER = "edgeq-export.json"
-_MANIFEST = ("manifest.json", "edgeq-manifest/")
-_EXPORT = (EXPORT_MARKER, "edgeq-export/")
-# the temporary folders beside an output: .NAME.tmp-PID-<random suffix> (the folder being written),
-# .NAME.weights-PID-<random suffix> (a block-wise compile's streamed weights), .NAME.old-PID (the
-# previous output during the swap)
-STAGING_KINDS = ("tmp", "weights", "old")
-
-
-def is_edgeq_output(folder: str | os.PathLike) -> bool:
-    """Whether ``folder`` holds an output edgeq wrote: a compile's ``manifest.json`` or an export's
-    ``EXPORT_MARKER``, either a JSON object whose ``version`` is edgeq's."""
-    import json
-
-    for name, version in (_MANIFEST, _EXPORT):
-        marker = Path(folder) / name
-        if not marker.is_file() or marker.is_symlink() or marker.stat().st_size > 64 * 2**20:
-            continue
-        try:
-            data = json.loads(marker.read_bytes())
-        except (OSError, ValueError):
-            continue
-        if isinstance(data, dict) and str(data.get("version", "")).startswith(version) and "edgeq" in data:
-            return True
-    return False
-
-
-def check_output_dir(out_dir: str | os.PathLike, *, force: bool = False, inputs: tuple = (),
-                     option: str = "-o") -> Path:
-    """The one check of an output folder (compile, export, the static pair), run before any work
-    and again by ``atomic_output_dir`` just before the swap; returns the resolved folder.
-
-    Refused with a one-line ``UserInputError``, whatever ``force`` says: an empty path; the current
-    folder or one above it; the folder of an input (``inputs``: files or folders) or one above it
-    (the swap renames the old folder away); a path that exists and is not a folder (never replaced
-    by one); a parent that cannot be written. Refused unless ``force``: a folder that exists, is not
-    empty and was not written by edgeq (``is_edgeq_output``). An empty folder and edgeq's own earlier
-    output are replaced. The staging folders dead runs left beside it are removed first
-    (``remove_stale_staging``)."""
-    raw = os.fspath(out_dir)
-    if raw == "":
-        raise UserInputError(f"{option} is empty: name the output folder")
-    out = Path(raw).resolve()
-    cwd = Path.cwd().resolve()
-    if out == cwd or out in cwd.parents:
-        where = "the current folder" if out == cwd else "a folder above the current folder"
-        raise UserInputError(f"{option} {raw} is {where} ({out}), which the output would replace; "
-                             f"name a new folder")
-    for item in inputs:
-        item = Path(item).resolve()
-        folder = item if item.is_dir() else item.parent
-        if out == folder or out in folder.parents:
-            raise UserInputError(f"{option} {raw} contains the input model or data ({item}), which the output "
-                                 f"would replace; name another folder")
-    remove_stale_staging(out)
-    if out.is_symlink() or out.exists():
-        if not out.is_dir():
-            raise UserInputError(f"{option} {raw} exists and is not a folder; edgeq does not replace a file "
-                                 f"with a folder")
-        try:
-            empty = next(out.iterdir(), None) is None
-        except OSError as exc:
-            raise UserInputError(f"cannot read the output folder {raw}: {exc.strerror or exc}") from None
-        if not (empty or force or is_edgeq_output(out)):
-            raise UserInputError(f"{option} {raw} is a folder that is not empty and was not written by edgeq; "
-                                 f"pass --force to replace it (everything in it is deleted)")
-    check_writable_parent(out)
-    return out
-
-
-def staging_dir(out_dir: Path, kind: str) -> Path:
-    """A new temporary folder ``.NAME.KIND-PID-<random suffix>`` beside ``out_dir`` (mode 0777 less the
-    umask); the pid lets a later run (``remove_stale_staging``) tell whether its owner is alive."""
-    out_dir = Path(out_dir)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.{kind}-{os.getpid()}-", dir=out_dir.parent))
-    honour_umask(tmp, folder=True)
-    return tmp
-
-
-def _alive(pid: int) -> bool:
-    if pid == os.getpid():
-        return True
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except (PermissionError, OverflowError, ValueError):  # another user's process / not a pid: keep
-        return True
-    return True
-
-
-def remove_stale_staging(out_dir: str | os.PathLike) -> list[Path]:
-    """Remove the temporary folders (``STAGING_KINDS``) that edgeq processes which are no longer
-    alive left beside ``out_dir`` (killed with SIGKILL, a power cut); returns what was removed.
-    Only folders named exactly as edgeq names them, with the pid of a dead process, are touched. A
-    ``.NAME.old-PID`` left while ``out_dir`` itself is missing (killed between the two renames of
-    the swap) is renamed back to ``out_dir`` instead: it is the previous output."""
-    out_dir = Path(out_dir)
-    pattern = re.compile(rf"^\.{re.escape(out_dir.name)}\.(tmp|weights|old)-(\d+)(-[a-z0-9_]{{8}})?$")
-    removed = []
-    try:
-        entries = list(out_dir.parent.iterdir())
-    except OSError:
-        return removed
-    for entry in entries:
-        m = pattern.match(entry.name)
-        if m is None or (m.group(1) == "old") != (m.group(3) is None):
-            continue
-        if entry.is_symlink() or not entry.is_dir() or _alive(int(m.group(2))):
-            continue
-        if m.group(1) == "old" and not out_dir.exists() and not out_dir.is_symlink():
-            with contextlib.suppress(OSError):
-                entry.rename(out_dir)
-            continue  # (never deleted while it may be the only copy of the previous output)
-        shutil.rmtree(entry, ignore_errors=True)
-        removed.append(entry)
-    return removed
-
-
-def _write_marker(folder: Path, marker: dict) -> None:
-    import json
-
-    import edgeq
-
-    body = {"version": "edgeq-export/1", "edgeq": edgeq.__version__, **marker}
-    (folder / EXPORT_MARKER).write_text(json.dumps(body, indent=1) + "\n")
-
-
-@contextlib.contextmanager
-def atomic_output_dir(out_dir: str | os.PathLike, *, force: bool = False, inputs: tuple = (),
-                      marker: dict | None = None) -> Iterator[Path]:
-    """Yield a temporary folder beside ``out_dir``; on success it replaces ``out_dir``.
-
-    ``out_dir`` must pass ``check_output_dir`` (with ``force`` and ``inputs``), at the start and
-    again just before the swap. On any exception (KeyboardInterrupt, and SIGTERM/SIGHUP through
-    ``edgeq.cli.main``, included) the temporary folder is removed and ``out_dir`` is left as it was,
-    so a failed run never leaves half-written outputs. ``marker``: write ``EXPORT_MARKER`` (this
-    dict plus edgeq's version) into the folder, which marks it as edgeq's output (exports; a
-    compile's ``manifest.json`` does that already).
-    """
-    raw = out_dir
-    out_dir = check_output_dir(raw, force=force, inputs=inputs)
-    try:
-        out_dir.parent.mkdir(parents=True, exist_ok=True)
-        tmp = staging_dir(out_dir, "tmp")
-    except OSError as exc:
-        raise UserInputError(f"cannot create the output folder {out_dir}: {exc.strerror or exc}") from None
-    try:
-        yield tmp
-        if marker is not None:
-            _write_marker(tmp, marker)
-        check_output_dir(raw, force=force, inputs=inputs)  # still ours to replace (nothing appeared meanwhile)
-    except OSError as exc:  # disk full, quota, permissions changed under us: bad environment, not a bug
-        shutil.rmtree(tmp, ignore_errors=True)
-        if exc.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EACCES, errno.EROFS, errno.EPERM):
-            raise UserInputError(f"cannot write the output in {out_dir.parent}: {exc.strerror or exc}") from None
-        raise
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    old = None
-    try:
-        if out_dir.is_symlink() or out_dir.exists():
-            old = out_dir.parent / f".{out_dir.name}.old-{os.getpid()}"
-            out_dir.rename(old)
-        tmp.rename(out_dir)
-    except BaseException:  # (a signal between the two renames): put the previous output back
-        if old is not None and not out_dir.exists():
-            with contextlib.suppress(OSError):
-                old.rename(out_dir)
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
 
 
 def external_bytes(tensor: onnx.TensorProto, base_dir: str | os.PathLike) -> bytes:

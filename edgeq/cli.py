@@ -109,7 +109,7 @@ def _add_compile(sub) -> None:
                         "int8 x int4 GEMM) or 0 (float activations)")
     p.add_argument("--lm-head-bits", type=int, metavar="B",
                    help="with --target ort-genai, when the recipe leaves lm_head in float: 8 (default) writes it as "
-                        "int8 MatMulNBits (round to nearest, blocks of 32: genai reads it every token, 4x fewer bytes "
+                        "int8 MatMulNBits (round to nearest, blocks of 128: genai reads it every token, 4x fewer bytes "
                         "than float), 32 keeps it float")
     p.set_defaults(func=_run_compile)
 

@@ -105,6 +105,15 @@ def test_greedy_tokens_equal_the_plain_graph(built, recipe):
 def test_rotated_recipe_replays_the_online_hadamard(built):
     report = json.loads((built["quarot-gptq-w4a16", "genai0"] / "report.json").read_text())
     assert report["genai"]["linears"]["online_ops"] == 2  # one before each down_proj
+    import onnx
+
+    graph = onnx.load(str(built["quarot-gptq-w4a16", "genai0"] / "model.onnx"), load_external_data=False).graph
+    # written in plain onnx ops with constant shapes (no custom op, no Shape/Slice/Concat per call)
+    assert not [n for n in graph.node if n.domain == "edgeq" or n.op_type in ("Shape", "Slice", "Concat", "Transpose")
+                and "down_proj" in n.name]
+    assert sum(n.op_type == "MatMul" and "down_proj/pre0" in n.name for n in graph.node) == 4  # H_p and H_k^T, 2 layers
+    # SkipSimplifiedLayerNormalization: mean and inverse std left unnamed (not computed), as genai's builder writes it
+    assert all(list(n.output)[1:3] == ["", ""] for n in graph.node if n.op_type == "SkipSimplifiedLayerNormalization")
 
 
 def test_eval_ppl_and_generate_run_through_genai(built, tiny_past, capsys):

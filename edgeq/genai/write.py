@@ -59,7 +59,7 @@ def write_genai_outputs(out_dir: Path, model: onnx.ModelProto, report: dict, sou
     ops = Counter(n.op_type for n in genai_model.graph.node)
     report["genai"] = {"accuracy_level": accuracy_level, "linears": _linear_summary(dec), "family": config["model_type"],
                        "nodes": {op: ops[op] for op in ("MatMulNBits", "MatMul", "GroupQueryAttention",
-                                                        "SkipSimplifiedLayerNormalization", "OnlineHadamard")},
+                                                        "SkipSimplifiedLayerNormalization")},
                        "context_length": int(config.get("max_position_embeddings", 4096))}
     del dec
     source = Path(source_model).parent

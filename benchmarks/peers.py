@@ -194,7 +194,7 @@ def edgeq_rows(model: Path, work: Path) -> list[dict]:
 
 
 def _session(path: Path, exact_qdq: bool):
-    from edgeq.evaluate.ppl import open_session, session_options
+    from edgeq.ort_session import open_session, session_options
 
     return open_session(path, options=session_options(optimize=True, exact_qdq=exact_qdq))
 
@@ -220,7 +220,7 @@ def _feeds(session, ids: np.ndarray, folder: Path) -> dict:
 
 
 def onnx_perplexity(path: Path, windows: np.ndarray, exact_qdq: bool) -> float:
-    from edgeq.evaluate.ppl import window_nll
+    from edgeq.nll import window_nll
 
     model = path / "model.onnx"
     session = _session(model, exact_qdq)

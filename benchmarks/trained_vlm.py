@@ -53,7 +53,7 @@ PARTS = ("ranges", "accuracy", "latency", "kv")
 def _session(path: Path, exact: bool = False):
     import onnxruntime as ort
 
-    from edgeq.evaluate.ppl import session_options
+    from edgeq.ort_session import session_options
 
     return ort.InferenceSession(str(path), session_options(exact_qdq=exact), providers=["CPUExecutionProvider"])
 

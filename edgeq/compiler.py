@@ -33,7 +33,6 @@ import onnx
 import edgeq
 from edgeq.measured_accuracy import measured_accuracy
 from edgeq import ir
-from edgeq.artifacts.encodings import collect_encodings
 from edgeq.artifacts.manifest import input_model_record
 from edgeq.artifacts.writer import write_outputs
 from edgeq.calib.dataset import InputLimits, build_calibration_set
@@ -42,6 +41,7 @@ from edgeq.errors import UserInputError
 from edgeq.fingerprint import model_fingerprint
 from edgeq.passbase import Pass, PassContext
 from edgeq.pipeline import Pipeline, PipelineOptions
+from edgeq.qdq_encodings import collect_encodings
 from edgeq.recipes import DEFAULT_RECIPE, Recipe, load_recipe
 from edgeq.registry import get_pass
 from edgeq.targets import TargetProfile, TargetUnreachable, check_model, load_target

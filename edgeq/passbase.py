@@ -181,6 +181,22 @@ def _check_declared(cls: type, declared: dict[str, Any]) -> None:
                             f"reason_key (the marker records why the pass did not apply)")
 
 
+# The registry's table, pass name -> class: every class that declares a name is added when it is
+# created. ``edgeq.registry`` looks names up in it, after importing every module in ``passes/``;
+# it lives here, below the registry, so that registering needs no import of the registry.
+_PASSES: dict[str, type[Pass]] = {}
+
+
+def register_pass(cls: type[Pass]) -> type[Pass]:
+    """Add ``cls`` to the table under its ``name`` (``Pass.__init_subclass__`` does it for every class
+    that declares one); another class under a taken name is a ``ValueError``."""
+    name = cls.name
+    if name in _PASSES and _PASSES[name] is not cls:
+        raise ValueError(f"pass name '{name}' registered twice")
+    _PASSES[name] = cls
+    return cls
+
+
 class Pass(abc.ABC):
     """Subclass with the declaration in the class line, implement ``run``::
 
@@ -196,10 +212,10 @@ class Pass(abc.ABC):
     one of their attributes (``name``, ``exactness``, ``Config``, ``requires``, ``establishes``,
     ``needs_calibration``, ``calibrates``, ``per_block``, ``summary_line``,
     ``marks_when_not_applicable``, ``needs``) in its body is refused (``TypeError``). A class that
-    declares a ``name`` is registered (``edgeq.registry``) when it is created; abstract bases that
-    share code between passes (``StaticQDQ``, ``GptqRewrite``, ``SideBranchPass``) declare nothing,
-    so each registered pass states its whole declaration (a registered pass subclassing another
-    inherits what it does not restate).
+    declares a ``name`` is registered (``register_pass``; ``edgeq.registry`` looks it up) when it is
+    created; abstract bases that share code between passes (``StaticQDQ``, ``GptqRewrite``,
+    ``SideBranchPass``) declare nothing, so each registered pass states its whole declaration (a
+    registered pass subclassing another inherits what it does not restate).
     """
 
     name: ClassVar[str]
@@ -243,8 +259,6 @@ class Pass(abc.ABC):
         if "name" in declared:  # the declaration is the registration: one registry, no decorator to forget
             if not isinstance(getattr(cls, "exactness", None), Exactness):
                 raise TypeError(f"{cls.__name__}: a registered pass declares its exactness= in the class line")
-            from edgeq.registry import register_pass
-
             register_pass(cls)
 
     @property

@@ -33,9 +33,10 @@ import onnx_graphsurgeon as gs
 
 from edgeq import ir
 from edgeq.errors import EdgeqError, EssentialPassNotApplied, PassFailure, UserInputError
-from edgeq.evaluate.compare import sqnr_db  # noqa: F401  (re-exported: the one SQNR)
 from edgeq.passbase import NotApplicable, Pass, PassContext, PassNotApplicable, PassResult, Reason
+from edgeq.peak_rss import peak_rss_mb
 from edgeq.registry import get_pass
+from edgeq.sqnr import sqnr_db
 
 
 @dataclass(frozen=True)
@@ -47,15 +48,6 @@ class PipelineOptions:
     allow_partial: bool = False  # record an essential pass that did not apply instead of stopping
     recipe: str = ""  # named in the essential-pass error
     collect_garbage: bool = False  # after each pass (block-wise: a rewritten weight's old graph is cyclic garbage)
-
-
-def peak_rss_mb() -> float:
-    """This process's peak resident memory so far, in MB (Linux reports KB, macOS bytes)."""
-    import resource
-    import sys
-
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return round(peak / (1024 * 1024 if sys.platform == "darwin" else 1024), 1)
 
 
 def output_drift(ref: list[np.ndarray], out: list[np.ndarray], names: list[str]) -> dict[str, dict[str, float]]:

@@ -1,30 +1,18 @@
 """The one registry of passes. A ``Pass`` subclass that declares a name registers itself when it is
-created (``Pass.__init_subclass__``; ``register_pass`` is the explicit form); the first lookup
-imports every module in ``passes/`` (found by listing the folder, not by a hand-kept list: a new
-pass is a new file). ``passes/methods/`` holds method code, not passes, and is not scanned."""
+created (``Pass.__init_subclass__``; ``edgeq.passbase.register_pass`` is the explicit form) in the
+table this module looks names up in; the first lookup imports every module in ``passes/`` (found by
+listing the folder, not by a hand-kept list: a new pass is a new file). ``passes/methods/`` holds
+method code, not passes, and is not scanned."""
 
 from __future__ import annotations
 
 import importlib
 import pkgutil
 
-from typing import TYPE_CHECKING
-
 from edgeq.errors import UserInputError
+from edgeq.passbase import _PASSES, Pass
 
-if TYPE_CHECKING:  # passbase registers its subclasses here when they are created
-    from edgeq.passbase import Pass
-
-_PASSES: dict[str, type[Pass]] = {}
 _loaded = False
-
-
-def register_pass(cls: type[Pass]) -> type[Pass]:
-    name = cls.name
-    if name in _PASSES and _PASSES[name] is not cls:
-        raise ValueError(f"pass name '{name}' registered twice")
-    _PASSES[name] = cls
-    return cls
 
 
 def _ensure_loaded() -> None:

@@ -57,8 +57,8 @@ def _checked(func, args: argparse.Namespace) -> int:
 
 def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     """Add ``export`` with its ``smollm2``, ``gemma3``, ``composed-vlm``, ``trained-vlm``, ``hf``, ``tiny`` and ``random`` sources."""
+    from edgeq.families import TINY_ARCHS, TINY_WITH_PAST
     from edgeq.models.random_presets import RANDOM_PRESETS
-    from edgeq.models.tiny import TINY_ARCHS
     from edgeq.models.tiny_qwen2vl import TINY_QWEN2VL
 
     export = subparsers.add_parser(
@@ -68,7 +68,7 @@ def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
             "Export a model to a folder holding one fp32 ONNX graph (model.onnx) plus its config "
             "and tokenizer. Decoder LLMs are exported without a KV cache (inputs input_ids, "
             "attention_mask, position_ids; output logits), the form edgeq's passes rewrite; --with-past "
-            "gives the KV-cache form instead (smollm2, gemma3, composed-vlm, tiny llama/qwen2/gpt2)."
+            f"gives the KV-cache form instead (smollm2, gemma3, composed-vlm, tiny {'/'.join(TINY_WITH_PAST)})."
         ),
     )
     sources = export.add_subparsers(dest="source", metavar="SOURCE", required=True)
@@ -177,7 +177,7 @@ def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
         "with M-RoPE position ids [3, batch, seq] and the visual span inputs)",
     )
     tiny.add_argument("--seed", type=non_negative_int, default=0, help="seed of the random weights (default: 0)")
-    tiny.add_argument("--with-past", action="store_true", help=_WITH_PAST_HELP + " (llama, qwen2, gpt2)")
+    tiny.add_argument("--with-past", action="store_true", help=_WITH_PAST_HELP + f" ({', '.join(TINY_WITH_PAST)})")
 
     rand = _source(
         sources, "random", _run_random,

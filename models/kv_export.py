@@ -5,7 +5,7 @@ KV cache between prefill and decode, so it needs the cached form. This module ex
 three sources that have a causal decoder, without touching their no-cache builders (whose source
 hashes key the test-model cache):
 
-- ``export_smollm2_with_past`` and ``export_tiny_with_past`` (llama, qwen2, gpt2): optimum's
+- ``export_smollm2_with_past`` and ``export_tiny_with_past`` (``TINY_WITH_PAST``): optimum's
   ``text-generation-with-past`` task, unchanged. One graph serves prefill (past length 0) and
   decode. Inputs ``input_ids`` [batch, seq], ``attention_mask`` [batch, past + seq],
   ``position_ids`` [batch, seq], ``past_key_values.{i}.key`` / ``.value`` [batch, kv_heads,
@@ -39,13 +39,14 @@ from pathlib import Path
 import numpy as np
 
 from edgeq.errors import UserInputError
+from edgeq.families import TINY_WITH_PAST
 from edgeq.ir import atomic_output_dir
 
 MODEL_FILE = "model.onnx"
 EMBED_TABLE_FILE = "embed_tokens.npy"
 WITH_PAST_TASK = "text-generation-with-past"
-# Tiny architectures with a causal decoder; the others (bert, vit, qwen2vl) have no cached form.
-TINY_WITH_PAST = ("llama", "qwen2", "gpt2")
+# TINY_WITH_PAST (edgeq.families): the tiny architectures with a cached form (``Family.tiny_with_past``);
+# the others and qwen2vl have none.
 PAST_AXES = ("batch_size", "past_sequence_length")
 TOTAL_AXIS = "past_sequence_length + sequence_length"
 

@@ -47,7 +47,7 @@ _SIGNED = {
     "uint16": ("int16", np.int16, onnx.TensorProto.INT16, 32768),
 }
 _ONNX_UNSIGNED = {onnx.TensorProto.UINT8: "uint8", onnx.TensorProto.UINT16: "uint16"}
-# ops that move integer elements without changing their grid (``edgeq.artifacts.encodings._PASS_THROUGH``),
+# ops that move integer elements without changing their grid (``edgeq.qdq_encodings._PASS_THROUGH``),
 # with the input slots carrying the integers (None: every input)
 _DATA_SLOTS: dict[str, tuple[int, ...] | None] = {
     "Clip": (0,), "Gather": (0,), "GatherElements": (0,), "Concat": None, "Reshape": (0,), "Transpose": (0,),

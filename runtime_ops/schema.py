@@ -20,13 +20,14 @@ import numpy as np
 import onnx
 from onnx import helper
 
+# the op modules themselves, not names of the package (whose __init__ imports this module)
+import edgeq.runtime_ops.modality_qdq as _mq
+import edgeq.runtime_ops.online_hadamard as _oh
+import edgeq.runtime_ops.subspace_qdq as _sq
+import edgeq.runtime_ops.visual_kv_attention as _vk
+import edgeq.runtime_ops.visual_kv_attention_kivi as _vkk
+import edgeq.runtime_ops.w4a8_linear as _w4
 from edgeq.protowalk import proto_nodes
-from edgeq.runtime_ops import modality_qdq as _mq
-from edgeq.runtime_ops import online_hadamard as _oh
-from edgeq.runtime_ops import subspace_qdq as _sq
-from edgeq.runtime_ops import visual_kv_attention as _vk
-from edgeq.runtime_ops import visual_kv_attention_kivi as _vkk
-from edgeq.runtime_ops import w4a8_linear as _w4
 from edgeq.runtime_ops.domain import DOMAIN, DOMAIN_VERSION
 
 

@@ -32,11 +32,14 @@ def _version(dist: str) -> str:
         return "none"
 
 
-def _cache_key(*parts: str, sources: tuple[str, ...]) -> str:
-    """A folder name from ``parts``, library versions and a hash of the builder ``sources``."""
+def _cache_key(*parts: str, sources: tuple[str, ...], engine: tuple[str, ...] = ()) -> str:
+    """A folder name from ``parts``, library versions and a hash of the builder ``sources``
+    (files of ``models/``) and ``engine`` files (of ``edgeq/``: the family table)."""
     digest = hashlib.sha256()
     for name in sources:
         digest.update((REPO_ROOT / "models" / name).read_bytes())
+    for name in engine:
+        digest.update((REPO_ROOT / "edgeq" / name).read_bytes())
     versions = [f"tf{_version('transformers')}", f"opt{_version('optimum-onnx')}", f"pt{_version('torch')}"]
     return "-".join([*parts, *versions, digest.hexdigest()[:10]]).replace("+", "_")
 
@@ -52,12 +55,13 @@ def _cached(folder: Path, build) -> Path:
 @pytest.fixture(scope="session")
 def tiny_models() -> dict[str, Path]:
     """arch -> path of the tiny random model's ``model.onnx`` (seed 0), for every tiny arch."""
-    from edgeq.models.tiny import TINY_ARCHS, export_tiny
+    from edgeq.families import TINY_ARCHS
+    from edgeq.models.tiny import export_tiny
 
     seed = 0
     models = {}
     for arch in TINY_ARCHS:
-        key = _cache_key("tiny", arch, f"seed{seed}", sources=("tiny.py", "hf_export.py"))
+        key = _cache_key("tiny", arch, f"seed{seed}", sources=("tiny.py", "hf_export.py"), engine=("families.py",))
         models[arch] = _cached(_cache_root() / key, lambda out, arch=arch: export_tiny(arch, out, seed=seed))
     return models
 
@@ -118,7 +122,8 @@ def tiny_qwen2vl() -> Path:
 
     seed = 0
     key = _cache_key(
-        "tiny", "qwen2vl", f"seed{seed}", sources=("tiny_qwen2vl.py", "embeds_export.py", "tiny.py")
+        "tiny", "qwen2vl", f"seed{seed}", sources=("tiny_qwen2vl.py", "embeds_export.py", "tiny.py"),
+        engine=("families.py",),
     )
     return _cached(_cache_root() / key, lambda out: export_tiny_qwen2vl(out, seed=seed))
 

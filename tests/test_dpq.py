@@ -17,9 +17,10 @@ from edgeq.passes.methods.fp8 import DPQ_FP8_RANGE, power_of_two_scale, round_fp
 from edgeq.passes.methods.gptq import column_order, gptq_quantize
 from references import dpq_dequantize, layer_error
 from edgeq.passbase import PassContext
-from edgeq.pipeline import Pipeline, sqnr_db
+from edgeq.pipeline import Pipeline
 from edgeq.quant import QuantSpec
 from edgeq.registry import get_pass
+from edgeq.sqnr import sqnr_db
 
 
 @pytest.fixture(scope="module")

@@ -19,12 +19,12 @@ from toy import random_feeds, toy_lm
 
 from edgeq import ir
 from edgeq.calib.session import CalibrationSet, Calibrator
-from edgeq.artifacts.encodings import collect_encodings
 from edgeq.artifacts.aimet import aimet_offsets, aimet_unsupported, export_aimet, write_aimet
 from edgeq.errors import UserInputError
 from edgeq.passbase import PassContext
 from edgeq.passes.qdq import QDQConfig, QDQPass
 from edgeq.pipeline import Pipeline
+from edgeq.qdq_encodings import collect_encodings
 from edgeq.quant import QuantSpec, quantize_weight
 from edgeq.recipes import load_recipe
 from edgeq.registry import get_pass

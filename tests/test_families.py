@@ -1,31 +1,40 @@
-"""Model families beyond Llama (issue 20): every tiny family's structure is recognised from data
-flow, the float rewrites (fuse-norms, ln-to-rms, rotate) keep its outputs within the FLOAT_EQUIV
-tolerance, and every representative recipe either compiles it with all its essential passes
-applied or exits non-zero with a one-line reason; no recipe exits 0 with an essential pass
-skipped. Also: the essential-pass contract (exit 4, ``--allow-partial``, ``essential`` must be a
-boolean) and ``edgeq export hf`` on each family with tied and untied heads.
+"""Model families (issue 20; declared in ``edgeq.families``, issue 35): every family of the table
+builds as a tiny model whose structure analysis finds the layers, blocks and traits the table
+declares; every decoder family's float rewrites (fuse-norms, ln-to-rms, rotate) keep its outputs
+within the FLOAT_EQUIV tolerance, and every representative recipe either compiles it with all its
+essential passes applied or exits non-zero with a one-line reason; no recipe exits 0 with an
+essential pass skipped. Also: the essential-pass contract (exit 4, ``--allow-partial``,
+``essential`` must be a boolean) and ``edgeq export hf`` on each family with tied and untied heads.
 
-What each family exercises:
+What each family exercises (its traits in ``edgeq.families``):
 - qwen3: per-head q/k RMSNorms inside attention (not stream norms: left alone);
 - gemma2 / gemma3: sandwich norms (post-sublayer norms on the write path, rotated online), ``1 + w``
   RMSNorm, embedding times sqrt(hidden), tied head (gemma2: soft-capped logits; gemma3: q/k norms);
 - phi3: fused qkv_proj and gate_up_proj;
 - opt: LayerNorm with bias, learned positions, ``[b, s, h] -> [b * s, h]`` Reshapes on the stream;
 - phi (Phi-2): parallel attention + MLP reading one LayerNorm, two writers summed into one add.
+
+Adding a family: its ``Family`` entry, then what the tests here ask for it (``STREAM``, and
+``REFUSALS`` for any recipe it refuses); ARCHITECTURE.md, "Adding a model family".
 """
 
 from __future__ import annotations
 
 import json
+import math
+import subprocess
+import sys
 from collections import Counter
 
 import numpy as np
+import onnx
 import pytest
 from toy import random_feeds
 
-from edgeq import ir
+from edgeq import families, ir
+from edgeq.blockwise.partition import LAYER_NAME, NotPartitionable, partition
 from edgeq.cli import main
-from edgeq.passbase import FLOAT_EQUIV_RTOL, PassContext
+from edgeq.passbase import FLOAT_EQUIV_RTOL, PassContext, PassNotApplicable
 from edgeq.passes.methods.stream import analyze_stream
 from edgeq.passes.methods.weights import is_weightless
 from edgeq.pipeline import Pipeline
@@ -33,7 +42,8 @@ from edgeq.recipes import load_recipe
 from edgeq.registry import get_pass
 from edgeq.structure import analyze
 
-FAMILIES = ("llama", "qwen2", "qwen3", "gemma2", "gemma3", "phi3", "gpt2", "opt", "phi")
+FAMILY = families.BY_NAME
+FAMILIES = tuple(f.name for f in families.FAMILIES if f.causal)  # the decoder families
 CHAIN = ["fuse-norms", "ln-to-rms", "rotate"]
 
 # family -> (stream readers, stream writers, post-sublayer norms, norms outside the stream)
@@ -46,6 +56,132 @@ STREAM = {
     "gpt2": (5, 4, 0, 0), "opt": (9, 4, 0, 0),
     "phi": (9, 4, 0, 0),  # q, k, v, fc1 read one norm per layer
 }
+
+
+# ------------------------------------------------------------------ (0) the table's declarations
+
+def test_the_table_is_data():
+    """Importing the table loads neither torch, transformers nor onnx; names and model types are
+    unique; every family's tiny config has its layer count."""
+    code = ("import sys, edgeq.families; heavy = {'torch', 'transformers', 'onnx', 'onnxruntime'} & set(sys.modules); "
+            "sys.exit(', '.join(sorted(heavy)) or None)")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr or done.stdout
+    table = families.FAMILIES
+    assert len({f.name for f in table}) == len({f.model_type for f in table}) == len(table)
+    assert all(f.tiny_layers == families.TINY_LAYERS for f in table)
+
+
+@pytest.mark.parametrize("family", families.TINY_ARCHS)
+def test_declared_structure_is_what_analysis_finds(family, tiny_models):
+    """The family's tiny export (its config.json names the declared model type) has the declared
+    layers under the declared node scope, one attention and one MLP block per layer, and each trait
+    of the table as ``analyze`` / ``analyze_stream`` / ``partition`` find it."""
+    f = FAMILY[family]
+    path = tiny_models[family]
+    assert json.loads((path.parent / "config.json").read_text())["model_type"] == f.model_type
+    model = ir.load_model(path)
+    graph = ir.to_graph(model)
+    s = analyze(graph)
+    layers = f.tiny_layers
+    assert s.num_layers == layers and len(s.attention_blocks) == len(s.mlp_blocks) == layers
+    names = [n.name for n in graph.nodes]
+    for i in range(layers + 1):
+        assert any(name.startswith(f"{f.layer_scope}.{i}/") for name in names) is (i < layers), (f.layer_scope, i)
+    assert {n.kind for n in s.norms} == {f.norm}
+    assert {b.activation for b in s.mlp_blocks} == {f.activation}
+    assert {b.gated for b in s.mlp_blocks} == {f.gated_mlp}
+    roles = s.role_counts()
+    assert roles.get("qkv", 0) == (layers if f.fused_qkv else 0)
+    assert roles.get("gate_up_proj", 0) == (layers if f.fused_gate_up else 0)
+    assert roles.get("classifier" if f.task == "image-classification" else "lm_head") == 1
+    post_norms = [r for r in s.residual_adds if r.post_norm is not None]
+    assert len(post_norms) == (2 * layers if f.sandwich_norms else 0)
+    parallel = {r.node for r in s.residual_adds if r.parallel is not None}
+    assert len(parallel) == (layers if f.parallel_block else 0)
+    if f.parallel_block:
+        assert all(a.norm == m.norm for a, m in zip(s.attention_blocks, s.mlp_blocks))
+    if f.pre_norm:
+        stream = analyze_stream(graph)
+        assert len(stream.norms) == layers * (1 if f.parallel_block else 2) + 1  # + the final norm
+        assert len(stream.post_norms) == len(post_norms)
+        inner = len(s.norms) - len(stream.norms) - len(stream.post_norms)
+        assert inner == (2 * layers if f.head_norms else 0)  # q_norm and k_norm per layer
+    else:
+        with pytest.raises(PassNotApplicable):
+            analyze_stream(graph)
+    assert _embedding_scales(graph, s) == ([math.sqrt(families.TINY_HIDDEN)] if f.embedding_scale else [])
+    proto = ir.load_model(path, load_external=False)
+    if f.blockwise:
+        assert partition(proto).num_layers == layers
+    else:
+        with pytest.raises(NotPartitionable):
+            partition(proto)
+
+
+def _embedding_scales(graph, structure) -> list[float]:
+    """Scalar constants the token embedding's output is multiplied by (through casts)."""
+    index = ir.GraphIndex(graph)
+    nodes = {n.name: n for n in graph.nodes}
+    scales = []
+    for emb in structure.embeddings:
+        if emb.rows != families.TINY_VOCAB:
+            continue
+        todo = [nodes[emb.node].outputs[0]]
+        while todo:
+            tensor = todo.pop()
+            for user in index.consumers(tensor.name):
+                if user.op == "Cast":
+                    todo.append(user.outputs[0])
+                elif user.op == "Mul":
+                    values = [index.constant_value(t) for t in user.inputs]
+                    scales += [float(np.asarray(v).reshape(())) for v in values if v is not None and np.size(v) == 1]
+    return scales
+
+
+@pytest.mark.parametrize("family", families.TINY_ARCHS)
+def test_norm_scale_offset(family, tiny_models):
+    """Every norm's scale in the export is ``norm_scale_offset + w`` for one of the torch model's
+    norm weights ``w`` (Gemma: ``1 + w``; the others: ``w``)."""
+    from edgeq.models.tiny import build_tiny
+
+    f = FAMILY[family]
+    weights = [p.detach().numpy() for name, p in build_tiny(family, seed=0).named_parameters()
+               if p.ndim == 1 and not name.endswith("bias")]
+    graph = ir.to_graph(ir.load_model(tiny_models[family]))
+    index = ir.GraphIndex(graph)
+    for norm in analyze(graph).norms:
+        scale = index.constant_value(index.tensors[norm.scale])
+        assert any(w.shape == scale.shape and np.allclose(scale, f.norm_scale_offset + w, rtol=0, atol=1e-6)
+                   for w in weights), norm.name
+
+
+def test_what_reads_the_table():
+    """The lists other modules keep are the table's: tiny architectures, ``--with-past`` tiny
+    exports, the families ``--target ort-genai`` maps, the layer containers block-wise compile
+    splits at; every random preset, real export and measured family is of a declared family."""
+    import argparse
+
+    from edgeq.cli import build_parser
+    from edgeq.genai import MAPPED_FAMILIES
+    from edgeq.measured_accuracy import _table
+    from edgeq.models import kv_export, tiny
+    from edgeq.models.random_presets import PRESETS
+
+    table = families.FAMILIES
+    assert tiny.TINY_ARCHS == tuple(f.name for f in table)
+    assert kv_export.TINY_WITH_PAST == tuple(f.name for f in table if f.tiny_with_past)
+    assert MAPPED_FAMILIES == {f.model_type for f in table if f.genai}
+    for f in table:
+        assert LAYER_NAME.search(f"{f.layer_scope}.3/attn/MatMul").group(1) == "3"
+    presets = {f"random {name}": config["model_type"] for name, config in PRESETS.items()}
+    real = {entry: f.model_type for f in table for entry in f.real}
+    assert {k: v for k, v in real.items() if k in presets} == presets
+    (export,) = [a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction)]
+    (sources,) = [a for a in export.choices["export"]._actions if isinstance(a, argparse._SubParsersAction)]
+    assert set(real) - set(presets) <= set(sources.choices)
+    measured = {key for key, value in _table().items() if isinstance(value, dict)}
+    assert measured <= {f.model_type for f in table}
 
 
 def _close(reference, got):
@@ -80,14 +216,16 @@ def test_float_rewrites_are_exact(family, tiny_models):
     assert all(n.kind == "rms" and is_weightless(index, n) for n in again.norms)
     ops = Counter(n.op for n in rotated.nodes)
     assert ops["OnlineHadamard"] == 2 + post_norms  # down_proj/fc2 of each layer, + 2 a layer (Gemma)
-    if family in ("opt", "phi", "gpt2"):
+    if FAMILY[family].norm == "layer":
         assert records[1]["modified"] and ops["LayerNormalization"] == 0  # LayerNorms became RMSNorms
 
 
 def test_per_head_norms_are_left_alone(tiny_models):
     """Qwen3's and Gemma 3's q/k norms read a projection's output per head: not stream norms, so
     fuse-norms keeps their weights and rotate does not ask for them to be weightless."""
-    for family in ("qwen3", "gemma3"):
+    head_norm_families = [f.name for f in families.FAMILIES if f.head_norms]
+    assert head_norm_families
+    for family in head_norm_families:
         model = ir.load_model(tiny_models[family])
         out, records = Pipeline([get_pass(name)() for name in CHAIN]).run(model, PassContext())
         skipped = records[0]["summary"]["norms_skipped"]

@@ -25,12 +25,14 @@ from onnx import TensorProto, helper
 
 from edgeq.cli import main
 from edgeq.errors import UserInputError
-from edgeq.evaluate.ppl import open_session, perplexity, window_nll
+from edgeq.evaluate.ppl import perplexity
 from edgeq.generation import generate
 from edgeq.generation import decoders as decmod
 from edgeq.generation.decoders import PastDecoder, RecomputeDecoder, StaticPairDecoder, open_decoder
 from edgeq.generation.sampling import next_token, nucleus_probs
 from edgeq.generation.teacher_forced import teacher_forced_nll, window_logits
+from edgeq.nll import window_nll
+from edgeq.ort_session import open_session
 
 pytest.importorskip("tokenizers")
 

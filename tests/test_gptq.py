@@ -14,9 +14,10 @@ from edgeq.errors import UserInputError
 from edgeq.passes.methods.gptq import gptq_quantize
 from references import layer_error
 from edgeq.passbase import PassContext
-from edgeq.pipeline import Pipeline, PipelineOptions, sqnr_db
+from edgeq.pipeline import Pipeline, PipelineOptions
 from edgeq.quant import QuantSpec, dequantize_weight, quantize_weight
 from edgeq.registry import get_pass
+from edgeq.sqnr import sqnr_db
 
 
 @pytest.fixture(scope="module")

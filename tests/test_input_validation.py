@@ -30,8 +30,9 @@ from toy import (VOCAB, run_cli, set_external_location, single_linear, toy_lm, t
 
 from edgeq import ir
 from edgeq.artifacts.aimet import write_aimet
-from edgeq.artifacts.encodings import collect_encodings, strict_json
+from edgeq.artifacts.encodings import strict_json
 from edgeq.errors import UserInputError
+from edgeq.qdq_encodings import collect_encodings
 from edgeq.recipes import parse_recipe
 from edgeq.structure.linears import ROLES
 

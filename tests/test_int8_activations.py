@@ -19,12 +19,12 @@ from toy import random_feeds, toy_model_dir, write_text
 from edgeq import ir
 from edgeq.calib.session import CalibrationSet, Calibrator
 from edgeq.cli import main
-from edgeq.artifacts.encodings import _PASS_THROUGH, collect_encodings
 from edgeq.passbase import Exactness, PassContext
 from edgeq.passes.int8_activations import _DATA_SLOTS
 from edgeq.passes.muxq import MuxqConfig, MuxqPass
 from edgeq.passes.qdq import QDQConfig, QDQPass
 from edgeq.pipeline import Pipeline, PipelineOptions
+from edgeq.qdq_encodings import _PASS_THROUGH, collect_encodings
 from edgeq.recipes import load_recipe
 from edgeq.registry import get_pass
 from edgeq.targets import check_model, load_target

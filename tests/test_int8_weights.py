@@ -17,10 +17,10 @@ from toy import random_feeds
 
 from edgeq import ir
 from edgeq.calib.session import CalibrationSet, Calibrator
-from edgeq.artifacts.encodings import collect_encodings
 from edgeq.passbase import Exactness, PassContext
 from edgeq.passes.qdq import QDQConfig, QDQPass
 from edgeq.pipeline import Pipeline, PipelineOptions
+from edgeq.qdq_encodings import collect_encodings
 from edgeq.registry import get_pass
 
 _NARROW = {TensorProto.INT4, TensorProto.UINT4, TensorProto.INT2, TensorProto.UINT2}

@@ -7,7 +7,15 @@
 - the engine (every other ``edgeq`` module) never imports a pass module (passes are found by the
   registry at run time, not imported by name); it may use method code (``edgeq inspect`` reports
   Eq. 9 layers);
-- there is no import cycle anywhere (importing a module imports its parent packages too).
+- there is no import cycle anywhere (importing a module imports its parent packages too), type-only
+  imports (``if TYPE_CHECKING:``) included, and ``from <package> import x`` inside that package
+  counted as an import of the package (its ``__init__`` may be the one importing this module);
+- the engine's subpackages (``edgeq.artifacts``, ``edgeq.targets``, ...: every folder of ``edgeq/``)
+  import each other one way only: no two of them import each other, directly or around a longer
+  loop (the shared piece moves down into a module below both, as ``edgeq.qdq_encodings``,
+  ``edgeq.sqnr``, ``edgeq.peak_rss``, ``edgeq.ort_session`` and ``edgeq.nll`` did);
+- the pass manager (``edgeq.pipeline``, ``edgeq.passbase``) does not import the evaluation stack
+  (``edgeq.evaluate``), not even through another module.
 """
 
 from __future__ import annotations
@@ -37,9 +45,13 @@ def _is_type_checking(node: ast.If) -> bool:
         isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
 
 
-def _imports(path: Path, module: str, known: set[str]) -> set[str]:
+def _imports(path: Path, module: str, known: set[str], type_only: bool = False) -> set[str]:
+    """The modules ``module`` imports (lazy imports included; ``type_only``: those under ``if
+    TYPE_CHECKING:`` too). ``from P import x`` with ``P`` a package above ``module`` imports ``P``
+    itself as well (it reads ``P``'s namespace, which ``P``'s ``__init__`` may still be building)."""
     tree = ast.parse(path.read_text())
-    skip = {id(n) for node in ast.walk(tree) if isinstance(node, ast.If) and _is_type_checking(node) for n in ast.walk(node)}
+    skip = set() if type_only else {
+        id(n) for node in ast.walk(tree) if isinstance(node, ast.If) and _is_type_checking(node) for n in ast.walk(node)}
     found = set()
     is_package = path.name == "__init__.py"
     for node in ast.walk(tree):
@@ -55,6 +67,8 @@ def _imports(path: Path, module: str, known: set[str]) -> set[str]:
                 anchor = anchor[: len(anchor) - (node.level - 1)]
                 base = ".".join(anchor + ([base] if base else []))
             names = [f"{base}.{a.name}" if f"{base}.{a.name}" in known else base for a in node.names]
+            if module.startswith(base + "."):
+                names.append(base)
         for name in names:
             while name and name not in known:
                 name = name.rpartition(".")[0]
@@ -63,17 +77,60 @@ def _imports(path: Path, module: str, known: set[str]) -> set[str]:
     return found
 
 
-def _graph() -> dict[str, set[str]]:
+def _graph(type_only: bool = False) -> dict[str, set[str]]:
     mods = _modules()
     known = set(mods)
     graph = {}
     for name, path in mods.items():
+        explicit = _imports(path, name, known, type_only)
         deps = set()
-        for dep in _imports(path, name, known):
+        for dep in explicit:
             parts = dep.split(".")
             deps.update(".".join(parts[:i]) for i in range(2, len(parts) + 1))  # parent packages run first
-        graph[name] = {d for d in deps if d in known and d != name and not name.startswith(d + ".")}
+        # a package above ``name`` runs before it: an edge only where ``name`` imports it explicitly
+        graph[name] = {d for d in deps if d in known and d != name and (d in explicit or not name.startswith(d + "."))}
     return graph
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one node (Tarjan)."""
+    index, low, stack, on_stack, cycles = {}, {}, [], set(), []
+    counter = [0]
+
+    def strongconnect(v):  # recursive: deep enough for this tree
+        index[v] = low[v] = counter[0]
+        counter[0] += 1
+        stack.append(v)
+        on_stack.add(v)
+        for w in sorted(graph.get(v, ())):
+            if w not in index:
+                strongconnect(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                cycles.append(sorted(comp))
+
+    for v in sorted(graph):
+        if v not in index:
+            strongconnect(v)
+    return cycles
+
+
+# the engine's subpackages: every folder of edgeq/ that is a package (artifacts, targets, static, ...)
+SUBPACKAGES = sorted(f"edgeq.{p.parent.name}" for p in (REPO / "edgeq").glob("*/__init__.py"))
+
+
+def _subpackage(module: str) -> str | None:
+    return next((s for s in SUBPACKAGES if module == s or module.startswith(s + ".")), None)
 
 
 def _kind(module: str) -> str:
@@ -106,36 +163,71 @@ def test_layering_rules():
 
 
 def test_no_import_cycles():
-    graph = _graph()
-    index, low, stack, on_stack, cycles = {}, {}, [], set(), []
-    counter = [0]
-
-    def strongconnect(v):  # Tarjan, iterative enough for this tree's depth
-        index[v] = low[v] = counter[0]
-        counter[0] += 1
-        stack.append(v)
-        on_stack.add(v)
-        for w in graph.get(v, ()):
-            if w not in index:
-                strongconnect(w)
-                low[v] = min(low[v], low[w])
-            elif w in on_stack:
-                low[v] = min(low[v], index[w])
-        if low[v] == index[v]:
-            comp = []
-            while True:
-                w = stack.pop()
-                on_stack.discard(w)
-                comp.append(w)
-                if w == v:
-                    break
-            if len(comp) > 1:
-                cycles.append(sorted(comp))
-
-    for v in sorted(graph):
-        if v not in index:
-            strongconnect(v)
+    """No cycle, lazy and type-only imports included (a type-only circle is still a circle: its
+    modules cannot be read, or moved, one without the other)."""
+    cycles = _cycles(_graph(type_only=True))
     assert not cycles, "import cycles:\n" + "\n".join(", ".join(c) for c in cycles)
+
+
+def _subpackage_imports(graph: dict[str, set[str]]) -> dict[tuple[str, str], list[str]]:
+    """(A, B) -> the chains by which a module of subpackage A imports one of subpackage B, directly
+    or through modules outside every subpackage (``edgeq.recipes``, ...)."""
+    edges: dict[tuple[str, str], list[str]] = {}
+    for start in sorted(graph):
+        a = _subpackage(start)
+        if a is None:
+            continue
+        via, todo = {start: None}, [start]
+        while todo:
+            module = todo.pop()
+            for dep in sorted(graph[module]):
+                if dep in via:
+                    continue
+                via[dep] = module
+                b = _subpackage(dep)
+                if b is None:
+                    todo.append(dep)
+                elif b != a:
+                    chain = [dep]
+                    while via[chain[-1]] is not None:
+                        chain.append(via[chain[-1]])
+                    edges.setdefault((a, b), []).append(" -> ".join(reversed(chain)))
+    return edges
+
+
+def test_subpackages_import_one_way():
+    """No two engine subpackages import each other (lazy and type-only imports included, directly or
+    through modules outside them), nor around a longer loop: the piece both need moves down into a
+    module below both."""
+    edges = _subpackage_imports(_graph(type_only=True))
+    both = [f"{a} <-> {b}: " + "; ".join(edges[a, b] + edges[b, a]) for a, b in sorted(edges) if a < b and (b, a) in edges]
+    assert not both, "subpackages importing each other:\n" + "\n".join(both)
+    loops = _cycles({s: {b for a, b in edges if a == s} for s in SUBPACKAGES})
+    assert not loops, "subpackages importing each other around a loop:\n" + "\n".join(
+        ", ".join(loop) + ": " + "; ".join(c for a in loop for b in loop if (a, b) in edges for c in edges[a, b])
+        for loop in loops)
+
+
+def test_pass_manager_does_not_import_evaluation():
+    """``edgeq.pipeline`` and ``edgeq.passbase`` reach no ``edgeq.evaluate`` module through any chain of
+    (lazy) imports: the SQNR and the peak RSS they use live below (``edgeq.sqnr``, ``edgeq.peak_rss``)."""
+    graph = _graph()
+    bad = []
+    for start in ("edgeq.pipeline", "edgeq.passbase"):
+        seen, todo, via = {start}, [start], {start: None}
+        while todo:
+            module = todo.pop()
+            for dep in sorted(graph[module]):
+                if dep not in seen:
+                    seen.add(dep)
+                    via[dep] = module
+                    todo.append(dep)
+        for reached in sorted(m for m in seen if m == "edgeq.evaluate" or m.startswith("edgeq.evaluate.")):
+            chain = [reached]
+            while via[chain[-1]] is not None:
+                chain.append(via[chain[-1]])
+            bad.append(" -> ".join(reversed(chain)))
+    assert not bad, "the pass manager imports the evaluation stack:\n" + "\n".join(bad)
 
 
 def test_passes_are_discovered_not_listed():

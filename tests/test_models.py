@@ -13,6 +13,7 @@ import onnxruntime as ort
 import pytest
 
 from edgeq.errors import UserInputError
+from edgeq.families import BY_NAME, FAMILIES
 from edgeq.models.hf_export import export_hf
 from edgeq.models.tiny import TINY_ARCHS, build_tiny
 
@@ -60,7 +61,7 @@ def test_tiny_export_runs_and_matches_torch(tiny_models, arch):
     config = _config(model_path)
     feeds = _feeds(session, config, np.random.default_rng(0))
     (logits,) = session.run(["logits"], feeds)
-    width = len(config["id2label"]) if arch == "vit" else config["vocab_size"]
+    width = len(config["id2label"]) if BY_NAME[arch].task == "image-classification" else config["vocab_size"]
     assert logits.shape[-1] == width and logits.shape[0] == BATCH
     assert np.isfinite(logits).all()
 
@@ -76,7 +77,7 @@ def test_tiny_export_runs_and_matches_torch(tiny_models, arch):
 _CONST_LINEARS = {"llama": 2 * 7 + 1, "qwen2": 2 * 7 + 1, "qwen3": 2 * 7 + 1, "gemma2": 2 * 7 + 1,
                   "gemma3": 2 * 7 + 1, "phi3": 2 * 4 + 1, "gpt2": 2 * 4 + 1, "opt": 2 * 6 + 1, "phi": 2 * 6 + 1,
                   "bert": 2 * 6 + 2, "vit": 2 * 6 + 1}
-_RMS_ARCHS = ("llama", "qwen2", "qwen3", "gemma2", "gemma3", "phi3")
+_RMS_ARCHS = tuple(f.name for f in FAMILIES if f.norm == "rms")
 
 
 @pytest.mark.parametrize("arch", TINY_ARCHS)

@@ -13,10 +13,12 @@ from toy import random_feeds
 from edgeq import ir
 from edgeq.calib.session import CalibrationSet, Calibrator
 from edgeq.errors import UserInputError
+from edgeq.families import FAMILIES
 from edgeq.passbase import FLOAT_EQUIV_RTOL, Exactness, PassContext
-from edgeq.pipeline import Pipeline, PipelineOptions, sqnr_db
+from edgeq.pipeline import Pipeline, PipelineOptions
 from edgeq.models.tiny import TINY_ARCHS
 from edgeq.registry import all_passes
+from edgeq.sqnr import sqnr_db
 
 PASSES = sorted(all_passes())
 # The kind of graph a pass needs is its declaration (``needs=``, ``edgeq.passbase.NEEDS``), not a list
@@ -32,7 +34,7 @@ LOSSY_MIN_SQNR_DB = 15.0
 # weight-quantization error dominates the logits; the passes with 4-bit weights by default measure
 # 9-14 dB there (15-24 dB on the other tiny models; 8-bit qdq keeps 28-30 dB on Gemma).
 FOUR_BIT_PASSES = frozenset({"gptq", "dpq", "resq-qdq"})
-POST_NORM_ARCHS = frozenset({"gemma2", "gemma3"})
+POST_NORM_ARCHS = frozenset(f.name for f in FAMILIES if f.sandwich_norms)
 POST_NORM_FOUR_BIT_MIN_SQNR_DB = 8.0
 
 

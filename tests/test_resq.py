@@ -16,10 +16,11 @@ from edgeq.passbase import FLOAT_EQUIV_RTOL, PassContext
 from edgeq.passes.resq import ResqConfig, ResqPass
 from references import layer_error
 from edgeq.passes.resq_qdq import ResqQDQConfig, ResqQDQPass
-from edgeq.pipeline import Pipeline, sqnr_db
+from edgeq.pipeline import Pipeline
 from edgeq.quant import QuantSpec, dequantize_weight, quantize_weight
 from edgeq.registry import get_pass
 from edgeq.passes.methods.resq import linf_basis
+from edgeq.sqnr import sqnr_db
 
 DATA = __import__("pathlib").Path(__file__).resolve().parents[1] / "data" / "wikitext-2"
 

@@ -200,7 +200,7 @@ def test_pow2_target_keeps_power_of_two_scales_and_is_saturation_free(tiny_compi
 
 
 def test_default_and_exact_qdq_agree_on_the_safe_graph(tiny_compiled):
-    from edgeq.evaluate.ppl import open_session, session_options
+    from edgeq.ort_session import open_session, session_options
     from toy import random_feeds
 
     path = tiny_compiled["safe"] / "model.onnx"

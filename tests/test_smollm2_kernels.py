@@ -162,8 +162,8 @@ def test_vlm_recipe_integer_kernels_match_exact_qdq(recipe, composed_vlm_dir, tm
     are as close to the exact-QDQ logits as float summation order alone puts them (no text labels
     here, so the check is on the logits of two evaluation samples, not perplexity). Measured on
     AVX2: 27.6-28.8 dB either way, the rounding flips of the module docstring."""
-    from edgeq.evaluate.ppl import open_session, session_options
-    from edgeq.pipeline import sqnr_db
+    from edgeq.ort_session import open_session, session_options
+    from edgeq.sqnr import sqnr_db
     from edgeq.textdata import load_npz_samples
 
     out = tmp_path / recipe

@@ -14,12 +14,13 @@ from toy import random_feeds
 
 from edgeq import ir
 from edgeq.calib.session import CalibrationSet, Calibrator
-from edgeq.artifacts.encodings import collect_encodings
 from edgeq.passbase import PassContext
 from edgeq.passes.qdq import QDQConfig, QDQPass
 from edgeq.passes.resq_qdq import ResqQDQConfig, ResqQDQPass
-from edgeq.pipeline import Pipeline, PipelineOptions, sqnr_db
+from edgeq.pipeline import Pipeline, PipelineOptions
+from edgeq.qdq_encodings import collect_encodings
 from edgeq.registry import get_pass
+from edgeq.sqnr import sqnr_db
 from edgeq.targets import check_model, load_target
 from edgeq.targets.check import is_power_of_two
 

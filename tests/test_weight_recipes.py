@@ -10,9 +10,10 @@ from toy import random_feeds
 from edgeq import ir
 from edgeq.calib.session import CalibrationSet, Calibrator
 from edgeq.passbase import PassContext
-from edgeq.pipeline import Pipeline, sqnr_db
+from edgeq.pipeline import Pipeline
 from edgeq.recipes import load_recipe
 from edgeq.registry import get_pass
+from edgeq.sqnr import sqnr_db
 
 
 @pytest.mark.parametrize("recipe,min_db,needle", [

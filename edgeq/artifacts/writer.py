@@ -21,7 +21,7 @@ from edgeq import ir
 from edgeq.artifacts.aimet import aimet_unsupported, write_aimet
 from edgeq.artifacts.encodings import json_safe, strict_json
 from edgeq.artifacts.manifest import write_manifest
-from edgeq.pipeline import peak_rss_mb
+from edgeq.peak_rss import peak_rss_mb
 
 
 def write_outputs(out_dir: Path, model: onnx.ModelProto, report: dict, *, encodings: dict, recipe, input_model: dict,

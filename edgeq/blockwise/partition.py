@@ -8,8 +8,11 @@ from dataclasses import dataclass
 
 import onnx
 
-# decoder layer index in an exporter's node names (/model/layers.3/..., /transformer/h.3/...)
-LAYER_NAME = re.compile(r"/(?:layers|h|layer|blocks)\.(\d+)/")
+from edgeq.families import LAYER_CONTAINERS
+
+# decoder layer index in an exporter's node names (/model/layers.3/..., /transformer/h.3/...): the
+# declared families' layer containers (``Family.layer_scope``), and timm-style ``/blocks.N/``
+LAYER_NAME = re.compile(r"/(?:%s)\.(\d+)/" % "|".join((*LAYER_CONTAINERS, "blocks")))
 # ops whose output does not depend on their input's values (shape machinery)
 SHAPE_ONLY = frozenset({"Shape", "Size"})
 

@@ -2,10 +2,12 @@
 error (``compare``). ``edgeq.evaluate.cli.register`` adds the ``edgeq eval`` subcommands.
 
 ``compare`` here is the function; its module is ``edgeq.evaluate.compare`` (imported eagerly so
-the package attribute is the function, not the submodule).
+the package attribute is the function, not the submodule). What evaluation shares with the rest of
+edgeq lives below it: the SQNR in ``edgeq.sqnr``, the CPU sessions in ``edgeq.ort_session``, a
+window's NLL in ``edgeq.nll``.
 """
 
-from edgeq.evaluate.compare import ErrorStats, compare, sqnr_db
-from edgeq.evaluate.ppl import open_session, perplexity
+from edgeq.evaluate.compare import ErrorStats, compare
+from edgeq.evaluate.ppl import perplexity
 
-__all__ = ["perplexity", "compare", "ErrorStats", "sqnr_db", "open_session"]
+__all__ = ["perplexity", "compare", "ErrorStats"]

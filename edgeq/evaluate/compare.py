@@ -29,9 +29,10 @@ import numpy as np
 import onnx
 
 from edgeq.errors import UserInputError
-from edgeq.evaluate.ppl import open_session, session_options
 from edgeq.ir import check_model_file, load_model, model_folder
+from edgeq.ort_session import open_session, session_options
 from edgeq.progress import progress
+from edgeq.sqnr import sqnr_from_energies
 from edgeq.textdata import ort_dtype
 
 LAYER_OPS = frozenset(
@@ -96,24 +97,6 @@ class ErrorStats:
         out["mean_abs"] = self.sum_abs / self.count if self.count else 0.0
         out["sqnr_db"] = sqnr_from_energies(self.sum_ref2, self.sum_err2)
         return out
-
-
-def sqnr_db(ref: np.ndarray, out: np.ndarray) -> float:
-    """Signal-to-quantization-noise ratio of ``out`` against ``ref`` in dB (inf when equal)."""
-    ref = np.asarray(ref, np.float64)
-    err = ref - np.asarray(out, np.float64)
-    return sqnr_from_energies(float(np.sum(ref * ref)), float(np.sum(err * err)))
-
-
-def sqnr_from_energies(sum_ref2: float, sum_err2: float) -> float:
-    """10 log10(signal energy / error energy); inf for no error, -inf for error on a zero signal."""
-    if math.isnan(sum_ref2) or math.isnan(sum_err2):
-        return math.nan
-    if sum_err2 == 0.0:
-        return math.inf
-    if sum_ref2 == 0.0:
-        return -math.inf
-    return 10.0 * math.log10(sum_ref2 / sum_err2)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -12,91 +12,20 @@ from __future__ import annotations
 import math
 import os
 import time
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from edgeq.errors import UserInputError
+from edgeq.nll import window_nll
+from edgeq.ort_session import open_session, session_options
 from edgeq.progress import progress
 from edgeq.textdata import feeds_for_windows, token_windows, window_convention
-
-
-# onnxruntime session config that keeps every Q/DQ as written (no integer-kernel fusion: no
-# MatMulIntegerToFloat / QLinearMatMul / QGemm), all other optimizations on: the exact-QDQ
-# reference that a kernel's result is compared with (docs/cpu-int8-kernels.md).
-EXACT_QDQ_CONFIG = {"session.disable_quant_qdq": "1"}
-
-
-def session_options(threads: int | None = None, optimize: bool = True, exact_qdq: bool = False) -> Any:
-    """onnxruntime SessionOptions (``edgeq.ir.session_options``, the one base: log level fatal
-    only): default graph optimizations (or none), ``threads`` intra-op; ``exact_qdq``: Q/DQ
-    evaluated as written, not fused into integer kernels."""
-    from edgeq.ir import session_options as base_options
-
-    if threads is not None and threads < 1:
-        raise UserInputError(f"threads must be >= 1, got {threads}")
-    opts = base_options(optimize=optimize, threads=threads)
-    if exact_qdq:
-        for key, value in EXACT_QDQ_CONFIG.items():
-            opts.add_session_config_entry(key, value)
-    return opts
-
-
-def open_session(
-    model: str | os.PathLike | bytes,
-    threads: int | None = None,
-    optimize: bool = True,
-    options: Any = None,
-) -> Any:
-    """A CPU ``InferenceSession``; a model onnxruntime cannot load is a ``UserInputError``.
-
-    ``model`` is a path (external data next to it is found by onnxruntime) or serialized bytes.
-    """
-    import onnxruntime as ort
-
-    if not isinstance(model, (bytes, bytearray)):
-        path = Path(model)
-        if not path.exists():
-            raise UserInputError(f"model file not found: {path}")
-        if not path.is_file():
-            raise UserInputError(f"model path is not a file: {path}")
-        model = str(path)
-        label = model
-    else:
-        label = "model"
-    opts = options if options is not None else session_options(threads, optimize)
-    try:
-        return ort.InferenceSession(model, sess_options=opts, providers=["CPUExecutionProvider"])
-    except Exception as exc:  # onnxruntime raises its own pybind types (Fail, InvalidGraph, ...)
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise UserInputError(f"onnxruntime cannot load {label}: {first}") from None
 
 
 def _logits_output(session: Any) -> str:
     names = [o.name for o in session.get_outputs()]
     return "logits" if "logits" in names else names[0]
-
-
-def window_nll(logits: np.ndarray, ids: np.ndarray) -> float:
-    """Total NLL (float64) of ``ids[1:]`` under ``logits[:-1]`` for one window.
-
-    ``logits`` is [seq_len, vocab] float and is OVERWRITTEN (used as scratch: shifted by the row
-    max and exponentiated in place), so the reduction makes no [seq_len, vocab] copy. The row max
-    shift keeps exp from overflowing; sums and logs are float64.
-    """
-    rows = logits[:-1]
-    targets = ids[1:]
-    n = rows.shape[0]
-    target_logit = rows[np.arange(n), targets].astype(np.float64)
-    row_max = rows.max(axis=-1)
-    if not np.all(np.isfinite(row_max)):
-        raise UserInputError("model produced non-finite logits")
-    np.subtract(rows, row_max[:, None], out=rows)
-    np.exp(rows, out=rows)
-    sum_exp = rows.sum(axis=-1, dtype=np.float64)
-    lse = row_max.astype(np.float64) + np.log(sum_exp)
-    return float(np.sum(lse - target_logit))
 
 
 def perplexity(

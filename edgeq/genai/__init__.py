@@ -19,11 +19,13 @@ import json
 from pathlib import Path
 
 from edgeq.errors import UserInputError
+from edgeq.families import FAMILIES
 
 # recipe passes whose result genai's form can carry (weights and online rotations, nothing else)
 MAPPED_PASSES = frozenset({"expand-functions", "fuse-norms", "ln-to-rms", "rotate", "gptq", "matmulnbits-to-qdq"})
-# the model types whose attention genai's Llama form computes (config.json ``model_type``)
-MAPPED_FAMILIES = frozenset({"llama"})
+# the model types whose attention genai's Llama form computes (config.json ``model_type``):
+# the families declared ``genai`` in edgeq.families
+MAPPED_FAMILIES = frozenset(f.model_type for f in FAMILIES if f.genai)
 ACCURACY_LEVELS = (0, 1, 2, 3, 4)
 
 

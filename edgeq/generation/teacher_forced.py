@@ -1,10 +1,10 @@
 """Teacher-forced NLL through a decoder: perplexity of the graphs a deployment runs (a static pair's
 prefill.onnx and decode.onnx), comparable with ``edgeq eval ppl model.onnx``.
 
-The windows and the NLL are those of ``edgeq.evaluate.ppl`` (``token_windows``, ``window_nll``):
-a window of ``L`` tokens predicts tokens 2..L from the logits at positions 1..L-1. Those logits
-come from feeding the window's own (true) tokens 1..L-1; the last token is never fed (nothing reads
-its logits), so a window needs ``L - 1`` cache slots. Two ways through the decoder:
+The windows and the NLL are those of ``edgeq.evaluate.ppl`` (``edgeq.textdata.token_windows``,
+``edgeq.nll.window_nll``): a window of ``L`` tokens predicts tokens 2..L from the logits at positions
+1..L-1. Those logits come from feeding the window's own (true) tokens 1..L-1; the last token is never
+fed (nothing reads its logits), so a window needs ``L - 1`` cache slots. Two ways through the decoder:
 
 - ``prefill``: the ``L - 1`` tokens through ``decoder.prefill_all`` (a static pair: prefill.onnx in
   prefill-length chunks, the last one padded; a dynamic graph: one run);
@@ -25,8 +25,8 @@ import time
 import numpy as np
 
 from edgeq.errors import UserInputError
-from edgeq.evaluate.ppl import window_nll
 from edgeq.generation.decoders import Decoder, open_decoder
+from edgeq.nll import window_nll
 from edgeq.progress import progress
 from edgeq.textdata import token_windows, window_convention
 

@@ -4,7 +4,10 @@ Finds, from data flow rather than tensor names: linears (MatMul/Gemm with consta
 their roles (q/k/v/o, gate/up/down, fc1/fc2, qkv, lm_head, classifier), norms (RMSNorm and
 LayerNorm, decomposed or fused), attention and MLP blocks with their input norms, residual adds
 and tied embeddings. Node names are only a fallback hint for linears no pattern explains
-(``Linear.role_source == 'name'``).
+(``Linear.role_source == 'name'``). What they find on each model family's export (norm kind,
+sandwich norms, parallel blocks, fused projections, per-head norms) is declared in
+``edgeq.families`` and checked against them by ``tests/test_families.py``; the matchers never
+branch on a family's name.
 
 Typical use::
 

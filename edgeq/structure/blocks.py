@@ -88,7 +88,8 @@ class ResidualAdd:
     post_attention_layernorm / post_feedforward_layernorm); ``branch`` is then the tensor the add
     reads (the norm's output). ``parallel``: the add reads the sum of two blocks' outputs (Phi-2's
     ``h + attn(LN(h)) + mlp(LN(h))``), computed by that Add node; the add then has one record per
-    block, each with ``branch`` the block's output as the sum reads it."""
+    block, each with ``branch`` the block's output as the sum reads it. Which families have either:
+    ``Family.sandwich_norms`` / ``Family.parallel_block`` in ``edgeq.families``."""
 
     node: str
     stream: str

@@ -12,6 +12,9 @@ Decomposed forms are matched from their ReduceMean anchor:
 Fused: ONNX ``LayerNormalization`` / ``RMSNormalization`` (opset 23) and com.microsoft
 ``SimplifiedLayerNormalization``, ``SkipLayerNormalization``, ``SkipSimplifiedLayerNormalization``
 (the Skip forms also perform the residual add; ``skip`` names their second input).
+
+Which kind each model family's export has: ``Family.norm`` in ``edgeq.families`` (Gemma's
+``(1 + w)`` scale, ``Family.norm_scale_offset``, is one constant in the graph).
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """``edgeq check``: every node and tensor of a model that a target profile does not accept, and why.
 
-The quantization parameters are read back from the graph with ``edgeq.artifacts.encodings.collect_encodings``
+The quantization parameters are read back from the graph with ``edgeq.qdq_encodings.collect_encodings``
 (the same reading ``encodings.json`` gets), so the check judges what the model computes, not what
 a pass meant to write. Rules, one violation line each:
 
@@ -35,8 +35,8 @@ import onnx
 from onnx import numpy_helper
 
 from edgeq import ir
-from edgeq.artifacts.encodings import collect_encodings
 from edgeq.errors import EdgeqError
+from edgeq.qdq_encodings import collect_encodings
 from edgeq.targets.node_units import broken_units, lookup_tables
 from edgeq.targets.profile import QuantRules, TargetProfile, dtype_bits, dtype_name
 

@@ -19,6 +19,10 @@ with the reason (e.g. BERT's post-LN stream, where norm outputs feed the residua
 
 The stream itself may pass through casts and Reshapes that keep the hidden axis last (OPT
 flattens it to ``[b * s, h]`` around the MLP): those move whole hidden vectors.
+
+The families named here are examples; what each declared family has (``pre_norm``,
+``sandwich_norms``, ``head_norms``, ``embedding_scale``, ...) is its entry in ``edgeq.families``,
+checked against ``analyze_stream`` by ``tests/test_families.py``.
 """
 
 from __future__ import annotations

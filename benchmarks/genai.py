@@ -15,7 +15,7 @@ it, measured the same way for all:
 Models (built when absent): genai's own build (``benchmarks/peers/build_ortgenai.py``: RTN int4, block
 32, accuracy level 4, lm_head int4, embedding int4 shared with it), and edgeq's, each compiled with
 ``edgeq compile artifacts/smollm2-past/model.onnx --recipe R --target ort-genai`` (GPTQ on 64 calibration
-windows of WikiText-2 valid, group 128, lm_head as int8 MatMulNBits): ``gptq-w4a16``, ``quarot-gptq-w4a16``
+windows of WikiText-2 valid, group 128, lm_head as int8 MatMulNBits in blocks of 128): ``gptq-w4a16``, ``quarot-gptq-w4a16``
 and ``fp32`` (lm_head float, the reference). Level 0 variants are the same folders with every
 MatMulNBits ``accuracy_level`` set to 0 (the weights are identical; only the op's activation precision
 changes), written by this script.
@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shlex
 import shutil
 import statistics
 import subprocess
@@ -217,9 +218,7 @@ def main(argv: list[str] | None = None) -> int:
                               f"median over {args.rounds} interleaved rounds", "prompts": "first 100 / 500 tokens of WikiText-2 test"},
         "builds": builds,
         "rows": rows,
-        "command": "python benchmarks/genai.py --out " + str(args.out)
-                   + (f" --reuse-perplexity {args.reuse_perplexity}" if args.reuse_perplexity else "")
-                   + f" --rounds {args.rounds} --repeats {args.repeats}",
+        "command": "python benchmarks/genai.py " + " ".join(shlex.quote(a) for a in (sys.argv[1:] if argv is None else argv)),
         "date": time.strftime("%Y-%m-%d"),
     })
     return 0

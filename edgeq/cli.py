@@ -117,11 +117,10 @@ def _add_compile(sub) -> None:
 def _run_compile(args) -> int:
     from edgeq.compiler import CompileRequest, compile_model
     from edgeq.static.specialize import parse_static
-    from edgeq.recipes import DEFAULT_RECIPE
     from edgeq.targets import TargetUnreachable
 
     req = CompileRequest(
-        model=args.model, out_dir=args.out, recipe=args.recipe or DEFAULT_RECIPE, calib=args.calib,
+        model=args.model, out_dir=args.out, **({"recipe": args.recipe} if args.recipe else {}), calib=args.calib,
         tokenizer=args.tokenizer, calib_windows=args.calib_windows, seq_len=args.seq_len,
         dump_each=args.dump_each, verify=args.verify, check_numerics=args.check_numerics,
         use_cache=not args.no_cache, target=args.target, allow_partial=args.allow_partial,

@@ -1,4 +1,4 @@
-"""``edgeq compile``: plan -> run -> write.
+"""``edgeq compile``: plan -> route -> write.
 
 - ``plan``: everything that can be refused is checked before any work (output folder, recipe,
   target, model, opset, calibration data), and what the outputs must record is taken once: the
@@ -7,8 +7,13 @@
   target allows full-range int8 weights (``ort-cpu-vnni``), the ``u8s8-safe-weights`` guard; then
   the encodings are read from the result once, and with a target the result is checked against
   its profile (``TargetUnreachable``, exit 3, nothing written).
-- ``write``: ``edgeq.artifacts.writer`` writes the folder atomically (model, report, encodings,
-  AIMET encodings, manifest last).
+- ``route``: one of four functions, each ``(plan, model) -> CompileResult`` and writing nothing:
+  ``compile_in_memory``, ``compile_blockwise``, ``compile_static`` (``--static``) and
+  ``compile_genai`` (``--target ort-genai``). The plan is frozen: the model ``plan_compile`` read
+  is handed to the route beside it (the pipeline clears it as it imports it), and what a route
+  measures (block-wise: the u8s8 risk, block by block) is returned in its result.
+- ``write``: ``edgeq.artifacts.writer.write(result)`` writes the folder atomically (the graphs
+  through the result's per-kind writer, then encodings, AIMET encodings, report, manifest last).
 
 Two paths run the passes. In memory: the whole model in one graph (any model, any pass). Block
 wise (``edgeq.blockwise``): one decoder block at a time, weights read per block and written out
@@ -34,7 +39,7 @@ import edgeq
 from edgeq.measured_accuracy import measured_accuracy
 from edgeq import ir
 from edgeq.artifacts.manifest import input_model_record
-from edgeq.artifacts.writer import write_outputs
+from edgeq.artifacts.writer import CompileResult, ModelGraphs, StaticGraphs, write
 from edgeq.calib.dataset import InputLimits, build_calibration_set
 from edgeq.calib.session import Calibrator
 from edgeq.errors import UserInputError
@@ -76,9 +81,9 @@ class CompileRequest:
     lm_head_bits: int | None = None  # --target ort-genai: a float lm_head as int8 MatMulNBits (8, default) or kept (32)
 
 
-@dataclass
+@dataclass(frozen=True)
 class CompilePlan:
-    """What ``run`` and ``write`` need, all validated."""
+    """What the routes need, all validated; never changed once made."""
 
     req: CompileRequest
     recipe: Recipe
@@ -86,7 +91,6 @@ class CompilePlan:
     passes: list[Pass]  # recipe, then target lowering, then the guard
     counts: tuple[int, int]  # how many of ``passes`` are the recipe's and the lowering's
     int8_weights: str
-    model: onnx.ModelProto
     input_model: dict  # manifest record: file hashes
     fingerprint: str
     calibrator: Calibrator | None
@@ -95,27 +99,25 @@ class CompilePlan:
     started: float
     partition: object | None = None  # edgeq.blockwise.Partition when compiling block-wise
     blockwise_reason: str = ""  # why this path was chosen (report.json)
-    u8s8_from_blocks: dict | None = None  # block-wise: the u8s8 report, taken block by block
     static_shape: object | None = None  # edgeq.static.specialize.StaticShape with --static
 
 
 def compile_model(req: CompileRequest) -> dict:
-    plan = plan_compile(req)
-    if plan.static_shape is not None:
-        return _compile_static(plan)
-    if plan.profile is not None and plan.profile.vendor == "ort-genai":
-        return _compile_genai(plan)
+    plan, model = plan_compile(req)
     if plan.partition is None:
-        model, records, encodings, target = run_plan(plan)
-        return write_plan(plan, model, records, encodings, target)
+        if plan.static_shape is not None:
+            route = compile_static
+        elif plan.profile is not None and plan.profile.vendor == "ort-genai":
+            route = compile_genai
+        else:
+            route = compile_in_memory
+        return write(route(plan, model))
     try:
         staging = _staging_dir(req.out_dir)
     except OSError as exc:
         raise UserInputError(f"cannot write beside the output folder {req.out_dir}: {exc.strerror or exc}") from None
     try:
-        data = staging / "model.onnx.data"
-        model, records, encodings, target = run_plan(plan, data)
-        return write_plan(plan, model, records, encodings, target, data)
+        return write(compile_blockwise(plan, model, staging / "model.onnx.data"))
     except OSError as exc:  # disk full while the weights stream out: nothing half-written is left
         if exc.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
             raise UserInputError(f"cannot write the output in {req.out_dir.resolve().parent}: {exc.strerror or exc}") from None
@@ -124,7 +126,30 @@ def compile_model(req: CompileRequest) -> dict:
         shutil.rmtree(staging, ignore_errors=True)
 
 
-def plan_compile(req: CompileRequest) -> CompilePlan:
+def compile_in_memory(plan: CompilePlan, model: onnx.ModelProto) -> CompileResult:
+    """The whole model in one graph (any model, any pass)."""
+    model, stages, encodings, target, _ = run_plan(plan, model)
+    report, u8s8 = build_report(plan, stages, target)
+    return _result(plan, ModelGraphs(model, u8s8, probe_feeds=plan.sample), report, encodings)
+
+
+def compile_blockwise(plan: CompilePlan, skeleton: onnx.ModelProto, external_data: Path) -> CompileResult:
+    """One decoder block at a time (``edgeq.blockwise``): the weights stream into ``external_data``
+    (which ``write`` moves into the output), the u8s8 risk is measured block by block."""
+    model, stages, encodings, target, measured = run_plan(plan, skeleton, external_data)
+    report, u8s8 = build_report(plan, stages, target, measured)
+    return _result(plan, ModelGraphs(model, u8s8, external_data=external_data), report, encodings)
+
+
+def _result(plan: CompilePlan, graphs, report: dict, encodings: dict) -> CompileResult:
+    return CompileResult(plan.req.out_dir, graphs, report, encodings, recipe=plan.recipe,
+                         input_model=plan.input_model, target=plan.profile.name if plan.profile else None,
+                         started=plan.started, force=plan.req.force, inputs=_inputs(plan.req))
+
+
+def plan_compile(req: CompileRequest) -> tuple[CompilePlan, onnx.ModelProto]:
+    """The validated plan and the model it read (without its weights when compiling block-wise),
+    which the route consumes."""
     started = time.perf_counter()
     _check_out_dir(req)
     recipe = load_recipe(req.recipe)
@@ -174,9 +199,10 @@ def plan_compile(req: CompileRequest) -> CompilePlan:
         sample = data.batches[0]
         calibration = {"data": data.description, "samples": data.samples, "tokens": data.tokens}
     fingerprint = model_fingerprint(model, ir.model_folder(req.model))
-    return CompilePlan(req, recipe, profile, passes + lowering + guard, (len(passes), len(lowering)), int8_weights,
-                       model, input_model_record(req.model, locations), fingerprint, calibrator,
+    plan = CompilePlan(req, recipe, profile, passes + lowering + guard, (len(passes), len(lowering)), int8_weights,
+                       input_model_record(req.model, locations), fingerprint, calibrator,
                        calibration, sample, started, part, why, static_shape=static_shape)
+    return plan, model
 
 
 def _choose_path(req: CompileRequest, skeleton: onnx.ModelProto, passes: list[Pass], locations: set[str]):
@@ -207,32 +233,34 @@ def _choose_path(req: CompileRequest, skeleton: onnx.ModelProto, passes: list[Pa
         return None, f"in memory: the graph does not split into blocks ({exc})"
 
 
-def run_plan(plan: CompilePlan, external_data: Path | None = None) -> tuple[onnx.ModelProto, dict, dict, dict | None]:
-    """The pipeline, the encodings (read once) and the target check; returns (model, records by
-    stage, encodings, target summary). Block-wise, the weights go to ``external_data``."""
+def run_plan(plan: CompilePlan, model: onnx.ModelProto, external_data: Path | None = None
+             ) -> tuple[onnx.ModelProto, dict, dict | None, dict | None, dict | None]:
+    """The pipeline on ``model`` (consumed), the encodings (read once) and the target check;
+    returns (model, records by stage, encodings, target summary, u8s8 measured block by block).
+    Block-wise, the weights go to ``external_data``."""
     req = plan.req
     ctx = PassContext(calibrator=plan.calibrator, int8_weights=plan.int8_weights)
     essential = frozenset(i for i, spec in enumerate(plan.recipe.passes) if spec.essential)
     options = PipelineOptions(req.dump_each, req.verify, req.check_numerics, essential=essential,
                               allow_partial=req.allow_partial, recipe=plan.recipe.name)
+    measured = None
     if plan.partition is not None:
-        model, records = _run_blocks(plan, ctx, options, external_data)
+        model, records, measured = _run_blocks(plan, model, ctx, options, external_data)
     else:
-        model, records = Pipeline(plan.passes, options).run(plan.model, ctx, plan.sample, consume=True)
-    plan.model = None  # consumed: the weights are not held twice
+        model, records = Pipeline(plan.passes, options).run(model, ctx, plan.sample, consume=True)
     n_recipe, n_lowering = plan.counts
     stages = {"recipe": records[:n_recipe], "lowering": records[n_recipe:n_recipe + n_lowering],
               "guard": records[n_recipe + n_lowering:]}
     ir.set_metadata(model, "edgeq.version", edgeq.__version__)
     ir.set_metadata(model, "edgeq.recipe", plan.recipe.name)
     if plan.static_shape is not None:  # the static graphs are read and checked once specialized
-        return model, stages, None, None
+        return model, stages, None, None, None
     encodings = collect_encodings(model, str(external_data.parent) if external_data is not None else "")
     if plan.profile is not None and external_data is not None:
         # the target checks read weights from the graph: bring the streamed ones back (output-sized)
         onnx.load_external_data_for_model(model, str(external_data.parent))
     model, target = reach_target(plan, model, encodings, stages["lowering"])
-    return model, stages, encodings, target
+    return model, stages, encodings, target, measured
 
 
 def reach_target(plan: CompilePlan, model: onnx.ModelProto, encodings: dict, lowering: list) -> tuple[onnx.ModelProto, dict | None]:
@@ -254,17 +282,16 @@ def reach_target(plan: CompilePlan, model: onnx.ModelProto, encodings: dict, low
     return model, target
 
 
-def _compile_static(plan: CompilePlan) -> dict:
+def compile_static(plan: CompilePlan, model: onnx.ModelProto) -> CompileResult:
     """``--static``: the recipe once on the with-past graph (one calibration), then the prefill and
     decode graphs specialized from its result (``edgeq.static``), each checked against the target,
     written over one weights file. With the recipe's ``[kv_cache] dtype = "int8"`` the cache scales
     come from the same calibration windows."""
-    from edgeq.artifacts.writer import write_static_outputs
     from edgeq.static.compile import kv_scales, pair_encodings, static_report, tokenizer_files
     from edgeq.static.specialize import build_pair
 
     shape = plan.static_shape
-    model, stages, _, _ = run_plan(plan)
+    model, stages, _, _, _ = run_plan(plan, model)
     scales = None
     if shape.cache_dtype == "int8":
         if plan.calibrator is None:
@@ -288,10 +315,8 @@ def _compile_static(plan: CompilePlan) -> dict:
 
         def vendor(folder):
             report["qnn_context"] = write_context_binaries(folder, list(pair), plan.req.htp_arch)
-    return write_static_outputs(plan.req.out_dir, pair, report, encodings=encodings, recipe=plan.recipe,
-                                input_model=plan.input_model, target=plan.profile.name if plan.profile else None,
-                                u8s8=u8s8, started=plan.started, extra_files=tokenizer_files(plan.req.model),
-                                force=plan.req.force, inputs=_inputs(plan.req), after_graphs=vendor)
+    graphs = StaticGraphs(pair, u8s8, extra_files=tokenizer_files(plan.req.model), after_graphs=vendor)
+    return _result(plan, graphs, report, encodings)
 
 
 def _check_genai(req: CompileRequest, profile: TargetProfile | None, recipe: Recipe) -> None:
@@ -313,20 +338,18 @@ def _check_genai(req: CompileRequest, profile: TargetProfile | None, recipe: Rec
     read_config(req.model)
 
 
-def _compile_genai(plan: CompilePlan) -> dict:
+def compile_genai(plan: CompilePlan, model: onnx.ModelProto) -> CompileResult:
     """``--target ort-genai``: the recipe on the with-past graph, then the folder onnxruntime-genai
     opens, written from the result (``edgeq.genai``)."""
-    from edgeq.genai.write import write_genai_outputs
+    from edgeq.genai.write import genai_graphs
 
-    model, stages, encodings, target = run_plan(plan)
+    model, stages, encodings, target, _ = run_plan(plan, model)
     report, _ = build_report(plan, stages, target)
     level = 4 if plan.req.accuracy_level is None else plan.req.accuracy_level
     head = 8 if plan.req.lm_head_bits is None else plan.req.lm_head_bits
-    return write_genai_outputs(plan.req.out_dir, model, report, plan.req.model, level, lm_head_bits=head,
-                               encodings=encodings,
-                               recipe=plan.recipe,
-                               input_model=plan.input_model, target=plan.profile.name, started=plan.started,
-                               force=plan.req.force, inputs=_inputs(plan.req))
+    graphs = genai_graphs(model, report, plan.req.model, level, lm_head_bits=head)
+    del model
+    return _result(plan, graphs, report, encodings)
 
 
 def _check_context_binary(req: CompileRequest, profile: TargetProfile | None) -> None:
@@ -346,9 +369,11 @@ def _check_context_binary(req: CompileRequest, profile: TargetProfile | None) ->
         raise UserInputError("--context-binary needs Qualcomm's compiler: pip install 'edgeq[qnn]' (onnxruntime-qnn)")
 
 
-def _run_blocks(plan: CompilePlan, ctx: PassContext, options: PipelineOptions, external_data: Path):
+def _run_blocks(plan: CompilePlan, skeleton: onnx.ModelProto, ctx: PassContext, options: PipelineOptions,
+                external_data: Path):
     """The passes on one decoder block at a time (``edgeq.blockwise``), fresh pass instances per
-    block; the records of each pass merged over the blocks."""
+    block; returns (model, the records of each pass merged over the blocks, the u8s8 report
+    measured block by block)."""
     from edgeq.blockwise import BlockProgress, compile_blocks, merge_records
     from edgeq.calib.session import StreamCarry
     from edgeq.progress import _enabled
@@ -366,13 +391,12 @@ def _run_blocks(plan: CompilePlan, ctx: PassContext, options: PipelineOptions, e
 
     progress = BlockProgress(part.num_layers, _enabled() or os.environ.get("EDGEQ_PROGRESS") is None)
     try:
-        model, per_block, plan.u8s8_from_blocks = compile_blocks(plan.model, part, ir.model_folder(plan.req.model),
-                                                           external_data, run_block, carry, progress,
-                                                           plan.sample)
+        model, per_block, u8s8 = compile_blocks(skeleton, part, ir.model_folder(plan.req.model),
+                                                external_data, run_block, carry, progress, plan.sample)
     finally:
         if plan.calibrator is not None:
             plan.calibrator.carry = None
-    return model, merge_records(per_block)
+    return model, merge_records(per_block), u8s8
 
 
 def _build_passes(plan: CompilePlan) -> list[Pass]:
@@ -388,8 +412,10 @@ def _staging_dir(out_dir: Path) -> Path:
     return ir.staging_dir(out, "weights")
 
 
-def build_report(plan: CompilePlan, stages: dict, target: dict | None) -> tuple[dict, dict]:
-    """report.json's body and its u8s8 section, before the writer adds what it measures."""
+def build_report(plan: CompilePlan, stages: dict, target: dict | None, measured_u8s8: dict | None = None
+                 ) -> tuple[dict, dict]:
+    """report.json's body and its u8s8 section (with ``measured_u8s8``, what block-wise measured),
+    before the writer adds what it measures."""
     calibration = plan.calibration
     if plan.calibrator is not None:
         log = plan.calibrator.log
@@ -420,18 +446,9 @@ def build_report(plan: CompilePlan, stages: dict, target: dict | None) -> tuple[
                                           f"perplexity on {measured['measured_on']} ({measured['family']} family; "
                                           f"{measured['results']})")
     u8s8 = {"int8_weight_range": plan.int8_weights, "guard": stages["guard"][0] if stages["guard"] else None}
-    if plan.u8s8_from_blocks is not None:
-        u8s8.update(plan.u8s8_from_blocks)  # (block-wise: probed block by block)
+    if measured_u8s8 is not None:
+        u8s8.update(measured_u8s8)  # (block-wise: probed block by block)
     return report, u8s8
-
-
-def write_plan(plan: CompilePlan, model: onnx.ModelProto, stages: dict, encodings: dict, target: dict | None,
-               external_data: Path | None = None) -> dict:
-    report, u8s8 = build_report(plan, stages, target)
-    return write_outputs(plan.req.out_dir, model, report, encodings=encodings, recipe=plan.recipe,
-                         input_model=plan.input_model, target=plan.profile.name if plan.profile else None,
-                         u8s8=u8s8, probe_feeds=plan.sample, started=plan.started, external_data=external_data,
-                         force=plan.req.force, inputs=_inputs(plan.req))
 
 
 def _inputs(req: CompileRequest) -> tuple[Path, ...]:

@@ -88,11 +88,12 @@ def builtin_recipe_names() -> list[str]:
 def load_recipe(name_or_path: str) -> Recipe:
     """A built-in recipe by name, or a recipe file by path (``edgeq.tomlfile``)."""
     file = load_named_toml(name_or_path, "edgeq", "recipes", "recipe")
-    recipe = parse_recipe(file.text, file.name, source=file.where)
-    return dataclasses.replace(recipe, origin=file.source, sha256=file.sha256)
+    recipe = parse_recipe(file.text, file.name, source=file.where, sha256=file.sha256)
+    return dataclasses.replace(recipe, origin=file.source)
 
 
-def parse_recipe(text: str, name: str, source: str = "recipe") -> Recipe:
+def parse_recipe(text: str, name: str, source: str = "recipe", sha256: str | None = None) -> Recipe:
+    """``sha256``: of ``text``, when the caller has it already (``load_recipe``: the file's hash)."""
     data = parse_toml(text, source)
     _reject_unknown(data, {"description", "calibration", "kv_cache", "pass"}, source)
     calibration = _build_dataclass(CalibrationSettings, data.get("calibration", {}), f"{source} [calibration]")
@@ -124,7 +125,7 @@ def parse_recipe(text: str, name: str, source: str = "recipe") -> Recipe:
                                  f"earlier in the recipe")
         specs.append(PassSpec(pass_cls.name, config, essential))
     return Recipe(name, description, calibration, tuple(specs), kv_cache,
-                  sha256=hashlib.sha256(text.encode()).hexdigest())
+                  sha256=sha256 if sha256 is not None else hashlib.sha256(text.encode()).hexdigest())
 
 
 def _reject_unknown(data: dict, allowed: set[str], where: str) -> None:

@@ -240,12 +240,12 @@ _CHILD = r"""
 import os, sys, time
 from pathlib import Path
 import edgeq.artifacts.writer as writer
-real = writer._write_rest
+real = writer.write_records
 def paused(tmp, *args, **kwargs):
     Path(os.environ["READY"]).write_text(str(tmp))
     time.sleep(120)
     return real(tmp, *args, **kwargs)
-writer._write_rest = paused
+writer.write_records = paused
 from edgeq.cli import main
 sys.exit(main(sys.argv[1:]))
 """

@@ -1,19 +1,27 @@
-"""The one writer of a compile's output folder.
+"""The one writer of a compile's output folder: ``write(result)`` for every route.
+
+A route of ``edgeq.compiler`` (in memory, block-wise, ``--static``, ``--target ort-genai``)
+returns a ``CompileResult``: the report, the encodings, what the manifest records, and its graphs
+as a small per-kind writer (``ModelGraphs``, ``StaticGraphs``, ``edgeq.genai.write.GenaiGraphs``)
+that puts them into the folder. ``write`` does the rest, the same for all of them.
 
 Everything lands in a temporary folder next to the destination, renamed over it only when all of
-it is written (``ir.atomic_output_dir``), in this order: ``model.onnx`` + ``model.onnx.data``; an
-onnxruntime session on the saved model (the output must load; the same session measures the
-uint8 x int8 kernels' saturation risk for ``report.json``; after a block-wise compile the weights
-file is moved in as it is, and the session only proves that the model loads, the risk having been
-taken block by block); ``encodings.json`` (from the
-encodings the compiler read once); ``aimet_encodings.json``; ``report.json``; ``manifest.json``
-last, so that it hashes the final file set, from the recipe and input hashes recorded at the start.
+it is written (``ir.atomic_output_dir``), in this order: the graphs (for one model ``model.onnx`` +
+``model.onnx.data``; an onnxruntime session on the saved model: the output must load; the same
+session measures the uint8 x int8 kernels' saturation risk for ``report.json``; after a
+block-wise compile the weights file is moved in as it is, and the session only proves that the
+model loads, the risk having been taken block by block); then ``write_records``:
+``encodings.json`` (from the encodings the compiler read once); ``aimet_encodings.json``;
+``report.json``; ``manifest.json`` last, so that it hashes the final file set, from the recipe
+and input hashes recorded at the start.
 """
 
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable, Protocol
 
 import onnx
 
@@ -24,34 +32,99 @@ from edgeq.artifacts.manifest import write_manifest
 from edgeq.peak_rss import peak_rss_mb
 
 
-def write_outputs(out_dir: Path, model: onnx.ModelProto, report: dict, *, encodings: dict, recipe, input_model: dict,
-                  target: str | None, u8s8: dict, probe_feeds: dict | None, started: float,
-                  external_data: Path | None = None, force: bool = False, inputs: tuple = ()) -> dict:
-    """Write every output file; returns the completed report.
+class Graphs(Protocol):
+    def write_into(self, tmp: Path, report: dict) -> int:
+        """Write the graphs (and the files beside them) into ``tmp``, add their sections to
+        ``report``; returns the bytes of the graphs written (report.json's ``output_size_mb``)."""
+
+
+@dataclass
+class CompileResult:
+    """What a compile route hands to ``write``: nothing is written before."""
+
+    out_dir: Path
+    graphs: Graphs  # ModelGraphs | StaticGraphs | GenaiGraphs
+    report: dict  # report.json's body; the writer adds what it measures (sizes, time, peak RSS, u8s8)
+    encodings: dict
+    recipe: object  # the loaded Recipe (manifest: name, origin, sha256)
+    input_model: dict  # manifest record of the input's files
+    target: str | None
+    started: float
+    force: bool = False
+    inputs: tuple = ()  # what must not be replaced (ir.check_output_dir)
+
+
+def write(result: CompileResult) -> dict:
+    """Write ``result``'s output folder atomically; returns the completed report."""
+    with ir.atomic_output_dir(result.out_dir, force=result.force, inputs=result.inputs) as tmp:
+        output_bytes = result.graphs.write_into(tmp, result.report)
+        write_records(tmp, result.report, result.encodings, result.recipe, result.input_model, result.target,
+                      result.started, output_bytes)
+    return result.report
+
+
+@dataclass
+class ModelGraphs:
+    """One ``model.onnx`` (+ ``model.onnx.data``).
 
     ``external_data``: the weights are already written (a block-wise compile streams them into
     this file as it goes, and ``model`` references them as ``model.onnx.data``): the file is moved
-    in and only the graph is saved. ``force``, ``inputs``: what may be replaced (``ir.check_output_dir``)."""
-    with ir.atomic_output_dir(out_dir, force=force, inputs=inputs) as tmp:
-        if external_data is not None and any(True for _ in ir.external_data_locations(model)):
+    in and only the graph is saved; ``u8s8`` then holds the risk measured block by block."""
+
+    model: onnx.ModelProto
+    u8s8: dict
+    probe_feeds: dict | None = None
+    external_data: Path | None = None
+
+    def write_into(self, tmp: Path, report: dict) -> int:
+        model = self.model
+        if self.external_data is not None and any(True for _ in ir.external_data_locations(model)):
             data = tmp / ("model.onnx" + ir.EXTERNAL_DATA_SUFFIX)
-            Path(external_data).replace(data)
+            Path(self.external_data).replace(data)
             ir.honour_umask(data)
             model_path = tmp / "model.onnx"
             onnx.save_model(model, str(model_path))
         else:
             model_path = ir.save_model(model, tmp / "model.onnx")
-        if external_data is not None:  # block-wise: the bound came block by block; only prove it loads
-            _check_loads(model_path)
-            report["u8s8"] = u8s8
+        if self.external_data is not None:  # block-wise: the bound came block by block; only prove it loads
+            check_loads(model_path)
+            report["u8s8"] = self.u8s8
         else:
-            report["u8s8"] = _u8s8_report(model_path, probe_feeds, u8s8)
-        _write_rest(tmp, report, encodings, recipe, input_model, target, started, model_bytes(model_path))
-    return report
+            report["u8s8"] = _u8s8_report(model_path, self.probe_feeds, self.u8s8)
+        return model_bytes(model_path)
 
 
-def _write_rest(tmp: Path, report: dict, encodings: dict, recipe, input_model: dict, target: str | None,
-                started: float, output_bytes: int) -> None:
+@dataclass
+class StaticGraphs:
+    """The static pair (``compile --static``): ``prefill.onnx`` and ``decode.onnx`` over one
+    ``weights.data`` (``edgeq.static.shared_weights``), each proven to load; the tokenizer files
+    (``extra_files``) so that ``edgeq generate`` runs on the folder alone. ``after_graphs(folder)``:
+    more outputs made from the written graphs (QNN context binaries), before the report and the
+    manifest list them."""
+
+    models: dict[str, onnx.ModelProto]
+    u8s8: dict
+    extra_files: list[Path] = field(default_factory=list)
+    after_graphs: Callable[[Path], None] | None = None
+
+    def write_into(self, tmp: Path, report: dict) -> int:
+        from edgeq.static.shared_weights import save_sharing_weights
+
+        report["static"]["weights"] = save_sharing_weights(self.models, tmp)
+        first = tmp / next(iter(self.models))
+        report["u8s8"] = _u8s8_report(first, None, self.u8s8)  # (the worst-case bound; the same weights in both)
+        for name in list(self.models)[1:]:
+            check_loads(tmp / name)
+        for file in self.extra_files:
+            (tmp / file.name).write_bytes(file.read_bytes())
+        graphs = sum(f.stat().st_size for f in tmp.iterdir() if f.suffix in (".onnx", ".data"))
+        if self.after_graphs is not None:
+            self.after_graphs(tmp)
+        return graphs
+
+
+def write_records(tmp: Path, report: dict, encodings: dict, recipe, input_model: dict, target: str | None,
+                  started: float, output_bytes: int) -> None:
     """What every output folder gets after its graphs: encodings (ours and AIMET's), report (with
     time, peak RSS and sizes) and, last, the manifest hashing the final file set."""
     (tmp / "encodings.json").write_text(strict_json(encodings, encodings))
@@ -64,8 +137,6 @@ def _write_rest(tmp: Path, report: dict, encodings: dict, recipe, input_model: d
     report["output_size_mb"] = round(output_bytes / 2**20, 1)
     (tmp / "report.json").write_text(strict_json(json_safe(report, default=_json_default)))
     write_manifest(input_model, recipe, target, tmp)
-
-
 def model_bytes(path: Path) -> int:
     """The model file plus its external data files."""
     path = Path(path)
@@ -76,7 +147,7 @@ def model_bytes(path: Path) -> int:
     return total
 
 
-def _check_loads(model_path: Path) -> None:
+def check_loads(model_path: Path) -> None:
     """An onnxruntime session on the saved model, built the cheapest way (no graph optimizations,
     no weight prepacking): the output must load, and a large one must not be held twice to show it."""
     import onnxruntime as ort
@@ -103,7 +174,7 @@ def _u8s8_report(model_path: Path, feeds: dict | None, u8s8: dict) -> dict:
     sites = find_u8s8_sites(gs.import_onnx(model))
     risk, linears = static_risk(sites), len(sites)
     del model, sites
-    _check_loads(model_path)
+    check_loads(model_path)
     out.update({"linears": linears, "linears_at_risk": len(risk), "saturation_free": not risk, "at_risk": risk,
                 "note": "no calibration data: worst-case bound only, no saturation rates"})
     return out
@@ -115,28 +186,3 @@ def _json_default(obj):
     return str(obj)
 
 
-def write_static_outputs(out_dir: Path, models: dict[str, onnx.ModelProto], report: dict, *, encodings: dict, recipe,
-                         input_model: dict, target: str | None, u8s8: dict, started: float,
-                         extra_files: list[Path] = (), force: bool = False, inputs: tuple = (),
-                         after_graphs=None) -> dict:
-    """The folder of a static pair (``compile --static``): ``prefill.onnx`` and ``decode.onnx``
-    over one ``weights.data`` (``edgeq.static.shared_weights``), each proven to load; one
-    ``encodings.json`` (the two graphs carry the same quantization parameters, checked by the
-    caller); the tokenizer files (``extra_files``) so that ``edgeq generate`` runs on the folder
-    alone; report and manifest as for one model. ``after_graphs(folder)``: more outputs made from
-    the written graphs (QNN context binaries), before the report and the manifest list them."""
-    from edgeq.static.shared_weights import save_sharing_weights
-
-    with ir.atomic_output_dir(out_dir, force=force, inputs=inputs) as tmp:
-        report["static"]["weights"] = save_sharing_weights(models, tmp)
-        first = tmp / next(iter(models))
-        report["u8s8"] = _u8s8_report(first, None, u8s8)  # (the worst-case bound; the same weights in both)
-        for name in list(models)[1:]:
-            _check_loads(tmp / name)
-        for file in extra_files:
-            (tmp / file.name).write_bytes(file.read_bytes())
-        graphs = sum(f.stat().st_size for f in tmp.iterdir() if f.suffix in (".onnx", ".data"))
-        if after_graphs is not None:
-            after_graphs(tmp)
-        _write_rest(tmp, report, encodings, recipe, input_model, target, started, graphs)
-    return report

@@ -5,18 +5,20 @@ the tokenizer files (``tokenizer.json`` as onnxruntime-extensions reads it), ``c
 ``generation_config.json``; then, as every compile output, ``encodings.json``, ``report.json`` and
 ``manifest.json``. All of it is written into a staging folder that replaces the output only when
 complete; before that the model must load in onnxruntime and, when onnxruntime-genai is installed,
-in onnxruntime-genai too.
+in onnxruntime-genai too. ``genai_graphs`` builds the graph (the route's part), ``GenaiGraphs`` writes
+it behind ``edgeq.artifacts.writer.write``, which adds the records every compile output gets.
 """
 
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from pathlib import Path
 
 import onnx
 
 from edgeq import ir
-from edgeq.artifacts.writer import _check_loads, _write_rest
+from edgeq.artifacts.writer import check_loads
 from edgeq.genai import genai_tokenizer, read_config
 from edgeq.genai.emit import build_genai_model, dumps, genai_config
 import dataclasses
@@ -46,9 +48,10 @@ def _linear_summary(dec) -> dict:
             "group_sizes": sorted({lin.weight.group for lin in lins if isinstance(lin.weight, QuantWeight)})}
 
 
-def write_genai_outputs(out_dir: Path, model: onnx.ModelProto, report: dict, source_model: Path, accuracy_level: int,
-                        *, lm_head_bits: int = 8, encodings: dict, recipe, input_model: dict, target: str, started: float, force: bool = False,
-                        inputs: tuple = ()) -> dict:
+def genai_graphs(model: onnx.ModelProto, report: dict, source_model: Path, accuracy_level: int,
+                 lm_head_bits: int = 8) -> GenaiGraphs:
+    """genai's graph from the compiled ``model`` (which it clears as it reads it), and report.json's
+    ``genai`` section."""
     config, generation = read_config(source_model)
     functions, opsets = list(model.functions), {o.domain: o.version for o in model.opset_import}
     dec = read_decoder(ir.to_graph(model), int(config["hidden_size"]), int(config["num_hidden_layers"]))
@@ -62,18 +65,30 @@ def write_genai_outputs(out_dir: Path, model: onnx.ModelProto, report: dict, sou
                                                         "SkipSimplifiedLayerNormalization")},
                        "context_length": int(config.get("max_position_embeddings", 4096))}
     del dec
-    source = Path(source_model).parent
-    with ir.atomic_output_dir(out_dir, force=force, inputs=inputs) as tmp:
-        model_path = ir.save_model(genai_model, tmp / "model.onnx")
-        del genai_model
-        (tmp / "genai_config.json").write_text(dumps(genai_config(config, generation)), encoding="utf-8")
+    return GenaiGraphs(genai_model, config, generation, Path(source_model).parent)
+
+
+@dataclass
+class GenaiGraphs:
+    """The files onnxruntime-genai opens (``edgeq.artifacts.writer.write`` writes the records)."""
+
+    model: onnx.ModelProto | None
+    config: dict
+    generation: dict
+    source: Path  # the input model's folder: tokenizer and config files
+
+    def write_into(self, tmp: Path, report: dict) -> int:
+        source = self.source
+        model_path = ir.save_model(self.model, tmp / "model.onnx")
+        self.model = None  # written: not held while onnxruntime loads it
+        (tmp / "genai_config.json").write_text(dumps(genai_config(self.config, self.generation)), encoding="utf-8")
         if (source / "tokenizer.json").is_file():
             (tmp / "tokenizer.json").write_text(genai_tokenizer((source / "tokenizer.json").read_text(encoding="utf-8")),
                                                 encoding="utf-8")
         for name in COPIED_FILES:
             if (source / name).is_file():
                 (tmp / name).write_bytes((source / name).read_bytes())
-        _check_loads(model_path)
+        check_loads(model_path)
         version = genai_version()
         if version is not None:  # the folder must open where it is meant to run
             import onnxruntime_genai as og
@@ -82,8 +97,7 @@ def write_genai_outputs(out_dir: Path, model: onnx.ModelProto, report: dict, sou
         report["genai"]["opened_by_onnxruntime_genai"] = version
         size = sum(f.stat().st_size for f in tmp.iterdir() if f.name.startswith("model.onnx"))
         report["u8s8"] = {"int8_weight_range": "none: 4-bit MatMulNBits and float linears only"}
-        _write_rest(tmp, report, encodings, recipe, input_model, target, started, size)
-    return report
+        return size
 
 
 def load_genai_config(folder: Path) -> dict:

@@ -53,15 +53,13 @@ from fuzz_harness import (  # noqa: F401
     fz,
     run_case,
 )
-from fuzz_inputs import (  # noqa: F401
+from fuzz_config import _pass_table, build_args_case, build_toml_case  # noqa: F401
+from fuzz_files import (  # noqa: F401
     _fill_cache,
-    _pass_table,
-    build_args_case,
     build_cache_case,
     build_calib_case,
     build_model_case,
     build_sidecar_case,
-    build_toml_case,
 )
 
 

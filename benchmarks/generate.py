@@ -11,7 +11,7 @@ One run measures, on the same SmolLM2-135M weights and the same prompts:
   message (a row with its error) when it cannot be installed.
 
 Each (model, prompt) runs in a fresh process (``generate_run.py`` or the genai runner) whose peak
-RSS is read from outside (``os.wait4``); rounds are interleaved over the models, and the medians
+RSS is read from outside (GNU time, benchmarks/measure.py); rounds are interleaved over the models, and the medians
 over rounds are reported, so drift of a shared machine spreads over every row. Both runtimes use 2
 intra-op threads (onnxruntime-genai's default here is 1). Perplexity: the 40 WikiText-2 test
 windows teacher-forced through each model (``edgeq eval ppl``; static pairs ``--through prefill``,
@@ -37,6 +37,9 @@ from edgeq.evaluate.machine import machine_info
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "benchmarks" / "peers"))
+sys.path.insert(0, str(REPO / "benchmarks"))
+
+from measure import run_measured  # noqa: E402
 
 EDGEQ = [sys.executable, "-m", "edgeq"]
 RECIPES = ("fp32", "mquant-w8a8", "mquant-w8a8-kv8", "gptq-w4a16")
@@ -44,13 +47,9 @@ DATA = REPO / "data" / "wikitext-2"
 
 
 def run_child(cmd: list[str], env: dict | None = None) -> tuple[int, str, str, float]:
-    """(exit code, stdout, stderr, peak RSS MiB of the child read with os.wait4)."""
-    with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=err, cwd=REPO, env=env)
-        _, status, usage = os.wait4(proc.pid, 0)
-        out.seek(0), err.seek(0)
-        code = os.waitstatus_to_exitcode(status)
-        return code, out.read().decode(), err.read().decode(), usage.ru_maxrss / 1024
+    """(exit code, stdout, stderr, peak RSS MiB of the child, read by GNU time: see benchmarks/measure.py)."""
+    run = run_measured(cmd, cwd=REPO, env=env)
+    return run["code"], run["stdout"], run["stderr"], run["peak_rss_mb"]
 
 
 def ensure_models(args) -> dict[str, Path]:

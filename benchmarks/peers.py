@@ -1,14 +1,22 @@
 """edgeq side by side with the tools users would pick instead, in one run, on SmolLM2-135M.
 
-The same fp32 ONNX model (``artifacts/smollm2/model.onnx``), the same 16 calibration windows of
-WikiText-2 valid and the same 40 evaluation windows of test (512 tokens each, the project
+The same fp32 ONNX model (``artifacts/smollm2/model.onnx``), the same calibration windows of
+WikiText-2 valid (the first 16 for every tool and setting; the first 64 as well for edgeq's GPTQ,
+whose recipe asks for them) and the same 40 evaluation windows of test (512 tokens each, the project
 protocol), for every tool in two categories: static W8A8 with per-tensor activations (the NPU
 form) and 4-bit weights with float activations. Each peer runs its own recommended settings
 (cited in ``benchmarks/peers/pins.toml`` and in each adapter's ``settings``) inside its own
 virtual environment (``benchmarks/peers/venvs.py``, versions pinned in ``pins.toml``), through an
 adapter with one contract (``benchmarks/peers/adapters/<peer>.py``: ``settings``, ``quantize``,
 and ``evaluate`` for OpenVINO outputs). onnxruntime-genai's model builder is the fourth peer
-(int4 only), built by ``benchmarks/peers/build_ortgenai.py``.
+(int4 only), rebuilt in every run by ``benchmarks/peers/build_ortgenai.py``.
+
+Equal terms: every row states ``calib_windows``, ``group_size``, ``lm_head_bits`` and
+``embedding_bits`` (32 = float) and ``accuracy_level`` (None where they do not apply); for ONNX
+outputs the last four are read off the written graph. W4 is compared at group 128 (NNCF: 64, since
+128 does not divide 576); group-32 rows carry a ``caveat``: SmolLM2's weights come from a Q4_1
+GGUF, whose blocks of 32 a block-32 grid partly recovers. Where a tool allows it, lm_head is
+quantized and kept float in two rows; edgeq's W4 compiles are evaluated at accuracy level 0 and 4.
 
 Per row: the quantize or compile step in its own process, wall time and peak RSS read from outside
 (GNU time, which starts the step); then, here in edgeq's venv, perplexity on the 40 windows with onnxruntime's
@@ -29,10 +37,10 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -42,52 +50,45 @@ REPO = Path(__file__).resolve().parents[1]
 PEERS_DIR = REPO / "benchmarks" / "peers"
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(PEERS_DIR))
+sys.path.insert(0, str(REPO / "benchmarks"))
 
 from edgeq.evaluate.machine import isa_label, machine_info  # noqa: E402
+from measure import run_measured as _run  # noqa: E402
 
 ADAPTER_PEERS = ("ort-quant", "quark", "nncf")
 ADAPTER_FILES = {"ort-quant": "ort_quant.py", "quark": "quark.py", "nncf": "nncf.py"}
-# edgeq's closest recipes per category (mquant-w8a8 is the default recipe)
+# edgeq's closest recipes per category (mquant-w8a8 is the default recipe). The W4 recipe runs on 64
+# windows (its own setting) and on 16 (the peers'), with lm_head in float (the recipe) and in 4 bits
+# (the peers' default); each W4 compile is evaluated at MatMulNBits accuracy level 0 (the recipe) and
+# 4 (int8 activations, what genai and onnxruntime's RTN example use). gptq-w4a16-g32 is the
+# contaminated group-32 case (see G32_CAVEAT).
 EDGEQ_SETTINGS = [
-    {"setting": "mquant-w8a8", "category": "w8a8", "weight_bits": 8, "activation_bits": 8},
-    {"setting": "w8a8", "category": "w8a8", "weight_bits": 8, "activation_bits": 8},
-    {"setting": "gptq-w4a16", "category": "w4", "weight_bits": 4, "activation_bits": 32},
-    {"setting": "gptq-w4a16-g32", "category": "w4", "weight_bits": 4, "activation_bits": 32},
+    {"setting": "mquant-w8a8", "recipe": "mquant-w8a8", "category": "w8a8", "weight_bits": 8, "activation_bits": 8,
+     "calib_windows": 16},
+    {"setting": "w8a8", "recipe": "w8a8", "category": "w8a8", "weight_bits": 8, "activation_bits": 8, "calib_windows": 16},
+    *[{"setting": f"gptq-w4a16{head}-c{n}", "recipe": "gptq-w4a16", "category": "w4", "weight_bits": 4,
+       "activation_bits": 32, "calib_windows": n, "lm_head_4bit": bool(head), "accuracy_levels": (0, 4)}
+      for n in (64, 16) for head in ("", "-head4")],
+    {"setting": "gptq-w4a16-g32-c64", "recipe": "gptq-w4a16-g32", "category": "w4", "weight_bits": 4,
+     "activation_bits": 32, "calib_windows": 64, "accuracy_levels": (0, 4)},
 ]
-GPTQ_SETTINGS = ("gptq-w4a16", "gptq-w4a16-g32")  # calibrate on 64 windows, as their recipes say
+G32_CAVEAT = ("group 32: SmolLM2's weights come from a Q4_1 GGUF (asymmetric 4-bit blocks of 32 along K), so a "
+              "block-32 4-bit grid partly recovers that grid; not comparable with group 128")
+CALIB_WINDOWS = (16, 64)
+# what every row states so that rows compare like for like (None where it does not apply):
+# calibration windows (None: data-free), W4 group size, lm_head / embedding bits (32: float),
+# MatMulNBits accuracy level (0: float activations, 4: int8 activations inside the kernel)
+ROW_TERMS = ("calib_windows", "group_size", "lm_head_bits", "embedding_bits", "accuracy_level")
 DATA = REPO / "data" / "wikitext-2"
 
 
 def run_measured(cmd: list[str], log: Path, env: dict | None = None, timeout_s: float | None = None) -> dict:
-    """Run ``cmd`` to completion (killed after ``timeout_s``), its stderr into ``log``; exit code,
-    wall seconds, its peak RSS (MiB, GNU time), its last stdout line, and whether it timed out."""
-    start = time.perf_counter()
-    timed_out = False
-    # peak RSS from GNU time, a small process that starts the command: os.wait4 on a child of this
-    # (by then large) process reports at least this process's own size, since the child's
-    # high-water mark starts from the parent's image it was forked from
-    rss_file = Path(tempfile.mkstemp(prefix="peers-rss-")[1])
-    cmd = ["/usr/bin/time", "-f", "%M", "-o", str(rss_file), *cmd]
-    with open(log, "w") as err, tempfile.TemporaryFile() as out:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=err, cwd=REPO, env=env, start_new_session=True)
-        while True:
-            pid, status, _ = os.wait4(proc.pid, os.WNOHANG)
-            if pid:
-                break
-            if timeout_s is not None and time.perf_counter() - start > timeout_s and not timed_out:
-                timed_out = True
-                os.killpg(proc.pid, 9)
-            time.sleep(0.5)
-        out.seek(0)
-        lines = out.read().decode(errors="replace").strip().splitlines()
-    try:
-        peak_kb = float(rss_file.read_text().split()[-1])
-    except (OSError, ValueError, IndexError):  # killed before GNU time wrote it
-        peak_kb = float("nan")
-    rss_file.unlink(missing_ok=True)
-    return {"code": os.waitstatus_to_exitcode(status), "seconds": round(time.perf_counter() - start, 1),
-            "peak_rss_mb": round(peak_kb / 1024, 1), "last_line": lines[-1] if lines else "",
-            "timed_out": timed_out}
+    """Run ``cmd`` (stderr into ``log``): exit code, wall seconds, peak RSS (MiB, GNU time: see
+    benchmarks/measure.py), its last stdout line, and whether it timed out."""
+    run = _run(cmd, log=log, cwd=REPO, env=env, timeout_s=timeout_s)
+    lines = run["stdout"].strip().splitlines()
+    return {"code": run["code"], "seconds": round(run["seconds"], 1), "peak_rss_mb": run["peak_rss_mb"],
+            "last_line": lines[-1] if lines else "", "timed_out": run["timed_out"]}
 
 
 def _last_error(log: Path) -> str:
@@ -95,19 +96,29 @@ def _last_error(log: Path) -> str:
     return lines[-1][:400] if lines else "no output"
 
 
-def data_files(work: Path, tokenizer: Path) -> tuple[Path, Path]:
+def data_files(work: Path, tokenizer: Path) -> tuple[dict[int, Path], Path]:
+    """Calibration windows of WikiText-2 valid (the first 16 and the first 64: the 16 are the 64's
+    first rows) and the 40 evaluation windows of test, 512 tokens each."""
     from edgeq.textdata import token_windows
 
-    calib, evaluation = work / "calib-16x512.npy", work / "eval-40x512.npy"
-    if not calib.is_file():
-        np.save(calib, token_windows(DATA / "valid.txt", tokenizer, 512, 16))
+    calib = {n: work / f"calib-{n}x512.npy" for n in CALIB_WINDOWS}
+    evaluation = work / "eval-40x512.npy"
+    if not all(f.is_file() for f in calib.values()):
+        ids = token_windows(DATA / "valid.txt", tokenizer, 512, max(CALIB_WINDOWS))
+        for n, f in calib.items():
+            # what `edgeq compile --calib valid.txt --calib-windows n` tokenizes, so every tool sees these rows
+            assert np.array_equal(ids[:n], token_windows(DATA / "valid.txt", tokenizer, 512, n))
+            np.save(f, ids[:n])
     if not evaluation.is_file():
         np.save(evaluation, token_windows(DATA / "test.txt", tokenizer, 512, 40))
     return calib, evaluation
 
 
-def peer_rows(peer: str, model: Path, calib: Path, evaluation: Path, work: Path, timeout_s: float) -> list[dict]:
-    """One row per setting of an adapter peer: quantized (timed) and, for OpenVINO outputs, evaluated."""
+def peer_rows(peer: str, model: Path, calib: dict[int, Path], evaluation: Path, work: Path, timeout_s: float,
+              only: set[str] | None = None, reuse: set[str] = frozenset()) -> list[dict]:
+    """One row per setting of an adapter peer: quantized (timed) and, for OpenVINO outputs, evaluated.
+    ``only``: the TOOL/SETTING names to run (None: all); ``reuse``: TOOL/SETTING names whose output
+    and measurement an earlier run left in ``work`` (the row says so)."""
     from venvs import ensure_venv
 
     python = ensure_venv(peer)
@@ -119,13 +130,35 @@ def peer_rows(peer: str, model: Path, calib: Path, evaluation: Path, work: Path,
         return [{"tool": peer, "setting": None, "error": f"settings failed: {listed.stderr.strip()[-300:]}"}]
     rows = []
     for spec in json.loads(listed.stdout):
+        name = f"{peer}/{spec['setting']}"
+        if only is not None and name not in only:
+            continue
         row = {"tool": peer, **spec, "error": None}
         out = work / peer / spec["setting"]
         out.parent.mkdir(parents=True, exist_ok=True)
         log = work / peer / f"{spec['setting']}.log"
-        print(f"[peers] {peer} {spec['setting']}: quantizing", file=sys.stderr)
-        run = run_measured([str(python), adapter, "quantize", "--setting", spec["setting"], "--model", str(model),
-                            "--calib-ids", str(calib), "--out", str(out)], log, timeout_s=timeout_s)
+        record = work / peer / f"{spec['setting']}.measured.json"  # this step's measurement, for --reuse
+        if name in reuse:
+            waited = time.perf_counter()
+            while not record.is_file() and time.perf_counter() - waited < timeout_s:
+                print(f"[peers] {name}: waiting for the separate run to write {record}", file=sys.stderr)
+                time.sleep(60)
+            if not record.is_file():
+                rows.append({**row, "error": f"--reuse: {record} not written within --timeout-min"})
+                continue
+            run = json.loads(record.read_text())
+            row["reused"] = (f"quantized by an earlier run ({run['when']}; {run.get('beside', 'machine state not recorded')}); "
+                             "compile_s and peak_rss_mb are that step's")
+            print(f"[peers] {name}: reusing the output of {run['when']} (--reuse)", file=sys.stderr)
+        else:
+            print(f"[peers] {name}: quantizing", file=sys.stderr)
+            run = run_measured([str(python), adapter, "quantize", "--setting", spec["setting"], "--model", str(model),
+                                "--calib-ids", str(calib[spec.get("calib_windows") or 16]), "--out", str(out)], log,
+                               timeout_s=timeout_s)
+            run["when"] = time.strftime("%Y-%m-%d %H:%M")
+            if os.environ.get("PEERS_BESIDE"):  # what else ran on the machine, when a step is run apart
+                run["beside"] = os.environ["PEERS_BESIDE"]
+            record.write_text(json.dumps({k: v for k, v in run.items() if k != "stdout"}))
         row.update(compile_s=run["seconds"], peak_rss_mb=run["peak_rss_mb"])
         if run["timed_out"]:
             row["error"] = f"did not finish within the benchmark's limit of {timeout_s / 60:.0f} min (--timeout-min)"
@@ -151,25 +184,82 @@ def peer_rows(peer: str, model: Path, calib: Path, evaluation: Path, work: Path,
     return rows
 
 
+# onnxruntime-genai's model builder, int4 CPU, rebuilt in every run (timed by GNU time): its
+# recommended block 32 (contaminated here, see G32_CAVEAT), block 128, and block 128 with lm_head
+# left in float (and the embedding not shared with it, so also float), as edgeq's W4 recipes.
+GENAI_SETTINGS = [
+    {"setting": "int4-rtn-b32-acc4", "group_size": 32, "caveat": G32_CAVEAT,
+     "extra_options": {"accuracy_level": "4", "block_size": "32"}},
+    {"setting": "int4-rtn-b128-acc4", "group_size": 128, "extra_options": {"accuracy_level": "4", "block_size": "128"}},
+    {"setting": "int4-rtn-b128-acc4-head-float", "group_size": 128,
+     "extra_options": {"accuracy_level": "4", "block_size": "128", "nodes_to_exclude": "/lm_head/MatMul",
+                       "shared_embeddings": "false"}},
+]
+
+
 def genai_rows(work: Path) -> list[dict]:
     """onnxruntime-genai's model builder: int4 only (it has no static W8A8 path)."""
-    from build_ortgenai import BUILD_INFO, EXTRA_OPTIONS, build
+    from build_ortgenai import BUILD_INFO, build
     from venvs import pins
 
-    spec = {"tool": "ort-genai", "category": "w4", "weight_bits": 4, "activation_bits": 32, "format": "onnx",
-            "setting": "int4-rtn-block32-acc4", "description": "model builder -p int4 -e cpu, RTN, "
-            + ", ".join(f"{k}={v}" for k, v in EXTRA_OPTIONS.items()) + " (int8 activations inside MatMulNBits)",
-            "error": None}
-    w8a8 = {**spec, "category": "w8a8", "weight_bits": 8, "activation_bits": 8, "setting": None,
-            "error": "not offered: the model builder writes int4/fp16/fp32 decoders, no static W8A8"}
-    out = build(force=False)
-    if out is None:
-        return [{**spec, "error": "onnxruntime-genai could not be installed or its builder failed"}, w8a8]
-    info = json.loads((out / BUILD_INFO).read_text())
     version = next((p.split("==")[1] for p in pins("ort-genai")["packages"] if p.startswith("onnxruntime-genai==")), None)
-    return [{**spec, "version": version, "path": str(out), "compile_s": info["builder_wall_s"],
-             "peak_rss_mb": round(info["builder_peak_rss_bytes"] / 2**20, 1),
-             "notes": "timed by build_ortgenai.py when it built (not rebuilt in this run if up to date)"}, w8a8]
+    rows = []
+    for setting in GENAI_SETTINGS:
+        options = setting["extra_options"]
+        row = {"tool": "ort-genai", "category": "w4", "weight_bits": 4, "activation_bits": 32, "format": "onnx",
+               "calib_windows": None, **{k: v for k, v in setting.items() if k != "extra_options"},
+               "description": "model builder -p int4 -e cpu, RTN (data-free), --extra_options "
+               + " ".join(f"{k}={v}" for k, v in options.items()), "version": version, "error": None}
+        print(f"[peers] ort-genai {setting['setting']}: building", file=sys.stderr)
+        out = build(out_dir=work / "ort-genai" / setting["setting"], force=True, extra_options=options)
+        if out is None:
+            rows.append({**row, "error": "onnxruntime-genai could not be installed or its builder failed "
+                         f"(log: {work / 'ort-genai' / setting['setting']}.build.log)"})
+            continue
+        info = json.loads((out / BUILD_INFO).read_text())
+        rows.append({**row, "path": str(out), "compile_s": round(info["builder_wall_s"], 1),
+                     "peak_rss_mb": round(info["builder_peak_rss_bytes"] / 2**20, 1),
+                     "notes": "built in this run; wall time and peak RSS of the builder process by GNU time"})
+    rows.append({"tool": "ort-genai", "category": "w8a8", "weight_bits": 8, "activation_bits": 8, "format": "onnx",
+                 "setting": None, "error": "not offered: the model builder writes int4/fp16/fp32 decoders, no static W8A8"})
+    return rows
+
+
+def _recipe_file(spec: dict, work: Path) -> str:
+    """The recipe to compile: the built-in name, or for ``lm_head_4bit`` a copy of it that also
+    quantizes lm_head (``skip_roles = []``), written under ``work``."""
+    if not spec.get("lm_head_4bit"):
+        return spec["recipe"]
+    from edgeq.tomlfile import load_named_toml
+
+    text = load_named_toml(spec["recipe"], "edgeq", "recipes", "recipe").text
+    if text.count('skip_roles = ["lm_head"]') != 1:
+        raise RuntimeError(f"recipe {spec['recipe']} has no single skip_roles = [\"lm_head\"] line to drop")
+    out = work / f"{spec['recipe']}-head4.toml"
+    out.write_text(text.replace('skip_roles = ["lm_head"]', "skip_roles = []  # lm_head quantized too (peers benchmark)"))
+    return str(out)
+
+
+def with_accuracy_level(src: Path, dst: Path, level: int) -> Path:
+    """A copy of the folder ``src`` whose MatMulNBits run at ``level`` (model.onnx rewritten, the
+    other files copied: onnx refuses external data with several hard links): the same weights
+    evaluated at another accuracy level."""
+    import onnx
+
+    dst.mkdir(parents=True, exist_ok=True)
+    model = onnx.load(str(src / "model.onnx"), load_external_data=False)
+    for node in model.graph.node:
+        if node.op_type == "MatMulNBits":
+            for attr in node.attribute:
+                if attr.name == "accuracy_level":
+                    node.attribute.remove(attr)
+                    break
+            node.attribute.append(onnx.helper.make_attribute("accuracy_level", level))
+    onnx.save(model, str(dst / "model.onnx"))
+    for f in src.iterdir():
+        if f.name != "model.onnx" and f.is_file() and not (dst / f.name).exists():
+            shutil.copy2(f, dst / f.name)
+    return dst
 
 
 def edgeq_rows(model: Path, work: Path) -> list[dict]:
@@ -181,16 +271,83 @@ def edgeq_rows(model: Path, work: Path) -> list[dict]:
         log = work / "edgeq" / f"{spec['setting']}.log"
         log.parent.mkdir(parents=True, exist_ok=True)
         print(f"[peers] edgeq {spec['setting']}: compiling", file=sys.stderr)
-        run = run_measured([sys.executable, "-m", "edgeq", "compile", str(model), "--recipe", spec["setting"],
-                            "--calib", str(DATA / "valid.txt"), "--calib-windows", "64" if spec["setting"] in GPTQ_SETTINGS else "16",
+        run = run_measured([sys.executable, "-m", "edgeq", "compile", str(model), "--recipe", _recipe_file(spec, work),
+                            "--calib", str(DATA / "valid.txt"), "--calib-windows", str(spec["calib_windows"]),
                             "--no-cache", "-o", str(out)], log, env={**os.environ, "EDGEQ_PROGRESS": "0"})
-        row = {"tool": "edgeq", "version": edgeq.__version__, **spec, "format": "onnx", "compile_s": run["seconds"],
-               "peak_rss_mb": run["peak_rss_mb"], "error": None if run["code"] == 0 else _last_error(log),
-               "path": str(out), "docs": "docs/recipes.md"}
-        if spec["setting"] in GPTQ_SETTINGS:
-            row["notes"] = "GPTQ fits a K x K Hessian per linear: the recipe calibrates on 64 windows (16 over-fit)"
-        rows.append(row)
+        base = {"tool": "edgeq", "version": edgeq.__version__,
+                **{k: v for k, v in spec.items() if k not in ("accuracy_levels", "lm_head_4bit")},
+                "format": "onnx", "compile_s": run["seconds"], "peak_rss_mb": run["peak_rss_mb"],
+                "error": None if run["code"] == 0 else _last_error(log), "path": str(out), "docs": "docs/recipes.md"}
+        if spec["category"] == "w4":
+            base["notes"] = (f"recipe {spec['recipe']}" + (" with lm_head quantized too (skip_roles = [])"
+                             if spec.get("lm_head_4bit") else " (lm_head in float)")
+                             + f", calibrated on {spec['calib_windows']} windows")
+        if "g32" in spec["recipe"]:
+            base["caveat"] = G32_CAVEAT
+        for level in spec.get("accuracy_levels", (None,)):
+            row = dict(base)
+            if level is not None:
+                row["setting"] = f"{spec['setting']}-acc{level}"
+                if level != 0 and not row["error"]:
+                    row["path"] = str(with_accuracy_level(out, work / "edgeq" / row["setting"], level))
+                    row["notes"] += f"; the acc0 row's compile with MatMulNBits accuracy_level set to {level}"
+            rows.append(row)
     return rows
+
+
+_ELEMENT_BITS = {1: 32, 10: 16, 16: 16, 2: 8, 3: 8, 21: 4, 22: 4}  # onnx TensorProto: float, f16, bf16, (u)int8, (u)int4
+_PASS_THROUGH = {"Transpose", "Reshape", "Cast", "Identity", "Squeeze", "Unsqueeze", "Flatten"}
+
+
+def weight_policy(folder: Path) -> dict:
+    """What an ONNX output does with the vocab head and the embedding, read off its graph (not
+    declared): ``lm_head_bits`` and ``embedding_bits`` (32 = float), the W4 ``group_size`` (the most
+    common MatMulNBits block_size; None without MatMulNBits) and ``accuracy_level`` (the most common
+    MatMulNBits accuracy_level, 0 when unset; None without MatMulNBits)."""
+    from collections import Counter
+
+    import onnx
+
+    graph = onnx.load(str(folder / "model.onnx"), load_external_data=False).graph
+    inits = {t.name: t for t in graph.initializer}
+    producer = {o: n for n in graph.node for o in n.output}
+
+    def attr(node, name, default):
+        return next((onnx.helper.get_attribute_value(a) for a in node.attribute if a.name == name), default)
+
+    def tensor_bits(name: str) -> int | None:
+        """Bits of the weight that ``name`` carries: an initializer, or one behind DQ / pass-through ops."""
+        while name not in inits:
+            node = producer.get(name)
+            if node is None:
+                return None
+            if node.op_type == "DequantizeLinear":
+                source = inits.get(node.input[0])
+                return _ELEMENT_BITS.get(source.data_type) if source is not None else None
+            if node.op_type not in _PASS_THROUGH:
+                return None
+            name = node.input[0]
+        return _ELEMENT_BITS.get(inits[name].data_type)
+
+    logits = next((o.name for o in graph.output if o.name == "logits"), graph.output[0].name)
+    node = producer.get(logits)
+    while node is not None and node.op_type in _PASS_THROUGH | {"Add"}:
+        node = producer.get(node.input[0])
+    head = None
+    if node is not None and node.op_type == "MatMulNBits":
+        head = int(attr(node, "bits", 4))
+    elif node is not None and node.op_type in ("MatMul", "Gemm"):
+        head = tensor_bits(node.input[1])
+    embedding = None
+    for n in graph.node:
+        if n.op_type == "GatherBlockQuantized" and n.input[1] == "input_ids":
+            embedding = int(attr(n, "bits", 4))
+        elif n.op_type == "Gather" and len(n.input) > 1 and n.input[1] == "input_ids":
+            embedding = tensor_bits(n.input[0])
+    nbits = [n for n in graph.node if n.op_type == "MatMulNBits"]
+    return {"lm_head_bits": head, "embedding_bits": embedding,
+            "group_size": Counter(int(attr(n, "block_size", 0)) for n in nbits).most_common(1)[0][0] if nbits else None,
+            "accuracy_level": Counter(int(attr(n, "accuracy_level", 0)) for n in nbits).most_common(1)[0][0] if nbits else None}
 
 
 def _session(path: Path, exact_qdq: bool):
@@ -231,6 +388,14 @@ def onnx_perplexity(path: Path, windows: np.ndarray, exact_qdq: bool) -> float:
         nll += window_nll(logits, ids)
         tokens += ids.size - 1
     return round(float(np.exp(nll / tokens)), 3)
+
+
+def add_weight_policy(rows: list[dict]) -> None:
+    """lm_head / embedding bits, group size and accuracy level of every ONNX row, from its graph
+    (OpenVINO IR rows keep what their adapter states)."""
+    for row in rows:
+        if row.get("format") == "onnx" and row.get("path") and (Path(row["path"]) / "model.onnx").is_file():
+            row.update(weight_policy(Path(row["path"])))
 
 
 def add_perplexities(rows: list[dict], windows: np.ndarray) -> None:
@@ -275,8 +440,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--plot", type=Path, default=None, help="PNG (default: beside --out)")
     ap.add_argument("--resume", action="store_true", help="reuse the quantize/compile rows of peers an interrupted "
                     "run finished (artifacts/peers/rows-partial.json); the figures then come from two runs")
-    ap.add_argument("--timeout-min", type=float, default=30, help="a peer setting still quantizing after this is a row "
-                    "with that error (default 30; edgeq's own compiles are not limited)")
+    ap.add_argument("--timeout-min", type=float, default=60, help="a peer setting still quantizing after this is a row "
+                    "with that error (default 60; edgeq's own compiles are not limited)")
+    ap.add_argument("--only", nargs="+", metavar="TOOL/SETTING", help="run only these adapter-peer settings "
+                    "(e.g. ort-quant/nbits-gptq-b128-asym; edgeq and ort-genai rows are chosen with --peers)")
+    ap.add_argument("--reuse", nargs="+", default=[], metavar="TOOL/SETTING", help="take these adapter-peer "
+                    "settings' output and measurement from an earlier run in --work instead of quantizing again; "
+                    "the row records when and beside what it ran")
     ap.add_argument("--table", type=Path, metavar="RESULTS", help="print the docs/peers.md table of a results file and exit")
     args = ap.parse_args(argv)
     if args.table:
@@ -293,6 +463,7 @@ def main(argv: list[str] | None = None) -> int:
     fp32 = {"tool": "fp32", "setting": "fp32", "category": "fp32", "weight_bits": 32, "activation_bits": 32,
             "format": "onnx", "path": str(args.model_dir), "error": None}
     add_perplexities([fp32], windows)
+    add_weight_policy([fp32])
     rows: list[dict] = [fp32]
     partial = args.work / "rows-partial.json"  # the quantize/compile rows so far: an interrupted run keeps them
     done = json.loads(partial.read_text()) if args.resume and partial.is_file() else {}
@@ -302,13 +473,15 @@ def main(argv: list[str] | None = None) -> int:
             rows += [{**r, "resumed": True} for r in done[peer]]
             continue
         if peer in ADAPTER_PEERS:
-            got = peer_rows(peer, model, calib, evaluation, args.work, args.timeout_min * 60)
+            got = peer_rows(peer, model, calib, evaluation, args.work, args.timeout_min * 60,
+                            only=set(args.only) if args.only else None, reuse=set(args.reuse))
         elif peer == "ort-genai":
             got = genai_rows(args.work)
         elif peer == "edgeq":
             got = edgeq_rows(model, args.work)
         else:
             ap.error(f"unknown peer {peer}")
+        add_weight_policy(got)
         add_perplexities(got, windows)
         rows += got
         done[peer] = got
@@ -318,13 +491,15 @@ def main(argv: list[str] | None = None) -> int:
     latencies(rows, windows[0], args.latency_repeats)
     for row in rows:
         row.setdefault("version", None)
-        for key in ("ppl", "ppl_exact", "compile_s", "peak_rss_mb", "latency_ms"):
+        for key in ("ppl", "ppl_exact", "compile_s", "peak_rss_mb", "latency_ms", *ROW_TERMS):
             row.setdefault(key, None)
         row["isa"] = isa_label(info)
         if row.get("ppl") and fp32.get("ppl"):
             row["ppl_ratio"] = round(row["ppl"] / fp32["ppl"], 4)
     result = {"benchmark": "peers", "date": time.strftime("%Y-%m-%d"), "machine": info,
-              "protocol": {"calibration": "16 x 512 tokens, WikiText-2 valid", "evaluation": f"{args.windows} x 512 tokens, WikiText-2 test",
+              "protocol": {"calibration": "the first 16 or 64 windows of 512 tokens of WikiText-2 valid (row key "
+                                          "calib_windows; the 16 are the 64's first rows), the same files for every tool",
+                           "row_terms": list(ROW_TERMS), "evaluation": f"{args.windows} x 512 tokens, WikiText-2 test",
                            "latency": f"one 512-token forward pass, batch 1, median of {args.latency_repeats} interleaved rounds"},
               "rows": rows}
     args.out.parent.mkdir(parents=True, exist_ok=True)
@@ -337,12 +512,20 @@ def main(argv: list[str] | None = None) -> int:
 def markdown_table(results: Path) -> str:
     """The docs/peers.md table of a results file (``--table``)."""
     data = json.loads(results.read_text())
-    lines = ["| tool | setting | W/A bits | ppl (x fp32) | exact-QDQ ppl | compile s | peak RSS MiB | ORT latency ms | other runtime ms | error |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+
+    def cell(value, fmt="{}"):
+        return "-" if value is None else fmt.format(value)
+
+    lines = ["| tool | setting | W/A bits | calib | group | lm_head / emb bits | acc level | ppl (x fp32) | exact-QDQ ppl "
+             "| compile s | peak RSS MiB | ORT latency ms | other runtime ms | error |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for r in data["rows"]:
         ratio = f" ({r['ppl_ratio']:.3f})" if r.get("ppl_ratio") else ""
         ppl = f"{r['ppl']:.3f}{ratio}" if r.get("ppl") else "-"
-        cells = [r["tool"], r.get("setting") or "-", f"{r.get('weight_bits', '-')}/{r.get('activation_bits', '-')}", ppl,
+        setting = (r.get("setting") or "-") + (" (g32: contaminated)" if r.get("caveat") else "")
+        cells = [r["tool"], setting, f"{r.get('weight_bits', '-')}/{r.get('activation_bits', '-')}",
+                 cell(r.get("calib_windows")), cell(r.get("group_size")),
+                 f"{cell(r.get('lm_head_bits'))} / {cell(r.get('embedding_bits'))}", cell(r.get("accuracy_level")), ppl,
                  f"{r['ppl_exact']:.3f}" if r.get("ppl_exact") else "-", str(r.get("compile_s") or "-"),
                  str(r.get("peak_rss_mb") or "-"), str(r.get("latency_ms") or "-"),
                  f"{r['runtime_latency_ms']:.0f} ({r.get('runtime', '')})" if r.get("runtime_latency_ms") else "-",

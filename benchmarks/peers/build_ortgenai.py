@@ -22,7 +22,7 @@ Run with edgeq's .venv python:  python benchmarks/peers/build_ortgenai.py
 
 The output (default ``artifacts/ortgenai-int4/``) is rebuilt only when the pins, the builder
 options or the HF weights change; ``edgeq-build.json`` in it records them together with the
-builder's wall time and peak RSS (measured from outside the process with ``os.wait4``).
+builder's wall time and peak RSS (GNU time, which starts the builder: benchmarks/measure.py).
 """
 
 from __future__ import annotations
@@ -32,13 +32,13 @@ import hashlib
 import json
 import os
 import shutil
-import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from measure import run_measured  # noqa: E402
 from venvs import ROOT, ensure_venv, pins, pins_hash  # noqa: E402
 
 PEER = "ort-genai"
@@ -99,19 +99,11 @@ def _dir_size(d: Path) -> int:
     return sum(f.stat().st_size for f in d.rglob("*") if f.is_file())
 
 
-def run_measured(cmd: list[str], log: Path, env: dict | None = None) -> tuple[int, float, int]:
-    """Run cmd with output to log; return (exit code, wall seconds, peak RSS in bytes)."""
-    with open(log, "w") as out:
-        t0 = time.perf_counter()
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env)
-        _, status, usage = os.wait4(proc.pid, 0)
-        wall = time.perf_counter() - t0
-    proc.returncode = os.waitstatus_to_exitcode(status)
-    return proc.returncode, wall, usage.ru_maxrss * 1024  # ru_maxrss is in KiB on Linux
-
-
-def build(hf_dir: Path = HF_DIR, out_dir: Path = OUT_DIR, force: bool = False) -> Path | None:
-    """Build (or reuse) the genai int4 CPU model; return its folder, or None if unavailable."""
+def build(hf_dir: Path = HF_DIR, out_dir: Path = OUT_DIR, force: bool = False,
+          extra_options: dict[str, str] | None = None) -> Path | None:
+    """Build (or reuse) the genai int4 CPU model with the builder's ``extra_options`` (default
+    ``EXTRA_OPTIONS``); return its folder, or None if unavailable."""
+    extra_options = dict(EXTRA_OPTIONS if extra_options is None else extra_options)
     python = ensure_venv(PEER)
     if python is None:
         print(f"[ort-genai] skipped: the {PEER} venv could not be installed", file=sys.stderr)
@@ -122,7 +114,7 @@ def build(hf_dir: Path = HF_DIR, out_dir: Path = OUT_DIR, force: bool = False) -
         "packages": pins(PEER)["packages"],
         "precision": "int4",
         "execution_provider": "cpu",
-        "extra_options": EXTRA_OPTIONS,
+        "extra_options": extra_options,
         "hf_dir": str(hf_dir),
         "hf_fingerprint": _hf_fingerprint(hf_dir),
         "tokenizer_fix": 1,
@@ -140,11 +132,14 @@ def build(hf_dir: Path = HF_DIR, out_dir: Path = OUT_DIR, force: bool = False) -
     log = out_dir.parent / f"{out_dir.name}.build.log"
     cmd = [str(python), "-m", "onnxruntime_genai.models.builder",
            "-i", str(hf_dir), "-o", str(tmp), "-p", "int4", "-e", "cpu", "-c", str(cache),
-           "--extra_options", *[f"{k}={v}" for k, v in EXTRA_OPTIONS.items()]]
+           "--extra_options", *[f"{k}={v}" for k, v in extra_options.items()]]
     print(f"[ort-genai] building: {' '.join(cmd)}\n[ort-genai] log: {log}", file=sys.stderr)
     env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
     try:
-        rc, wall, peak = run_measured(cmd, log, env)
+        run = run_measured(cmd, log=log, env=env)
+        rc, wall, peak = run["code"], run["seconds"], run["peak_rss_mb"] * 2**20
+        with open(log, "a") as f:  # the builder's stdout after its stderr
+            f.write(run["stdout"])
         if rc != 0 or not (tmp / "model.onnx").exists():
             tail = "\n".join("    " + line for line in log.read_text().splitlines()[-20:])
             print(f"[ort-genai] builder failed (exit {rc}):\n{tail}", file=sys.stderr)
@@ -153,7 +148,7 @@ def build(hf_dir: Path = HF_DIR, out_dir: Path = OUT_DIR, force: bool = False) -
         fix_tokenizer(tmp)
         tmp.chmod(0o755)  # mkdtemp made it private
         info = {"key": key, "command": cmd, "builder_wall_s": round(wall, 2),
-                "builder_peak_rss_bytes": peak, "model_bytes": _dir_size(tmp)}
+                "builder_peak_rss_bytes": int(peak), "rss_by": "GNU time", "model_bytes": _dir_size(tmp)}
         (tmp / BUILD_INFO).write_text(json.dumps(info, indent=2) + "\n")
         if out_dir.exists():
             shutil.rmtree(out_dir)

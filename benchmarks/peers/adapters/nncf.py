@@ -85,22 +85,31 @@ _W8A8_DESC = ("nncf.quantize static INT8, model_type=TRANSFORMER (MIXED preset: 
 _W4_DESC = (f"nncf.compress_weights INT4_ASYM group {W4_GROUP} ratio {W4_RATIO}, data-aware AWQ + "
             "scale estimation on 16 calibration windows; embeddings and lm_head INT8_ASYM (backup)")
 
+# calib_windows / group_size / lm_head_bits / embedding_bits as benchmarks/peers.py's rows state them
+# (for ONNX outputs the orchestrator reads the last three off the graph; OpenVINO IR rows keep these)
+_W8 = {"category": "w8a8", "weight_bits": 8, "activation_bits": 8, "calib_windows": 16, "group_size": None,
+       "lm_head_bits": 8, "embedding_bits": 32}
+_W4 = {"category": "w4", "weight_bits": 4, "activation_bits": 32, "calib_windows": 16, "group_size": W4_GROUP,
+       "lm_head_bits": 8, "embedding_bits": 8}
 SETTINGS = [
-    {"setting": "ptq-sq-onnx", "category": "w8a8", "weight_bits": 8, "activation_bits": 8, "format": "onnx",
+    {"setting": "ptq-sq-onnx", **_W8, "format": "onnx",
      "description": _W8A8_DESC + "; NNCF ONNX backend -> QDQ ONNX", "docs": DOCS_PTQ},
-    {"setting": "ptq-sq-onnx-rope-ignored", "category": "w8a8", "weight_bits": 8, "activation_bits": 8,
-     "format": "onnx", "ignore_rope": True,
+    {"setting": "ptq-sq-onnx-rope-ignored", **_W8, "format": "onnx", "ignore_rope": True,
      "description": _W8A8_DESC + "; RoPE MatMul in ignored_scope (what NNCF's TRANSFORMER RoPE pattern intends "
                     "but misses on this export); NNCF ONNX backend -> QDQ ONNX", "docs": DOCS_PTQ},
-    {"setting": "ptq-sq-openvino", "category": "w8a8", "weight_bits": 8, "activation_bits": 8,
-     "format": "openvino",
+    {"setting": "ptq-sq-openvino", **_W8, "format": "openvino",
      "description": _W8A8_DESC + "; on the OpenVINO model from openvino.convert_model -> OpenVINO IR",
      "docs": DOCS_PTQ},
-    {"setting": "int4-awq-se-openvino", "category": "w4", "weight_bits": 4, "activation_bits": 32,
-     "format": "openvino", "description": _W4_DESC + "; OpenVINO model -> OpenVINO IR", "docs": DOCS_WC},
-    {"setting": "int4-awq-se-onnx", "category": "w4", "weight_bits": 4, "activation_bits": 32, "format": "onnx",
+    {"setting": "int4-awq-se-openvino", **_W4, "format": "openvino",
+     "description": _W4_DESC + "; OpenVINO model -> OpenVINO IR", "docs": DOCS_WC},
+    {"setting": "int4-awq-se-openvino-all-layers", **_W4, "lm_head_bits": 4, "embedding_bits": 4,
+     "format": "openvino", "all_layers": True,
+     "description": _W4_DESC.replace("embeddings and lm_head INT8_ASYM (backup)", "all_layers=True: embeddings "
+                                     "and lm_head INT4_ASYM too") + "; OpenVINO model -> OpenVINO IR",
+     "docs": DOCS_WC},
+    {"setting": "int4-awq-se-onnx", **_W4, "format": "onnx",
      "description": _W4_DESC + "; NNCF ONNX backend -> MatMulNBits ONNX", "docs": DOCS_WC_NNCF},
-    {"setting": "int4sym-awq-se-onnx", "category": "w4", "weight_bits": 4, "activation_bits": 32, "format": "onnx",
+    {"setting": "int4sym-awq-se-onnx", **_W4, "format": "onnx",
      "mode": "INT4_SYM",
      "description": _W4_DESC.replace("INT4_ASYM", "INT4_SYM") + "; NNCF ONNX backend -> MatMulNBits ONNX "
                     "(INT4_SYM: NNCF's ONNX INT4_ASYM output does not load in onnxruntime)", "docs": DOCS_WC_NNCF},
@@ -130,7 +139,8 @@ def versions() -> str:
     return f"nncf {nncf.__version__}, openvino {ov.get_version()}"
 
 
-CONTRACT_KEYS = ("setting", "category", "weight_bits", "activation_bits", "format", "description", "docs")
+CONTRACT_KEYS = ("setting", "category", "weight_bits", "activation_bits", "format", "calib_windows", "group_size",
+                 "lm_head_bits", "embedding_bits", "description", "docs")
 
 
 def cmd_settings(_args) -> int:
@@ -170,10 +180,10 @@ def _ptq_kwargs(n: int) -> dict:
                     smooth_quant_alphas=AdvancedSmoothQuantParameters(matmul=SQ_ALPHA)))
 
 
-def _wc_kwargs(n: int, mode: str = "INT4_ASYM") -> dict:
+def _wc_kwargs(n: int, mode: str = "INT4_ASYM", all_layers: bool = False) -> dict:
     import nncf
     return dict(mode=getattr(nncf.CompressWeightsMode, mode), group_size=W4_GROUP, ratio=W4_RATIO,
-                awq=True, scale_estimation=True, subset_size=n)
+                awq=True, scale_estimation=True, subset_size=n, all_layers=all_layers)
 
 
 def _ort_error(model_or_path) -> str | None:
@@ -348,7 +358,7 @@ def cmd_quantize(args) -> int:
             if spec["category"] == "w8a8":
                 q = nncf.quantize(model, data, **_ptq_kwargs(n))
             else:
-                q = nncf.compress_weights(model, dataset=data, **_wc_kwargs(n))
+                q = nncf.compress_weights(model, dataset=data, **_wc_kwargs(n, all_layers=spec.get("all_layers", False)))
             notes.append(_ov_summary(q))
             _save_ov(q, out)
     except SystemExit:
@@ -360,7 +370,8 @@ def cmd_quantize(args) -> int:
         notes.append(f"SmoothQuant alpha {SQ_ALPHA} (NNCF default for MatMul, not tuned; {DOCS_SQ})")
     else:
         notes.append(f"group {W4_GROUP} because 128 does not divide hidden size 576; "
-                     "embeddings and lm_head stay INT8_ASYM (NNCF default all_layers=False)")
+                     + ("embeddings and lm_head INT4_ASYM too (all_layers=True)" if spec.get("all_layers") else
+                        "embeddings and lm_head stay INT8_ASYM (NNCF default all_layers=False)"))
     if spec["format"] == "openvino":
         notes.append("ONNX converted with openvino.convert_model; IR saved with compress_to_fp16=False")
     notes.append(f"{n} calibration windows of {calib.shape[1]} tokens; nncf call + save {secs:.1f}s")

@@ -19,7 +19,14 @@ per-channel weights, only MatMul inputs quantized and MatMul outputs left in flo
 (``op_types_to_quantize=["MatMul"]`` and ``OpTypesToExcludeOutputQuantization=["MatMul"]``, as in
 onnxruntime's LLaMA static-quantization example). Activations are uint8 (U8S8), which the
 ``quantize_static`` docstring of onnxruntime 1.32 recommends for x86-64 CPUs, with ``reduce_range``
-only for CPUs without VNNI.
+only for CPUs without VNNI. The ``-rope-excluded`` settings put the rotary-embedding MatMul
+(positions as float x inv_freq) in ``nodes_to_exclude``, as NNCF's ``ptq-sq-onnx-rope-ignored`` puts
+it in its ignored scope: one uint8 scale cannot hold positions 0..511.
+
+w4 (``MatMulNBitsQuantizer``): RTN and HQQ at block 128 (the comparison size), with lm_head (and
+for RTN the embedding Gather) quantized as the tools do by default, and each in a ``-head-float``
+variant that puts those nodes in ``nodes_to_exclude``, as edgeq's W4 recipes keep them; HQQ at block 32
+(the quantizer CLI default) labelled contaminated; GPTQ at block 128, symmetric (its asymmetric zero-point packing fails on 576 = 4.5 x 128), on the 16 windows.
 
 w4 (``MatMulNBitsQuantizer``): weight-only block quantization to the ``MatMulNBits`` contrib op;
 activations stay float (accuracy_level 4 lets the CPU kernel quantize them to int8 per block on the
@@ -63,70 +70,51 @@ DOC_NBITS_CLI = (
 # SmoothQuant alpha of onnxruntime's LLaMA SmoothQuant example (0.6 for llama-7b; the API default is 0.5).
 SQ_ALPHA = 0.6
 
+_STATIC = ("quant_pre_process, then quantize_static QDQ: uint8 per-tensor static activations (MinMax), int8 "
+           "per-channel weights, MatMul inputs only (outputs unquantized), reduce_range off (the x86 VNNI recipe)")
+_ROPE = ("; the rotary-embedding MatMul (positions x inv_freq) in nodes_to_exclude, as NNCF's ignored_scope "
+         "in its -rope-ignored setting")
+_HEAD_FLOAT = ("; lm_head MatMul and embedding Gather in nodes_to_exclude (float, as edgeq's W4 recipes keep them)")
+_G32 = ("; group 32: SmolLM2's weights come from a Q4_1 GGUF (asymmetric 4-bit blocks of 32 along K), so a "
+        "block-32 grid partly recovers that grid (contaminated, not comparable with group 128)")
+
+
+def _static(setting, description, docs, calib_windows=16):
+    return {"setting": setting, "category": "w8a8", "weight_bits": 8, "activation_bits": 8, "format": "onnx",
+            "calib_windows": calib_windows, "group_size": None, "description": description, "docs": docs}
+
+
+def _w4(setting, description, docs, group_size, calib_windows=None):
+    return {"setting": setting, "category": "w4", "weight_bits": 4, "activation_bits": 32, "format": "onnx",
+            "calib_windows": calib_windows, "group_size": group_size, "description": description, "docs": docs}
+
+
 SETTINGS = [
-    {
-        "setting": "static-u8s8-minmax",
-        "category": "w8a8",
-        "weight_bits": 8,
-        "activation_bits": 8,
-        "format": "onnx",
-        "description": "quant_pre_process, then quantize_static QDQ: uint8 per-tensor static activations "
-        "(MinMax), int8 per-channel weights, MatMul inputs only (outputs unquantized), reduce_range off "
-        "(the x86 VNNI recipe)",
-        "docs": DOC_STATIC_DOCSTRING,
-    },
-    {
-        "setting": "static-u8s8-smoothquant",
-        "category": "w8a8",
-        "weight_bits": 8,
-        "activation_bits": 8,
-        "format": "onnx",
-        "description": f"as static-u8s8-minmax plus extra_options SmoothQuant (alpha {SQ_ALPHA}, folding on; "
-        "Intel Neural Compressor's ORTSmoothQuant) before calibration",
-        "docs": DOC_LLAMA_SQ,
-    },
-    {
-        "setting": "static-u8s8-minmax-reduce-range",
-        "category": "w8a8",
-        "weight_bits": 8,
-        "activation_bits": 8,
-        "format": "onnx",
-        "description": "as static-u8s8-minmax with reduce_range=True (7-bit weights), the recipe for x86 CPUs "
-        "without VNNI (AVX2/AVX512) to avoid U8S8 saturation",
-        "docs": DOC_GUIDE + "#when-to-use-reduce-range-and-per-channel-quantization",
-    },
-    {
-        "setting": "nbits-rtn-b128-sym-acc4",
-        "category": "w4",
-        "weight_bits": 4,
-        "activation_bits": 32,
-        "format": "onnx",
-        "description": "quant_pre_process, then MatMulNBitsQuantizer DefaultWeightOnlyQuantConfig (RTN) as in the "
-        "docs example: int4 symmetric, block 128, accuracy_level 4, MatMul -> MatMulNBits and the embedding "
-        "Gather -> GatherBlockQuantized",
-        "docs": DOC_INT4,
-    },
-    {
-        "setting": "nbits-hqq-b32",
-        "category": "w4",
-        "weight_bits": 4,
-        "activation_bits": 32,
-        "format": "onnx",
-        "description": "quant_pre_process, then MatMulNBitsQuantizer HQQWeightOnlyQuantConfig with the quantizer "
-        "CLI defaults: 4 bits, block 32, asymmetric (HQQ has no symmetric mode), MatMul only, accuracy_level unset",
-        "docs": DOC_NBITS_CLI,
-    },
-    {
-        "setting": "nbits-gptq-b32-asym",
-        "category": "w4",
-        "weight_bits": 4,
-        "activation_bits": 32,
-        "format": "onnx",
-        "description": "quant_pre_process, then MatMulNBitsQuantizer GPTQWeightOnlyQuantConfig calibrated on "
-        "CALIB.npy, settings of onnxruntime's LLaMA weight-only example: group 32, asymmetric, percdamp 0.01, "
-        "no act-order, accuracy_level unset, MatMul only",
-        "docs": DOC_LLAMA_WOQ,
-    },
+    _static("static-u8s8-minmax", _STATIC, DOC_STATIC_DOCSTRING),
+    _static("static-u8s8-minmax-rope-excluded", _STATIC + _ROPE, DOC_STATIC_DOCSTRING),
+    _static("static-u8s8-smoothquant", f"as static-u8s8-minmax plus extra_options SmoothQuant (alpha {SQ_ALPHA}, "
+            "folding on; Intel Neural Compressor's ORTSmoothQuant) before calibration", DOC_LLAMA_SQ),
+    _static("static-u8s8-smoothquant-rope-excluded", f"as static-u8s8-smoothquant{_ROPE}", DOC_LLAMA_SQ),
+    _static("static-u8s8-minmax-reduce-range", "as static-u8s8-minmax with reduce_range=True (7-bit weights), the "
+            "recipe for x86 CPUs without VNNI (AVX2/AVX512) to avoid U8S8 saturation",
+            DOC_GUIDE + "#when-to-use-reduce-range-and-per-channel-quantization"),
+    _w4("nbits-rtn-b128-sym-acc4", "quant_pre_process, then MatMulNBitsQuantizer DefaultWeightOnlyQuantConfig (RTN) "
+        "as in the docs example: int4 symmetric, block 128, accuracy_level 4, MatMul -> MatMulNBits and the embedding "
+        "Gather -> GatherBlockQuantized", DOC_INT4, 128),
+    _w4("nbits-rtn-b128-sym-acc4-head-float", "as nbits-rtn-b128-sym-acc4" + _HEAD_FLOAT, DOC_INT4, 128),
+    _w4("nbits-hqq-b128", "quant_pre_process, then MatMulNBitsQuantizer HQQWeightOnlyQuantConfig: 4 bits, block 128, "
+        "asymmetric (HQQ has no symmetric mode), MatMul only (lm_head included), accuracy_level unset", DOC_NBITS_CLI, 128),
+    _w4("nbits-hqq-b128-head-float", "as nbits-hqq-b128" + _HEAD_FLOAT, DOC_NBITS_CLI, 128),
+    _w4("nbits-hqq-b32", "quant_pre_process, then MatMulNBitsQuantizer HQQWeightOnlyQuantConfig with the quantizer "
+        "CLI defaults: 4 bits, block 32, asymmetric, MatMul only (lm_head included), accuracy_level unset" + _G32,
+        DOC_NBITS_CLI, 32),
+    _w4("nbits-gptq-b128-sym", "quant_pre_process, then MatMulNBitsQuantizer GPTQWeightOnlyQuantConfig calibrated on "
+        "CALIB.npy with onnxruntime's LLaMA weight-only example's GPTQ settings (percdamp 0.01, no act-order) but "
+        "symmetric, block 128, accuracy_level unset, MatMul only (lm_head included); symmetric because the example's "
+        "asymmetric form fails here at block 128 and 64: its zero-point packing assumes an even number of blocks per "
+        "column (576 / 128 = 4.5, 576 / 64 = 9: 'cannot reshape array of size 1440 into shape (576,newaxis)'); "
+        "16 windows only (its layer-wise ONNX GPTQ took 42 min on 16 windows at block 32 here)", DOC_LLAMA_WOQ, 128,
+        calib_windows=16),
 ]
 BY_NAME = {s["setting"]: s for s in SETTINGS}
 
@@ -242,6 +230,30 @@ def save_model(model_proto, out_dir: Path) -> None:
     )
 
 
+def rotary_matmuls(pre: Path) -> list[str]:
+    """The rotary-embedding MatMul(s) of the pre-processed model (positions as float x inv_freq)."""
+    import onnx
+
+    names = [n.name for n in onnx.load(str(pre), load_external_data=False).graph.node
+             if n.op_type == "MatMul" and "rotary" in n.name]
+    if not names:
+        raise Failure("no rotary-embedding MatMul found to exclude (expected a MatMul named *rotary*)")
+    return names
+
+
+def head_and_embedding(pre: Path) -> list[str]:
+    """Names of the MatMul that produces the logits and of the Gather that reads input_ids."""
+    import onnx
+
+    graph = onnx.load(str(pre), load_external_data=False).graph
+    outputs = {o.name for o in graph.output}
+    head = [n.name for n in graph.node if n.op_type == "MatMul" and n.output[0] in outputs]
+    embed = [n.name for n in graph.node if n.op_type == "Gather" and len(n.input) > 1 and n.input[1] == "input_ids"]
+    if len(head) != 1 or len(embed) != 1:
+        raise Failure(f"expected one lm_head MatMul and one embedding Gather, found {head} and {embed}")
+    return head + embed
+
+
 def quantize_static_setting(setting: str, model: str, ids: np.ndarray, out_dir: Path, work: Path) -> str:
     import onnx
     from onnxruntime.quantization import CalibrationMethod, QuantFormat, QuantType, quantize_static
@@ -254,7 +266,10 @@ def quantize_static_setting(setting: str, model: str, ids: np.ndarray, out_dir: 
     extra = {"OpTypesToExcludeOutputQuantization": ["MatMul"]}
     reduce_range = setting == "static-u8s8-minmax-reduce-range"
     notes = []
-    if setting == "static-u8s8-smoothquant":
+    exclude = rotary_matmuls(pre) if setting.endswith("-rope-excluded") else []
+    if exclude:
+        notes.append(f"nodes_to_exclude={exclude}")
+    if setting.startswith("static-u8s8-smoothquant"):
         try:
             import neural_compressor  # noqa: F401
             from neural_compressor.adaptor.ox_utils.smooth_quant import ORTSmoothQuant  # noqa: F401
@@ -275,6 +290,7 @@ def quantize_static_setting(setting: str, model: str, ids: np.ndarray, out_dir: 
         op_types_to_quantize=["MatMul"],
         per_channel=True,
         reduce_range=reduce_range,
+        nodes_to_exclude=exclude,
         activation_type=QuantType.QUInt8,
         weight_type=QuantType.QInt8,
         use_external_data_format=True,
@@ -284,10 +300,11 @@ def quantize_static_setting(setting: str, model: str, ids: np.ndarray, out_dir: 
     log(f"quantize_static: {time.time() - t0:.1f} s")
     qmodel = onnx.load(str(tmp_out))
     n_q = sum(1 for n in qmodel.graph.node if n.op_type == "QuantizeLinear")
-    dq_out = {n.output[0] for n in qmodel.graph.node if n.op_type == "DequantizeLinear"}
+    dq_source = {n.output[0]: n.input[0] for n in qmodel.graph.node if n.op_type == "DequantizeLinear"}
     inits = {t.name for t in qmodel.graph.initializer}
-    act_act = [n for n in qmodel.graph.node if n.op_type == "MatMul" and all(i in dq_out for i in n.input)
-               and not any(i in inits for i in n.input)]
+    # both inputs dequantized activations: neither DequantizeLinear reads a weight initializer
+    act_act = [n for n in qmodel.graph.node if n.op_type == "MatMul" and all(i in dq_source for i in n.input)
+               and not any(dq_source[i] in inits for i in n.input)]
     rotary = [n.name for n in act_act if "rotary" in n.name]
     save_model(qmodel, out_dir)
     notes.append(
@@ -308,7 +325,8 @@ def quantize_nbits_setting(setting: str, model: str, ids: np.ndarray, out_dir: P
 
     quiet_tool_logs()
     pre = pre_process(model, work)
-    if setting == "nbits-rtn-b128-sym-acc4":
+    exclude = head_and_embedding(pre) if setting.endswith("-head-float") else None
+    if setting.startswith("nbits-rtn-b128-sym-acc4"):
         # onnxruntime.ai's "Quantize to Int4/UInt4" example, loaded the way it shows.
         from onnxruntime.quantization import quant_utils
 
@@ -321,19 +339,20 @@ def quantize_nbits_setting(setting: str, model: str, ids: np.ndarray, out_dir: P
             quant_axes=(("MatMul", 0), ("Gather", 1)),
         )
         src = quant_utils.load_model_with_shape_infer(pre)
-        quant = mnq.MatMulNBitsQuantizer(src, nodes_to_exclude=None, nodes_to_include=None, algo_config=cfg)
-    elif setting == "nbits-hqq-b32":
+        quant = mnq.MatMulNBitsQuantizer(src, nodes_to_exclude=exclude, nodes_to_include=None, algo_config=cfg)
+    elif setting.startswith("nbits-hqq-"):
         try:
             import torch  # noqa: F401  (HQQ is implemented in torch)
         except Exception as exc:
             raise Failure(f"HQQ needs torch: {type(exc).__name__}: {exc}") from exc
-        cfg = mnq.HQQWeightOnlyQuantConfig(block_size=32, bits=4, op_types_to_quantize=("MatMul",))
-        quant = mnq.MatMulNBitsQuantizer(onnx.load(str(pre)), bits=4, algo_config=cfg)
-    elif setting == "nbits-gptq-b32-asym":
+        block = BY_NAME[setting]["group_size"]
+        cfg = mnq.HQQWeightOnlyQuantConfig(block_size=block, bits=4, op_types_to_quantize=("MatMul",))
+        quant = mnq.MatMulNBitsQuantizer(onnx.load(str(pre)), bits=4, nodes_to_exclude=exclude, algo_config=cfg)
+    elif setting == "nbits-gptq-b128-sym":
         cfg = mnq.GPTQWeightOnlyQuantConfig(calibration_data_reader=WindowReader(ids))
         # Pass the loaded model, not its path: given a path under 2 GB, the INC-derived GPTQ code loads it
         # without its external data and then fails to build its calibration session from bytes.
-        quant = mnq.MatMulNBitsQuantizer(onnx.load(str(pre)), block_size=32, is_symmetric=False,
+        quant = mnq.MatMulNBitsQuantizer(onnx.load(str(pre)), block_size=128, is_symmetric=True,
                                          accuracy_level=None, algo_config=cfg)
     else:
         raise Failure(f"unknown w4 setting {setting!r}")
@@ -353,7 +372,8 @@ def quantize_nbits_setting(setting: str, model: str, ids: np.ndarray, out_dir: P
         ops[n.op_type] = ops.get(n.op_type, 0) + 1
     save_model(qproto, out_dir)
     return (
-        f"{cfg.algorithm}: {ops.get('MatMulNBits', 0)} MatMulNBits, {ops.get('GatherBlockQuantized', 0)} "
+        (f"nodes_to_exclude={exclude}; " if exclude else "")
+        + f"{cfg.algorithm}: {ops.get('MatMulNBits', 0)} MatMulNBits, {ops.get('GatherBlockQuantized', 0)} "
         f"GatherBlockQuantized, {ops.get('MatMul', 0)} float MatMul left"
     )
 

@@ -32,6 +32,11 @@ Settings follow Quark's own ONNX LLM recipes, i.e. the worked opt-125m examples 
   the first calibration batch only (here window 0, 512 tokens: feeding all 16 windows as one batch
   needs more than 11 GB RSS on this model). It re-quantizes GPTQ's dequantized weights onto a
   fresh symmetric MatMulNBits grid (scale = 2*max|w|/15, zero point 8), a second rounding.
+* w4 ``int4-gptq-one-batch``: the same GPTQ with all 16 windows fed as one batch of 16, so that its
+  Hessians see every window (peak RSS well above the batch-1 run).
+* lm_head stays 4-bit in every w4 setting: Quark 0.13's MATMUL_NBITS path takes no node exclusion
+  (``run_matmul_nbits_quantization`` builds its quantizer from ``MatMulNBitsParams`` alone; a
+  ``nodes_to_exclude`` in the config was measured to leave all 211 MatMuls, lm_head included, 4-bit).
 * w4 ``int4-hqq``: MATMUL_NBITS with ``Algorithm: HQQ`` (data-free half-quadratic quantization).
 
 Quark's ONNX flow has no AWQ. Calibration feeds exactly the windows of CALIB.npy, one window per
@@ -78,24 +83,30 @@ _W8A8 = ("Quark INT8_TRANSFORMER_DEFAULT: QDQ, MinMax calibration with moving av
 _W4 = (f"Quark MATMUL_NBITS: com.microsoft MatMulNBits int4, block {W4_GROUP}, on all 211 MatMuls with "
        "constant weights (incl. lm_head, after Quark folds the embedding Transpose; embedding Gather fp32)")
 
+_Q8 = {"category": "w8a8", "weight_bits": 8, "activation_bits": 8, "format": "onnx", "calib_windows": 16,
+       "group_size": None}
+_Q4 = {"category": "w4", "weight_bits": 4, "activation_bits": 32, "format": "onnx", "calib_windows": None,
+       "group_size": W4_GROUP}
 SETTINGS = [
-    {"setting": "int8-transformer", "category": "w8a8", "weight_bits": 8, "activation_bits": 8,
-     "format": "onnx", "description": _W8A8, "docs": DOCS_SQ},
-    {"setting": "int8-transformer-sq", "category": "w8a8", "weight_bits": 8, "activation_bits": 8,
-     "format": "onnx", "description": _W8A8 + "; SmoothQuant alpha 0.5 (SmoothQuantConfig default; a Mul "
+    {"setting": "int8-transformer", **_Q8, "description": _W8A8, "docs": DOCS_SQ},
+    {"setting": "int8-transformer-sq", **_Q8,
+     "description": _W8A8 + "; SmoothQuant alpha 0.5 (SmoothQuantConfig default; a Mul "
      "inserted before each weight MatMul, its inverse folded into the weight; max |x| over 16 windows)",
      "docs": DOCS_SQ_ALGO},
-    {"setting": "int8-transformer-sq-a0.8", "category": "w8a8", "weight_bits": 8, "activation_bits": 8,
-     "format": "onnx", "description": _W8A8 + "; SmoothQuant alpha 0.8 (the opt-125m example's SmoothAlpha; "
+    {"setting": "int8-transformer-sq-a0.8", **_Q8,
+     "description": _W8A8 + "; SmoothQuant alpha 0.8 (the opt-125m example's SmoothAlpha; "
      "a Mul inserted before each weight MatMul, its inverse folded into the weight; max |x| over 16 "
      "windows)", "docs": DOCS_SQ},
-    {"setting": "int4-rtn", "category": "w4", "weight_bits": 4, "activation_bits": 32, "format": "onnx",
+    {"setting": "int4-rtn", **_Q4,
      "description": _W4 + ", symmetric round-to-nearest (onnxruntime quantize_matmul_4bits), "
      "accuracy_level 1, data-free", "docs": DOCS_GPTQ},
-    {"setting": "int4-gptq", "category": "w4", "weight_bits": 4, "activation_bits": 32, "format": "onnx",
+    {"setting": "int4-gptq", **_Q4, "calib_windows": 1,
      "description": _W4 + ", symmetric GPTQ (group 128, no act-order, no MSE, damp 0.01; Hessians from the first "
      "calibration batch only = window 0, as Quark's ONNX GPTQ does), accuracy_level 0", "docs": DOCS_GPTQ},
-    {"setting": "int4-hqq", "category": "w4", "weight_bits": 4, "activation_bits": 32, "format": "onnx",
+    {"setting": "int4-gptq-one-batch", **_Q4, "calib_windows": 16, "batch": 16,
+     "description": _W4 + ", symmetric GPTQ as int4-gptq, but the 16 calibration windows fed as one batch of 16 "
+     "so that its Hessians see all of them (Quark's ONNX GPTQ reads the first batch only)", "docs": DOCS_GPTQ},
+    {"setting": "int4-hqq", **_Q4,
      "description": _W4 + " (HQQ quantizer: asymmetric with zero points), half-quadratic quantization, "
      "data-free", "docs": DOCS_GPTQ},
 ]
@@ -153,7 +164,7 @@ def _config(setting: str):
         cfg = copy.deepcopy(get_default_config("MATMUL_NBITS"))
         params = cfg.extra_options["MatMulNBitsParams"]
         params["GroupSize"] = W4_GROUP
-        if setting == "int4-gptq":
+        if setting.startswith("int4-gptq"):
             params["AccuracyLevel"] = 0
             params["Algorithm"] = "GPTQ"
             cfg.extra_options["GPTQParams"] = {"MSE": False, "GroupSize": W4_GROUP, "ActOrder": False,
@@ -207,7 +218,7 @@ def cmd_quantize(a: argparse.Namespace) -> None:
         tmp_out = work / "model.onnx"
         # One window per batch, as in Quark's examples. (Quark's ONNX GPTQ reads the first batch only;
         # feeding all 16 windows as one batch needs > 11 GB RSS on this model, so it sees window 0.)
-        reader = _reader(ids, batch=1)
+        reader = _reader(ids, batch=_BY_NAME[a.setting].get("batch", 1))
         result = ModelQuantizer(config).quantize_model(str(model), str(tmp_out), reader)
         if not tmp_out.exists():
             raise RuntimeError(f"Quark wrote no model (quantize_model returned {type(result).__name__})")
@@ -240,6 +251,8 @@ def cmd_quantize(a: argparse.Namespace) -> None:
     if a.setting.startswith("int8-transformer"):
         notes += (" Quark's MinMax calibrator keeps every window's full outputs (incl. the 100 MB logits) "
                   "until the end of calibration, hence a peak RSS near 9 GB.")
+    if a.setting == "int4-gptq-one-batch":
+        notes += f" All {ids.shape[0]} windows in one calibration batch."
     if a.setting == "int4-gptq":
         notes += (f" Quark's ONNX GPTQ reads only the first calibration batch: its Hessians come from window 0 "
                   f"(512 tokens) of the {ids.shape[0]}.")

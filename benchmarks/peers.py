@@ -115,10 +115,11 @@ def data_files(work: Path, tokenizer: Path) -> tuple[dict[int, Path], Path]:
 
 
 def peer_rows(peer: str, model: Path, calib: dict[int, Path], evaluation: Path, work: Path, timeout_s: float,
-              only: set[str] | None = None, reuse: set[str] = frozenset()) -> list[dict]:
+              only: set[str] | None = None, reuse: set[str] = frozenset(), slow: bool = False) -> list[dict]:
     """One row per setting of an adapter peer: quantized (timed) and, for OpenVINO outputs, evaluated.
     ``only``: the TOOL/SETTING names to run (None: all); ``reuse``: TOOL/SETTING names whose output
-    and measurement an earlier run left in ``work`` (the row says so)."""
+    and measurement an earlier run left in ``work`` (the row says so); ``slow``: also run the settings
+    an adapter marks ``slow`` (otherwise each is a row saying why it was not run)."""
     from venvs import ensure_venv
 
     python = ensure_venv(peer)
@@ -134,6 +135,9 @@ def peer_rows(peer: str, model: Path, calib: dict[int, Path], evaluation: Path, 
         if only is not None and name not in only:
             continue
         row = {"tool": peer, **spec, "error": None}
+        if spec.get("slow") and not slow:
+            rows.append({**row, "error": f"not run (pass --slow to run it): {spec['slow']}"})
+            continue
         out = work / peer / spec["setting"]
         out.parent.mkdir(parents=True, exist_ok=True)
         log = work / peer / f"{spec['setting']}.log"
@@ -447,6 +451,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--reuse", nargs="+", default=[], metavar="TOOL/SETTING", help="take these adapter-peer "
                     "settings' output and measurement from an earlier run in --work instead of quantizing again; "
                     "the row records when and beside what it ran")
+    ap.add_argument("--slow", action="store_true", help="also run the settings an adapter marks slow (onnxruntime's "
+                    "GPTQ: about 110 min); without it each is a row saying why it was not run")
     ap.add_argument("--table", type=Path, metavar="RESULTS", help="print the docs/peers.md table of a results file and exit")
     args = ap.parse_args(argv)
     if args.table:
@@ -474,7 +480,7 @@ def main(argv: list[str] | None = None) -> int:
             continue
         if peer in ADAPTER_PEERS:
             got = peer_rows(peer, model, calib, evaluation, args.work, args.timeout_min * 60,
-                            only=set(args.only) if args.only else None, reuse=set(args.reuse))
+                            only=set(args.only) if args.only else None, reuse=set(args.reuse), slow=args.slow)
         elif peer == "ort-genai":
             got = genai_rows(args.work)
         elif peer == "edgeq":

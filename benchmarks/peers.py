@@ -157,7 +157,7 @@ def peer_rows(peer: str, model: Path, calib: dict[int, Path], evaluation: Path, 
         else:
             print(f"[peers] {name}: quantizing", file=sys.stderr)
             run = run_measured([str(python), adapter, "quantize", "--setting", spec["setting"], "--model", str(model),
-                                "--calib-ids", str(calib[spec.get("calib_windows") or 16]), "--out", str(out)], log,
+                                "--calib-ids", str(calib.get(spec.get("calib_windows"), calib[16])), "--out", str(out)], log,
                                timeout_s=timeout_s)
             run["when"] = time.strftime("%Y-%m-%d %H:%M")
             if os.environ.get("PEERS_BESIDE"):  # what else ran on the machine, when a step is run apart
@@ -503,6 +503,7 @@ def main(argv: list[str] | None = None) -> int:
         if row.get("ppl") and fp32.get("ppl"):
             row["ppl_ratio"] = round(row["ppl"] / fp32["ppl"], 4)
     result = {"benchmark": "peers", "date": time.strftime("%Y-%m-%d"), "machine": info,
+              "command": " ".join(["python", "benchmarks/peers.py", *(sys.argv[1:] if argv is None else argv)]),
               "protocol": {"calibration": "the first 16 or 64 windows of 512 tokens of WikiText-2 valid (row key "
                                           "calib_windows; the 16 are the 64's first rows), the same files for every tool",
                            "row_terms": list(ROW_TERMS), "evaluation": f"{args.windows} x 512 tokens, WikiText-2 test",

@@ -96,7 +96,9 @@ class GenaiGraphs:
             og.Model(str(tmp))
         report["genai"]["opened_by_onnxruntime_genai"] = version
         size = sum(f.stat().st_size for f in tmp.iterdir() if f.name.startswith("model.onnx"))
-        report["u8s8"] = {"int8_weight_range": "none: 4-bit MatMulNBits and float linears only"}
+        # no uint8 x int8 MatMulInteger to saturate: every quantized linear is a MatMulNBits (4-bit, and
+        # the lm_head 8-bit unless --lm-head-bits 32 leaves it float or the recipe made it 4-bit)
+        report["u8s8"] = {"int8_weight_range": "none: MatMulNBits (4-bit; lm_head 8-bit by default) and float linears only"}
         return size
 
 

@@ -44,9 +44,11 @@ def check_writable_parent(out_dir: Path, what: str = "the output folder") -> Non
         raise UserInputError(f"cannot create {what} {out_dir}: {parent} is not writable")
 
 
-# What marks a folder as edgeq's own output, which a later run may replace without --force:
-# compile writes manifest.json (edgeq.artifacts.manifest, "version": "edgeq-manifest/N"), export
-# writes EXPORT_MARKER ({"version": "edgeq-export/N", ...}) through ``atomic_output_dir(marker=...)``.
+# What edgeq wrote in a folder, which a later run may replace without --force: a compile writes
+# manifest.json (edgeq.artifacts.manifest, "version": "edgeq-manifest/N", its "files" every file it
+# wrote but itself), an export writes EXPORT_MARKER ({"version": "edgeq-export/N", ..., "files": [every
+# file it wrote but itself]}) through ``atomic_output_dir(marker=...)``. Names only, no hashes: the
+# check runs twice per output and must stay cheap.
 EXPORT_MARKER = "edgeq-export.json"
 _MANIFEST = ("manifest.json", "edgeq-manifest/")
 _EXPORT = (EXPORT_MARKER, "edgeq-export/")
@@ -54,24 +56,82 @@ _EXPORT = (EXPORT_MARKER, "edgeq-export/")
 # .NAME.weights-PID-<random suffix> (a block-wise compile's streamed weights), .NAME.old-PID (the
 # previous output during the swap)
 STAGING_KINDS = ("tmp", "weights", "old")
+_RECORD_BYTES = 64 * 2**20
+
+
+def _record(marker: Path, version: str) -> set[str] | None:
+    """The files ``marker`` (a manifest or an export marker) says edgeq wrote, itself included; None
+    when it is not edgeq's (not a regular file, not JSON, another ``version``) or has no usable
+    ``files`` (a mapping or a list of relative paths, as strings)."""
+    try:
+        if marker.is_symlink() or not marker.is_file() or marker.stat().st_size > _RECORD_BYTES:
+            return None
+        data = json.loads(marker.read_bytes())
+    except (OSError, ValueError):
+        return None
+    if not (isinstance(data, dict) and str(data.get("version", "")).startswith(version) and "edgeq" in data):
+        return None
+    files = data.get("files")
+    names = list(files) if isinstance(files, dict) else files
+    if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
+        return None
+    return {*names, marker.name}
+
+
+def written_by_edgeq(folder: str | os.PathLike) -> set[str] | None:
+    """The relative posix paths of the files edgeq wrote in ``folder``, per its ``manifest.json``
+    and/or ``EXPORT_MARKER`` (each listing itself too); None when neither is there with a usable
+    file list (then nothing in the folder counts as edgeq's)."""
+    known = None
+    for name, version in (_MANIFEST, _EXPORT):
+        names = _record(Path(folder) / name, version)
+        if names is not None:
+            known = (known or set()) | names
+    return known
+
+
+def folder_entries(folder: str | os.PathLike) -> list[str]:
+    """Every file under ``folder`` (anything but a folder: symlinks are not followed) as a relative
+    posix path, and every empty folder below it as ``path/``; sorted. Raises OSError when a folder
+    cannot be read."""
+    found, stack = [], [(os.fspath(folder), "")]
+    while stack:
+        path, prefix = stack.pop()
+        with os.scandir(path) as it:
+            entries = list(it)
+        if not entries and prefix:
+            found.append(prefix)
+        for entry in entries:
+            if entry.is_dir(follow_symlinks=False):
+                stack.append((entry.path, f"{prefix}{entry.name}/"))
+            else:
+                found.append(prefix + entry.name)
+    return sorted(found)
+
+
+def not_written_by_edgeq(folder: str | os.PathLike) -> list[str] | None:
+    """What in ``folder`` edgeq did not write (``folder_entries`` not listed by its records: the
+    user's files, and folders that are not parents of edgeq's files); None when the folder has no
+    record of edgeq's at all (``written_by_edgeq``). Raises OSError when a folder cannot be read."""
+    known = written_by_edgeq(folder)
+    if known is None:
+        return None
+    return [name for name in folder_entries(folder) if name not in known]
 
 
 def is_edgeq_output(folder: str | os.PathLike) -> bool:
-    """Whether ``folder`` holds an output edgeq wrote: a compile's ``manifest.json`` or an export's
-    ``EXPORT_MARKER``, either a JSON object whose ``version`` is edgeq's."""
-    import json
+    """Whether ``folder`` is an output edgeq wrote and holds nothing else: a compile's
+    ``manifest.json`` or an export's ``EXPORT_MARKER`` (edgeq's ``version``, a file list), and no
+    file or empty folder beyond those they list."""
+    try:
+        return not_written_by_edgeq(folder) == []
+    except OSError:
+        return False
 
-    for name, version in (_MANIFEST, _EXPORT):
-        marker = Path(folder) / name
-        if not marker.is_file() or marker.is_symlink() or marker.stat().st_size > 64 * 2**20:
-            continue
-        try:
-            data = json.loads(marker.read_bytes())
-        except (OSError, ValueError):
-            continue
-        if isinstance(data, dict) and str(data.get("version", "")).startswith(version) and "edgeq" in data:
-            return True
-    return False
+
+def _shown(name: str) -> str:
+    """A path for a one-line message (a name with a newline or undecodable bytes is quoted)."""
+    return name if name.isprintable() else ascii(name)
 
 
 def check_output_dir(out_dir: str | os.PathLike, *, force: bool = False, inputs: tuple = (),
@@ -83,8 +143,10 @@ def check_output_dir(out_dir: str | os.PathLike, *, force: bool = False, inputs:
     folder or one above it; the folder of an input (``inputs``: files or folders) or one above it
     (the swap renames the old folder away); a path that exists and is not a folder (never replaced
     by one); a parent that cannot be written. Refused unless ``force``: a folder that exists, is not
-    empty and was not written by edgeq (``is_edgeq_output``). An empty folder and edgeq's own earlier
-    output are replaced. The staging folders dead runs left beside it are removed first
+    empty and was not written by edgeq (no usable ``manifest.json`` / ``EXPORT_MARKER``), or was
+    but holds anything its record does not list (a file the user saved into it, an empty folder:
+    the message names the first, sorted). An empty folder and edgeq's own earlier output holding
+    nothing else are replaced. The staging folders dead runs left beside it are removed first
     (``remove_stale_staging``)."""
     raw = os.fspath(out_dir)
     if raw == "":
@@ -108,11 +170,16 @@ def check_output_dir(out_dir: str | os.PathLike, *, force: bool = False, inputs:
                                  f"with a folder")
         try:
             empty = next(out.iterdir(), None) is None
+            foreign = None if empty or force else not_written_by_edgeq(out)
         except OSError as exc:
             raise UserInputError(f"cannot read the output folder {raw}: {exc.strerror or exc}") from None
-        if not (empty or force or is_edgeq_output(out)):
-            raise UserInputError(f"{option} {raw} is a folder that is not empty and was not written by edgeq; "
-                                 f"pass --force to replace it (everything in it is deleted)")
+        if not (empty or force):
+            if foreign is None:
+                raise UserInputError(f"{option} {raw} is a folder that is not empty and was not written by edgeq; "
+                                     f"pass --force to replace it (everything in it is deleted)")
+            if foreign:
+                raise UserInputError(f"{option} {raw} holds {_shown(foreign[0])}, which edgeq did not write; move it "
+                                     f"away or pass --force (everything in it is deleted)")
     check_writable_parent(out)
     return out
 
@@ -167,11 +234,12 @@ def remove_stale_staging(out_dir: str | os.PathLike) -> list[Path]:
 
 
 def _write_marker(folder: Path, marker: dict) -> None:
-    import json
-
+    """``EXPORT_MARKER`` with ``files``: every file in ``folder`` (the staging folder, complete) but
+    the marker, which is what a later run may replace without ``--force`` (``written_by_edgeq``)."""
     import edgeq
 
-    body = {"version": "edgeq-export/1", "edgeq": edgeq.__version__, **marker}
+    files = [name for name in folder_entries(folder) if name != EXPORT_MARKER and not name.endswith("/")]
+    body = {"version": "edgeq-export/1", "edgeq": edgeq.__version__, **marker, "files": files}
     (folder / EXPORT_MARKER).write_text(json.dumps(body, indent=1) + "\n")
 
 
@@ -184,8 +252,9 @@ def atomic_output_dir(out_dir: str | os.PathLike, *, force: bool = False, inputs
     again just before the swap. On any exception (KeyboardInterrupt, and SIGTERM/SIGHUP through
     ``edgeq.cli.main``, included) the temporary folder is removed and ``out_dir`` is left as it was,
     so a failed run never leaves half-written outputs. ``marker``: write ``EXPORT_MARKER`` (this
-    dict plus edgeq's version) into the folder, which marks it as edgeq's output (exports; a
-    compile's ``manifest.json`` does that already).
+    dict plus edgeq's version and the list of the files written) into the folder, which marks it
+    as edgeq's output (exports; a compile's ``manifest.json`` does that already). Without either,
+    the folder is not edgeq's: a later run replaces it only with ``force``.
     """
     raw = out_dir
     out_dir = check_output_dir(raw, force=force, inputs=inputs)

@@ -270,10 +270,28 @@ def _paths(fz: Fuzz) -> dict[str, list[str]]:
         "text": [str(ws / "calib.txt")] * 3 + [str(base / "calib.npz"), toy, str(ws / "toy"), "/dev/null", *common],
         "out": [str(ws / "out")] * 4 + [str(ws / "link_foreign"), str(ws / "link_dangling"),
                                          str(ws / "new" / "deeper" / "out"), str(ws / "foreign"), str(ws / "calib.txt"),
-                                         str(ws / "toy"), str(ws / "foreign" / "notes.txt"), "rel/out", *common],
+                                         str(ws / "toy"), str(ws / "foreign" / "notes.txt"), "rel/out", *common,
+                                         str(ws / EARLIER)],
         "recipe": ["w8a8", "w8a8", "fp32", "w8a16", "mquant-w8a8", "nope", "", str(ws / "calib.txt")],
         "target": ["generic-qdq", "pow2-int", "qnn-htp", "ort-cpu", "nope", "", str(ws / "calib.txt")],
     }
+
+
+# an earlier compile output (a copy of base/q8) the user saved a file into: not edgeq's to replace
+# without --force (issue 41); made only for a case that names it
+EARLIER = "earlier"
+
+
+def _earlier_output(fz: Fuzz, argv: list[str]) -> str:
+    """Make ws/EARLIER when ``argv`` names it; the case's setup note."""
+    import shutil
+
+    path = fz.ws / EARLIER
+    if str(path) not in argv:
+        return ""
+    shutil.copytree(fz.base / "q8", path)
+    (path / "notes.txt").write_text("the user's notes, saved into an earlier output\n")
+    return f"{EARLIER}: an earlier compile output (base/q8) holding the user's notes.txt"
 
 
 def _option_table(fz: Fuzz, p: dict) -> dict[str, tuple[list, list]]:
@@ -352,4 +370,5 @@ def build_args_case(draw, fz: Fuzz, commands: list[str]) -> Case:
                 pieces.insert(draw(st.integers(0, len(pieces)), label=f"at{j}"),
                               [draw(st.sampled_from(pool), label=f"pos{j}")])
     argv = command.split() + [a for piece in pieces for a in piece]
-    return Case("args", f"args:{command or 'top-level'}{' (valid base)' if use_skeleton else ''}", argv, "")
+    return Case("args", f"args:{command or 'top-level'}{' (valid base)' if use_skeleton else ''}", argv,
+                _earlier_output(fz, argv))

@@ -15,7 +15,9 @@ Layout, version ``edgeq-manifest/1``::
 
 ``input_model.sha256`` is the sha256 of the sorted ``name sha256`` lines of the model file and its
 external data files (one digest for the whole model). ``files`` lists every file under the output
-folder except ``manifest.json`` itself. ``created`` honours ``SOURCE_DATE_EPOCH`` (reproducible
+folder except ``manifest.json`` itself; its names are also what a later run may replace without
+``--force`` (``edgeq.output_dir.written_by_edgeq``: a file the user saved into the folder is not
+listed, so it is never deleted silently). ``created`` honours ``SOURCE_DATE_EPOCH`` (reproducible
 builds). The recipe hash is the sha256 of the recipe's TOML text, or of the canonical JSON of a
 recipe given as a dict.
 """

@@ -1,7 +1,8 @@
 """``edgeq compile``: plan -> route -> write.
 
 - ``plan``: everything that can be refused is checked before any work (output folder, recipe,
-  target, model, opset, calibration data), and what the outputs must record is taken once: the
+  target, model: its structure, an onnxruntime session on it, its weights finite (``edgeq.loadcheck``),
+  opset, calibration data), and what the outputs must record is taken once: the
   recipe as it was read (origin and hash), the input model's file hashes, its fingerprint.
 - ``run``: one ``Pipeline`` over the recipe's passes, the target's lowering passes and, unless the
   target allows full-range int8 weights (``ort-cpu-vnni``), the ``u8s8-safe-weights`` guard; then
@@ -44,6 +45,7 @@ from edgeq.calib.dataset import InputLimits, build_calibration_set
 from edgeq.calib.session import Calibrator
 from edgeq.errors import UserInputError
 from edgeq.fingerprint import model_fingerprint
+from edgeq.loadcheck import check_onnxruntime
 from edgeq.passbase import Pass, PassContext
 from edgeq.pipeline import Pipeline, PipelineOptions
 from edgeq.qdq_encodings import collect_encodings
@@ -181,9 +183,14 @@ def plan_compile(req: CompileRequest) -> tuple[CompilePlan, onnx.ModelProto]:
     part, why = _choose_path(req, model, passes + lowering + guard, locations)
     if static_shape is not None:
         why = "--static: the with-past graph compiles in memory"
-    if part is None and locations:  # in memory: read the weights too (an inline model has them already)
+    # before any work, what the structural check at load cannot see (edgeq.loadcheck): a model
+    # onnxruntime refuses (one session, its weights mapped, not read) and a weight holding NaN or inf
+    check_onnxruntime(model, req.model)
+    if part is None and locations:  # in memory: read the weights too, each judged as it is read
         del model
-        model, locations = ir.load_model_and_locations(req.model)
+        model, locations = ir.load_model_and_locations(req.model, finite=True)
+    else:  # weights inside the .onnx (in memory already), or block-wise: streamed from their files
+        ir.check_finite(model, req.model)
     windows = recipe.calibration.windows if req.calib_windows is None else req.calib_windows
     seq_len = recipe.calibration.seq_len if req.seq_len is None else req.seq_len
     if windows < 1 or seq_len < 2:

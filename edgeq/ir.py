@@ -3,7 +3,9 @@
 - ``load_model``: validated load (missing file, not ONNX, truncated protobuf, missing or escaping
   external data, and a graph ``edgeq.modelcheck`` finds invalid: a cycle, an unknown operator or
   domain, initializer bytes that do not fit its dims, text that is not UTF-8, all become
-  one-line ``UserInputError``s), external data read in; the one loader every command uses.
+  one-line ``UserInputError``s), external data read in; the one loader every command uses. With
+  ``finite=True`` (compile) also a weight holding NaN or inf (``edgeq.loadcheck``), judged as its
+  bytes are read; ``check_finite`` is that check on a model already read (with or without weights).
 - ``to_graph`` / ``to_model``: graphsurgeon round trip that keeps opset imports, IR version,
   producer and metadata of the original model (graphsurgeon drops metadata_props).
 - ``save_model``: always writes weights as external data next to the model, so models over 2 GB
@@ -27,6 +29,7 @@ import onnx_graphsurgeon as gs
 from google.protobuf.message import DecodeError
 
 from edgeq.errors import UserInputError
+from edgeq.loadcheck import FiniteScan
 from edgeq.modelcheck import check_structure, tensor_bytes
 from edgeq.session_files import constants_as_external_data, temporary_files
 from edgeq.protowalk import proto_nodes  # noqa: F401  (re-exported: ir is where graph code looks)
@@ -52,14 +55,19 @@ def external_data_locations(model: onnx.ModelProto) -> Iterator[tuple[str, str]]
             yield tensor.name, info.get("location", "")
 
 
-def load_model(path: str | os.PathLike, load_external: bool = True) -> onnx.ModelProto:
+def load_model(path: str | os.PathLike, load_external: bool = True, finite: bool = False) -> onnx.ModelProto:
     """Load an ONNX model, turning every way the file can be bad into a ``UserInputError``."""
-    return load_model_and_locations(path, load_external)[0]
+    return load_model_and_locations(path, load_external, finite)[0]
 
 
-def load_model_and_locations(path: str | os.PathLike, load_external: bool = True) -> tuple[onnx.ModelProto, set[str]]:
+def load_model_and_locations(path: str | os.PathLike, load_external: bool = True,
+                             finite: bool = False) -> tuple[onnx.ModelProto, set[str]]:
     """``load_model`` plus the external data file names it validated (inside the model's folder,
-    present), so that hashing the input (``manifest.json``) needs no second read of the model."""
+    present), so that hashing the input (``manifest.json``) needs no second read of the model.
+
+    ``finite``: also refuse a float weight holding NaN or inf (``edgeq.loadcheck``): external
+    bytes judged as they are read (no copy), the rest in memory; without ``load_external`` the
+    external weights are streamed from their files (a bounded buffer) instead."""
     path = Path(path)
     if not path.exists():
         raise UserInputError(f"model file not found: {path}")
@@ -75,12 +83,25 @@ def load_model_and_locations(path: str | os.PathLike, load_external: bool = True
     check_structure(model, path)
     base = model_folder(path)
     extents = _check_external_data(model, base)
-    if load_external:
-        try:
-            _read_external_data(extents, base)
-        except OSError as exc:
-            raise UserInputError(f"cannot read external data of {path}: {exc.strerror or exc}") from None
+    scan = FiniteScan(model, path) if finite else None
+    try:
+        if load_external:
+            _read_external_data(extents, base, scan)
+        if scan is not None:
+            scan.finish(model, base)
+    except OSError as exc:
+        raise UserInputError(f"cannot read external data of {path}: {exc.strerror or exc}") from None
     return model, set(extents)
+
+
+def check_finite(model: onnx.ModelProto, path: str | os.PathLike) -> None:
+    """The ``finite=True`` check of ``load_model`` on a model already read from ``path``: weights in
+    memory judged there, those still external streamed from their files in the model's folder
+    (a bounded buffer: the block-wise compile's memory bound holds)."""
+    try:
+        FiniteScan(model, path).finish(model, model_folder(path))
+    except OSError as exc:
+        raise UserInputError(f"cannot read external data of {path}: {exc.strerror or exc}") from None
 
 
 def check_model_file(path: str | os.PathLike) -> Path:
@@ -166,9 +187,11 @@ def _check_external_data(model: onnx.ModelProto, base: Path) -> dict[str, list[t
     return extents
 
 
-def _read_external_data(extents: dict[str, list[tuple[onnx.TensorProto, int, int]]], base: Path) -> None:
+def _read_external_data(extents: dict[str, list[tuple[onnx.TensorProto, int, int]]], base: Path,
+                        scan: FiniteScan | None = None) -> None:
     """Read the tensors ``_check_external_data`` validated into the model, each file opened once
-    and read in offset order. (onnx's own loader refuses a data file that is a symbolic link.)"""
+    and read in offset order, each judged by ``scan`` (if any) before it goes into the proto. (onnx's
+    own loader refuses a data file that is a symbolic link.)"""
     for location, tensors in extents.items():
         with open(base / location, "rb") as f:
             for tensor, offset, length in sorted(tensors, key=lambda item: item[1]):
@@ -177,6 +200,8 @@ def _read_external_data(extents: dict[str, list[tuple[onnx.TensorProto, int, int
                 if len(data) != length:  # the file shrank since it was checked
                     raise UserInputError(f"external data file {location} is truncated: tensor '{tensor.name}' "
                                          f"needs bytes {offset}..{offset + length}")
+                if scan is not None:
+                    scan.read(tensor, data)
                 tensor.raw_data = data
                 tensor.data_location = onnx.TensorProto.DEFAULT
                 del tensor.external_data[:]

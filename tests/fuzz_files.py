@@ -30,9 +30,12 @@ from fuzz_harness import (  # noqa: F401
 TOY_MUTATIONS = ["bitflip", "truncate", "ir_version", "opset", "drop_outputs", "missing_input", "nonfinite",
                  "init_dtype", "input_dtype", "ext_location", "ext_offset", "ext_length", "ext_number",
                  "data_truncate", "data_symlink", "dup_output", "self_loop", "empty", "text", "directory",
-                 "missing", "bad_dims", "unknown_op", "model_symlink"]
+                 "missing", "bad_dims", "unknown_op", "model_symlink", "nonfinite_anywhere", "ort_refused"]
 TINY_MUTATIONS = ["bitflip", "truncate", "ir_version", "opset", "drop_outputs", "missing_input", "nonfinite",
-                  "init_dtype", "input_dtype", "unknown_op"]
+                  "init_dtype", "input_dtype", "unknown_op", "nonfinite_anywhere", "ort_refused"]
+# a node onnxruntime refuses at session creation though every structural check passes (issue 41)
+ORT_REFUSED = [("LRN", {"size": 0}), ("LRN", {"size": -2}), ("LpNormalization", {"p": 3}),
+               ("LpNormalization", {"p": 0}), ("unknown_attribute", {"edgeq_nope": 1})]
 
 
 def _ext_info(t: TensorProto) -> dict:
@@ -156,6 +159,24 @@ def _mutate_model(draw, path: Path, how: str, fz: Fuzz) -> str:
             arr.flat[:count] = value
             t.CopyFrom(onnx.numpy_helper.from_array(arr, t.name))
         desc = f"{count} value(s) of {t.name} set to {value}"
+    elif how == "nonfinite_anywhere":  # any float weight, any cell: also those the recipe leaves in float
+        desc = _nonfinite_anywhere(draw, m, folder)
+    elif how == "ort_refused":
+        op, attrs = draw(st.sampled_from(ORT_REFUSED), label="refused")
+        if op == "unknown_attribute":
+            node = draw(st.sampled_from([n for n in g.node if n.domain in ("", "ai.onnx") and n.op_type != "Constant"]),
+                        label="node")
+            node.attribute.extend(helper.make_attribute(k, v) for k, v in attrs.items())
+            desc = f"node {node.name or node.op_type} gets attribute {attrs}"
+        else:  # after a float node whose output is at least 3-D (the toy's Relu; any of the tiny's RMS norms)
+            node = draw(st.sampled_from([n for n in g.node if n.op_type in ("Relu", "SimplifiedLayerNormalization")
+                                         or (n.op_type == "Mul" and "norm" in n.name.lower())]), label="node")
+            inner = node.output[0] + "__pre"
+            for other in g.node:
+                other.input[:] = [inner if x == node.output[0] else x for x in other.input]
+            g.node.insert(list(g.node).index(node) + 1, helper.make_node(op, [node.output[0]], [inner],
+                                                                         name="fuzz_refused", **attrs))
+            desc = f"{op} {attrs} after node {node.name or node.op_type}"
     else:  # external data: only the toy model has it
         t = draw(st.sampled_from([t for t in g.initializer if t.data_location == TensorProto.EXTERNAL]), label="init")
         info = _ext_info(t)
@@ -197,6 +218,33 @@ def _mutate_model(draw, path: Path, how: str, fz: Fuzz) -> str:
             raise AssertionError(how)
     onnx.save_model(m, str(path))
     return desc
+
+
+def _nonfinite_anywhere(draw, m: onnx.ModelProto, folder: Path) -> str:
+    """NaN / inf written into random cells of a random float initializer (any of them: the toy's
+    embedding and head, the tiny's norms and embedding table, which w8a8 leaves in float) or of a
+    float Constant node's value (the tiny's -inf masks), in memory or in its external data file."""
+    g = m.graph
+    floats = (TensorProto.FLOAT, TensorProto.FLOAT16, TensorProto.DOUBLE)
+    targets = [(t.name, t) for t in g.initializer if t.data_type in floats]
+    targets += [(f"Constant {n.name}", a.t) for n in g.node if n.op_type == "Constant" for a in n.attribute
+                if a.type == onnx.AttributeProto.TENSOR and a.t.data_type in floats]
+    label, t = draw(st.sampled_from(targets), label="tensor")
+    size = max(1, int(np.prod(t.dims, dtype=np.int64)))
+    cells = draw(st.lists(st.integers(0, size - 1), min_size=1, max_size=3, unique=True), label="cells")
+    value = draw(st.sampled_from([np.nan, np.inf, -np.inf]), label="value")
+    dtype = onnx.helper.tensor_dtype_to_np_dtype(t.data_type)
+    if t.data_location == TensorProto.EXTERNAL:
+        info = _ext_info(t)
+        with open(folder / info["location"], "r+b") as f:
+            for cell in cells:
+                f.seek(int(info.get("offset", 0)) + cell * dtype.itemsize)
+                f.write(np.array(value, dtype).tobytes())
+    else:
+        arr = onnx.numpy_helper.to_array(t).copy()
+        arr.reshape(-1)[cells] = value
+        t.CopyFrom(onnx.numpy_helper.from_array(arr, t.name))
+    return f"{label} cells {cells} set to {value}"
 
 
 def _model_command(draw, model: Path, base_model: Path, fz: Fuzz) -> list[str]:

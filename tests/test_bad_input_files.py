@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import errno
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -174,6 +175,64 @@ def test_extent_check_stats_each_file_once(tmp_path, monkeypatch):
     assert locations == {"w.bin"}
     # resolve() stats on some Pythons: at most two per file, however many tensors (was 2 per tensor)
     assert calls.count("w.bin") <= 2 and len(calls) < 10, calls[:20]
+
+
+# -- a NaN in the external weights: judged as read, or streamed in bounded reads ----------------------
+
+
+@pytest.fixture
+def small_reads(monkeypatch):
+    """``edgeq.loadcheck`` reading 64 bytes and judging 8 values at a time: every tensor below spans
+    many reads and slices."""
+    from edgeq import loadcheck
+
+    monkeypatch.setattr(loadcheck, "_READ_BYTES", 64)
+    monkeypatch.setattr(loadcheck, "_SLICE_ELEMENTS", 8)
+
+
+def test_nan_in_external_weights_is_found_however_they_are_read(tmp_path, small_reads):
+    """The same verdict read into memory (``finite=True``: judged as each tensor comes off the
+    file), streamed from the file without reading the weights (the block-wise compile's
+    skeleton), and on a skeleton afterwards (``ir.check_finite``); a mask of 0 and -inf over many
+    reads (read a second time for the mask test) and an inf scalar pass."""
+    mask = np.triu(np.full((8, 8), -np.inf, np.float32), 1)
+    a = np.ones(1000, np.float32)
+    a[[700, 701, 950]] = [np.nan, np.inf, np.nan]
+    half = np.ones(40, np.float16)
+    tensors = [("mask", TensorProto.FLOAT, [8, 8], mask.tobytes()),
+               ("hi", TensorProto.FLOAT, [], np.float32(np.inf).tobytes()),
+               ("half", TensorProto.FLOAT16, [40], half.tobytes()),
+               ("a", TensorProto.FLOAT, [1000], a.tobytes())]
+    path = _external_model(tmp_path / "m", tensors, keep_length=True)
+    message = f"{path}: initializer 'a' holds 2 NaN and 1 inf among its 1000 values (first at index [700])"
+    for load_external in (True, False):
+        with pytest.raises(UserInputError, match=re.escape(message)):
+            ir.load_model_and_locations(path, load_external=load_external, finite=True)
+    skeleton = ir.load_model(path, load_external=False)
+    with pytest.raises(UserInputError, match=re.escape(message)):
+        ir.check_finite(skeleton, path)
+    good = _external_model(tmp_path / "good", tensors[:3])
+    ir.load_model(good, finite=True)
+    ir.check_finite(ir.load_model(good, load_external=False), good)
+
+
+def test_compile_refuses_nan_in_external_weights_before_any_work(toy, tmp_path, capsys):
+    model, calib = toy
+    proto = onnx.load_model(str(model), load_external_data=False)
+    info = next({e.key: e.value for e in t.external_data} for t in proto.graph.initializer if t.name == "w2")
+    offset, _ = _extent(info)
+    with open(model.parent / info["location"], "r+b") as f:  # w2[0, 5] (the toy's head: 16 x 64)
+        f.seek(offset + 5 * 4)
+        f.write(np.float32(np.nan).tobytes())
+    out = tmp_path / "out"
+    before = {p.name for p in tmp_path.iterdir()}
+    code, err, stdout = _run(capsys, "compile", model, *COMPILE, "--calib", calib, "-o", out)
+    assert code == 2, err
+    assert err.splitlines() == [f"edgeq: error: {model}: initializer 'w2' holds 1 NaN among its 1024 values (first "
+                                "at index [0, 5]): every value computed from it would be NaN or inf; fix or "
+                                "re-export the model"]
+    assert stdout == ""
+    _assert_nothing_written(tmp_path, before, out)
 
 
 # -- disk full while the outputs are written --------------------------------------------------------

@@ -81,6 +81,7 @@ def _set_initializer(model: onnx.ModelProto, name: str, value: np.ndarray) -> No
 @pytest.mark.parametrize("bad", [math.nan, math.inf, -math.inf], ids=["nan", "inf", "-inf"])
 @pytest.mark.parametrize("weight", ["w1", "w2"])
 def test_compile_refuses_a_non_finite_weight(toy, tmp_path, capsys, bad, weight):
+    """Refused at load (``edgeq.loadcheck``), before the quantizer's own check would see it."""
     model_path, calib = toy
     model = ir.load_model(model_path)
     w = numpy_helper.to_array(next(t for t in model.graph.initializer if t.name == weight)).copy()
@@ -88,8 +89,9 @@ def test_compile_refuses_a_non_finite_weight(toy, tmp_path, capsys, bad, weight)
     _set_initializer(model, weight, w)
     path = _save(model, tmp_path / "bad")
     out = tmp_path / "out"
-    err = _refused(capsys, "compile", path, *COMPILE, "--calib", calib, "-o", out, match=f"weight '{weight}'")
-    assert "non-finite" in err and "[2, 3]" in err
+    what = "NaN" if math.isnan(bad) else "inf"
+    _refused(capsys, "compile", path, *COMPILE, "--calib", calib, "-o", out,
+             match=f"{path}: initializer '{weight}' holds 1 {what} among its {w.size} values (first at index [2, 3])")
     assert not out.exists()
 
 
@@ -589,3 +591,180 @@ def test_empty_cache_dir_turns_caching_off(toy, tmp_path, capsys, monkeypatch):
                         "--calib", calib, "-o", tmp_path / "out")
     assert code == 0, err
     assert list(cwd.iterdir()) == []
+
+
+# -- 13. issue 41: a NaN where the recipe does not quantize; a model onnxruntime will not initialize ------
+
+
+def _tiny_llama_with(tiny_models, folder: Path, **values) -> Path:
+    """The tiny llama with ``values`` ({initializer: {index: value}}) written into its weights, saved
+    with its weights external (as ``edgeq export`` writes it) and the toy's tokenizer (64 ids: the
+    embedding rows past 63 are never looked up in calibration)."""
+    model = ir.load_model(tiny_models["llama"])
+    for name, cells in values.items():
+        w = numpy_helper.to_array(next(t for t in model.graph.initializer if t.name == name)).copy()
+        for index, value in cells.items():
+            w[index] = value
+        _set_initializer(model, name, w)
+    return _save(model, folder)
+
+
+@pytest.mark.parametrize("blockwise", ["off", "on"])
+def test_nan_in_a_weight_the_recipe_keeps_float_is_refused(tiny_models, tmp_path, capsys, blockwise):
+    """w8a8 leaves the embedding table in float, so the quantizer never saw its NaN and compile wrote
+    the model (exit 0). Refused at load now, on both routes (block-wise: streamed from the data file)."""
+    path = _tiny_llama_with(tiny_models, tmp_path / "nan", **{"model.embed_tokens.weight": {(255, 3): np.nan}})
+    calib = write_text(tmp_path / "calib.txt", 400)
+    out = tmp_path / "out"
+    code, err, stdout = _run(capsys, "compile", path, *COMPILE, "--calib", calib, "--blockwise", blockwise, "-o", out)
+    assert code == 2, err
+    assert err.splitlines() == [f"edgeq: error: {path}: initializer 'model.embed_tokens.weight' holds 1 NaN among its "
+                                "16384 values (first at index [255, 3]): every value computed from it would be NaN or "
+                                "inf; fix or re-export the model"]
+    assert stdout == "" and not out.exists()
+
+
+def test_nan_and_inf_are_counted(tiny_models, tmp_path, capsys):
+    cells = {(254, 0): np.inf, (255, 3): np.nan, (255, 4): -np.inf, (200, 1): np.nan}
+    path = _tiny_llama_with(tiny_models, tmp_path / "bad", **{"model.embed_tokens.weight": cells})
+    _refused(capsys, "compile", path, *COMPILE, "--calib", write_text(tmp_path / "calib.txt", 400), "-o",
+             tmp_path / "out", match="initializer 'model.embed_tokens.weight' holds 2 NaN and 2 inf among its 16384 "
+                                     "values (first at index [200, 1])")
+
+
+def test_minus_inf_masks_are_not_weights(tiny_models, tmp_path):
+    """The tiny llama's attention writes two Constant -inf (masking); a mask folded into an
+    initializer (0 and -inf only) and a scalar inf are accepted too. NaN is refused anywhere."""
+    from edgeq.loadcheck import nonfinite_tensors
+
+    model = ir.load_model(tiny_models["llama"])
+    constants = [n for n in model.graph.node if n.op_type == "Constant" and any(
+        a.type == onnx.AttributeProto.TENSOR and a.t.data_type == TensorProto.FLOAT
+        and np.isneginf(numpy_helper.to_array(a.t)).any() for a in n.attribute)]
+    assert len(constants) == 2 and list(nonfinite_tensors(model)) == []
+
+    mask = np.triu(np.full((4, 4), -np.inf, np.float32), 1)
+    inits = {"mask": mask, "clip_hi": np.array(np.inf, np.float32), "w16": np.ones((3, 4), np.float16),
+             "w64": np.ones(5, np.float64), "unused": np.array([np.nan, 1.0], np.float32)}
+    inits["w16"][1, 2] = -np.inf
+    inits["w64"][4] = np.nan
+    bf16 = helper.make_tensor("wbf", TensorProto.BFLOAT16, [2, 2], [1.0, np.nan, np.inf, 2.0])
+    nodes = [helper.make_node("Add", ["x", "mask"], ["a"]), helper.make_node("Min", ["a", "clip_hi"], ["b"]),
+             helper.make_node("Add", ["b", "w16"], ["c"]), helper.make_node("Add", ["c", "w64"], ["d"]),
+             helper.make_node("Add", ["d", "wbf"], ["e"]),
+             helper.make_node("Constant", [], ["k_ninf"], name="k_ok", value_float=-np.inf),
+             helper.make_node("Constant", [], ["k_nan"], name="k_bad", value=numpy_helper.from_array(
+                 np.array([0.5, np.nan], np.float32))),
+             helper.make_node("Add", ["k_ninf", "k_nan"], ["y"])]
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [4, 4])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2])],
+                              [numpy_helper.from_array(v, k) for k, v in inits.items()] + [bf16])
+    found = {f.name: (f.subject, f.nan, f.inf, f.first) for f in nonfinite_tensors(helper.make_model(graph))}
+    assert found == {"w16": ("initializer 'w16'", 0, 1, [1, 2]), "w64": ("initializer 'w64'", 1, 0, [4]),
+                     "wbf": ("initializer 'wbf'", 1, 1, [0, 1]), "k_nan": ("Constant node 'k_bad'", 1, 0, [1])}
+
+
+def _with_node_after_relu(toy_path: Path, folder: Path, op: str, **attrs) -> Path:
+    """The toy with ``op`` (its attributes ``attrs``) between its Relu and its head: a graph every
+    structural check (and onnx's strict type inference) accepts."""
+    model = ir.load_model(toy_path)
+    if op == "Relu":  # the Relu itself gets the attributes
+        _node(model, "act").attribute.extend(helper.make_attribute(k, v) for k, v in attrs.items())
+    else:
+        _node(model, "act").output[0] = "h2_pre"
+        model.graph.node.insert(3, helper.make_node(op, ["h2_pre"], ["h2"], name="bad", **attrs))
+    return _save(model, folder)
+
+
+@pytest.mark.parametrize("op, attrs, reason", [
+    ("LRN", {"size": 0}, "onnxruntime::LRN<T>::LRN(const onnxruntime::OpKernelInfo&) [with T = float] size_ > 0 "
+                         "was false."),
+    ("LpNormalization", {"p": 3}, "p_ == 1 || p_ == 2 was false."),
+    ("Relu", {"alpha": 1.0}, 'In Node, ("act", Relu, "", -1) : ("h1": tensor(float),) -> ("h2",) , Error '
+                             "Unrecognized attribute: alpha for operator Relu"),
+], ids=["lrn-size-0", "lpnorm-p-3", "unknown-attribute"])
+def test_a_model_onnxruntime_cannot_initialize_is_refused_before_any_work(toy, tmp_path, capsys, op, attrs, reason):
+    """It passes every structural check; compile failed inside its first pass (exit 1)."""
+    model, calib = toy
+    path = _with_node_after_relu(model, tmp_path / "bad", op, **attrs)
+    out = tmp_path / "out"
+    code, err, stdout = _run(capsys, "compile", path, *COMPILE, "--calib", calib, "-o", out)
+    assert code == 2, err
+    assert len(err.splitlines()) == 1 and err.startswith(f"edgeq: error: {path}: onnxruntime cannot load this model: ")
+    assert err.endswith(reason), err
+    assert stdout == "" and not out.exists()
+
+
+def test_a_single_lrn_of_size_zero_is_refused(tmp_path, capsys):
+    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 4, 8, 8])
+    y = helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 4, 8, 8])
+    graph = helper.make_graph([helper.make_node("LRN", ["x"], ["y"], name="lrn", size=0)], "lrn", [x], [y])
+    path = _embedded(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8),
+                     tmp_path / "lrn")
+    calib = tmp_path / "x.npz"
+    np.savez(calib, x=np.zeros((2, 1, 4, 8, 8), np.float32))
+    _refused(capsys, "compile", path, "--recipe", "w8a8", "--calib", calib, "-o", tmp_path / "out",
+             match=f"{path}: onnxruntime cannot load this model: [ONNXRuntimeError] : 1 : FAIL : Exception during "
+                   "initialization: ")
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("with_bias", [False, True], ids=["file", "copy"])
+def test_onnxruntime_check_maps_the_weights_instead_of_copying_them(tmp_path, monkeypatch, with_bias):
+    """The session is built on the model file (onnxruntime maps its external data), or on a copy
+    with only the small external tensors read in (the bias; onnxruntime's type inference reads
+    such constants), never the 256 KiB weight; prepacking off (no weight touched), graph
+    optimizations off, one thread."""
+    import onnxruntime as ort
+
+    from edgeq.loadcheck import check_onnxruntime
+
+    model, w = single_linear(256, 256)
+    if with_bias:
+        model.graph.initializer.append(numpy_helper.from_array(np.ones(256, np.float32), "bias"))
+        model.graph.node[0].output[0] = "y0"
+        model.graph.node.append(helper.make_node("Add", ["y0", "bias"], ["y"], name="add"))
+    path = _save(model, tmp_path / "m")
+    seen = []
+    real = ort.InferenceSession
+
+    def spy(source, sess_options=None, **kwargs):
+        seen.append((source, sess_options))
+        return real(source, sess_options=sess_options, **kwargs)
+
+    monkeypatch.setattr(ort, "InferenceSession", spy)
+    check_onnxruntime(ir.load_model(path, load_external=False), path)
+    [(source, so)] = seen
+    if with_bias:
+        assert isinstance(source, bytes) and 1024 < len(source) < w.nbytes // 4
+        folder = so.get_session_config_entry("session.model_external_initializers_file_folder_path")
+        assert folder == str(path.parent.resolve())
+    else:
+        assert source == str(path)
+    assert so.get_session_config_entry("session.disable_prepacking") == "1"
+    assert so.graph_optimization_level == ort.GraphOptimizationLevel.ORT_DISABLE_ALL and so.intra_op_num_threads == 1
+
+
+def test_models_with_edgeq_ops_still_compile(tiny_models, tmp_path, capsys):
+    """edgeq ops in the input: with their function bodies (ort-cpu), without them (compile adds
+    them; the onnxruntime check does too, on a copy), in the kernels' domain (ort-cpu-kernels)."""
+    from edgeq.loadcheck import check_onnxruntime
+    from edgeq.runtime_ops.schema import used_ops
+
+    recipe = tmp_path / "rot.toml"
+    recipe.write_text('[[pass]]\nname = "fuse-norms"\n\n[[pass]]\nname = "ln-to-rms"\n\n[[pass]]\nname = "rotate"\n')
+    for target in ("ort-cpu", "ort-cpu-kernels"):
+        code, err, _ = _run(capsys, "compile", tiny_models["llama"], "--recipe", recipe, "--target", target, "-o",
+                            tmp_path / target)
+        assert code == 0, err
+    bare = ir.load_model(tmp_path / "ort-cpu" / "model.onnx")
+    assert used_ops(bare) == {"OnlineHadamard"}
+    del bare.functions[:]
+    ir.save_model(bare, tmp_path / "bare" / "model.onnx")
+    for source in (tmp_path / "ort-cpu", tmp_path / "ort-cpu-kernels", tmp_path / "bare"):
+        code, err, _ = _run(capsys, "compile", source / "model.onnx", "--recipe", "fp32", "-o",
+                            tmp_path / f"{source.name}-again")
+        assert code == 0, f"{source.name}: {err}"
+    skeleton = ir.load_model(tmp_path / "bare" / "model.onnx", load_external=False)
+    check_onnxruntime(skeleton, tmp_path / "bare" / "model.onnx")
+    assert not skeleton.functions  # the check added them to a copy only

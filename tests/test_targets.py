@@ -1,7 +1,8 @@
 """Target profiles and ``edgeq check`` / ``compile --target``: profiles load and reject typos; the
 checker flags each kind of violation on a hand-built model and on tiny models (w8a8 is clean for
 generic-qdq; rotate's OnlineHadamard is not until expand-functions; a non-power-of-two scale is
-flagged by pow2-int until pow2-scales); the CLI exits 0 / 3 / 2 and writes nothing on refusal."""
+flagged by pow2-int until pow2-scales; a NaN weight is finite-initializer on any profile); the CLI exits
+0 / 3 / 2 and writes nothing on refusal."""
 
 import json
 
@@ -189,6 +190,26 @@ def test_check_flags_ops_and_domains():
     assert not _rules(check_model(model, load_target("ort-cpu"))).get("op")
 
 
+def test_check_flags_non_finite_weights_once():
+    """``finite-initializer``: a float weight with NaN or inf, whatever the profile; a Q/DQ scale
+    with NaN is ``finite-scale`` only (which names the node); a -inf scalar is not a weight."""
+    model = _hand_model()
+    bias = np.zeros((2, 4), np.float32)
+    bias[1, 2] = np.inf
+    model.graph.initializer.extend([numpy_helper.from_array(bias, "bias"),
+                                    numpy_helper.from_array(np.array(-np.inf, np.float32), "floor")])
+    model.graph.node.extend([helper.make_node("Add", ["y", "bias"], ["yb"], name="add_bias"),
+                             helper.make_node("Max", ["yb", "floor"], ["ym"], name="floor_max")])
+    model.graph.output.append(helper.make_tensor_value_info("ym", TensorProto.FLOAT, [2, 4]))
+    scale = next(t for t in model.graph.initializer if t.name == "W1_scale")
+    scale.CopyFrom(numpy_helper.from_array(np.array([0.01, np.nan, 0.25, 0.5], np.float32), "W1_scale"))
+    for target in ("ort-cpu", "generic-qdq"):
+        rules = _rules(check_model(model, load_target(target)))
+        assert rules["finite-initializer"] == ["initializer 'bias' holds 1 inf among its 8 values (first at index "
+                                               "[1, 2]): every value computed from it is NaN or inf, on any target"]
+        assert [m.split(":")[0] for m in rules["finite-scale"]] == ["DequantizeLinear W1_DQ"]
+
+
 # ---------------------------------------------------------------- tiny models
 
 def _ctx(model, tmp_path):
@@ -276,6 +297,29 @@ def test_check_exit_codes(toy, tmp_path, capsys):
                          ((out / "model.onnx", "--target", "npu9"), "unknown target 'npu9'")]:
         code, _, err = _run(capsys, "check", *argv)
         assert code == 2 and len(err.splitlines()) == 1 and needle in err
+
+
+def test_check_reports_a_nan_weight_as_compile_names_it(tiny_models, tmp_path, capsys):
+    """The tiny llama with a NaN in its embedding table (which w8a8 leaves in float): ``check`` exits 3
+    with the line ``compile`` refuses it with (exit 2), for every profile; the model itself is clean
+    of the rule (its two Constant -inf are masks)."""
+    model = ir.load_model(tiny_models["llama"])
+    table = next(t for t in model.graph.initializer if t.name == "model.embed_tokens.weight")
+    values = numpy_helper.to_array(table).copy()
+    values[255, 3] = np.nan
+    table.CopyFrom(numpy_helper.from_array(values, table.name))
+    path = ir.save_model(model, tmp_path / "nan" / "model.onnx")
+    line = ("initializer 'model.embed_tokens.weight' holds 1 NaN among its 16384 values (first at index [255, 3]): "
+            "every value computed from it is NaN or inf, on any target")
+    code, text, _ = _run(capsys, "check", path, "--target", "generic-qdq")
+    assert code == 3 and text.splitlines() == [
+        line, f"{path}: 1 violation(s) of target 'generic-qdq' (finite-initializer: 1)"]
+    code, text, _ = _run(capsys, "check", path, "--target", "ort-cpu", "--json")
+    report = json.loads(text)
+    assert code == 3 and report["counts"]["finite-initializer"] == 1
+    assert {"subject": "model.embed_tokens.weight", "rule": "finite-initializer", "message": line} in report["violations"]
+    code, text, _ = _run(capsys, "check", tiny_models["llama"], "--target", "generic-qdq", "--json")
+    assert "finite-initializer" not in json.loads(text)["counts"]
 
 
 def _fixed_shapes(model_path, batch: int = 1, seq: int = 16) -> None:

@@ -13,6 +13,9 @@ a pass meant to write. Rules, one violation line each:
   an integer weight feeding a DequantizeLinear outside ``[activations]`` / ``[weights]``;
 - ``finite-scale`` / ``finite-zero-point``: whatever the profile, a Q/DQ (subgraphs included)
   whose constant scale or zero point holds NaN or inf;
+- ``finite-initializer``: whatever the profile, any other float initializer the graph reads, or
+  float Constant, holding NaN (or inf, but for a single value or an additive mask of 0 and -inf:
+  ``edgeq.loadcheck``), named as ``compile`` names it when it refuses such a model (exit 2);
 - ``pow2-scale``: with ``power_of_two_scales``, a Q/DQ (subgraphs included) whose scale is not an
   exact power of two, or is computed at run time so that no power of two can be promised;
 - ``positive-scale``: with ``positive_scales``, a Q/DQ (subgraphs included) whose constant scale
@@ -36,6 +39,7 @@ from onnx import numpy_helper
 
 from edgeq import ir
 from edgeq.errors import EdgeqError
+from edgeq.loadcheck import nonfinite_tensors
 from edgeq.qdq_encodings import collect_encodings
 from edgeq.targets.node_units import broken_units, lookup_tables
 from edgeq.targets.profile import QuantRules, TargetProfile, dtype_bits, dtype_name
@@ -98,6 +102,7 @@ def check_model(model: onnx.ModelProto, profile: TargetProfile, encodings: dict 
     violations += _check_dtypes(model, profile, integer_side)
     violations += _check_quantization(model, profile, encodings if encodings is not None else collect_encodings(model))
     violations += _check_finite_params(graph)
+    violations += _check_finite_weights(model)
     if profile.power_of_two_scales:
         violations += _check_pow2(graph, profile)
     if profile.positive_scales:
@@ -360,6 +365,15 @@ def _check_finite_params(graph: onnx.GraphProto) -> list[Violation]:
                                      f"{label}: {what} {name} is {float(bad[0])}{extra}; every value it touches "
                                      f"becomes NaN or saturates"))
     return out
+
+
+def _check_finite_weights(model: onnx.ModelProto) -> list[Violation]:
+    """Float weights holding NaN or inf (``edgeq.loadcheck.nonfinite_tensors``); a Q/DQ's scale or
+    zero point is left to ``_check_finite_params``, which says which node it breaks."""
+    params = {name for node in ir.proto_nodes(model.graph.node) if node.op_type in _QDQ for name in node.input[1:3]}
+    return [Violation(found.name, "finite-initializer", f"{found.describe()}: every value computed from it is NaN "
+                                                        "or inf, on any target")
+            for found in nonfinite_tensors(model) if found.name not in params]
 
 
 def _check_positive_scales(graph: onnx.GraphProto, profile: TargetProfile) -> list[Violation]:

@@ -1,11 +1,15 @@
 """The Pass base class: a named, classified graph rewrite with a frozen config.
 
 A pass receives a graphsurgeon graph and a ``PassContext`` (calibration access, settings shared by
-the pipeline) and returns a ``PassResult`` saying whether it changed the graph and what it did,
-or why it did not apply: it raises ``PassNotApplicable(reason, detail)`` before changing the
-graph, and the pipeline records that as the pass's typed ``not_applicable`` (the one way a pass
-says so). Running a pass a second time on its own output must report ``modified=False``; the
-generic test harness checks that for every registered pass.
+the pipeline). Where it applies, it rewrites the graph and returns ``PassResult(True, summary)``
+(what it did). Where it does not, it raises ``PassNotApplicable(reason, detail, **counts)`` (a typed
+``Reason``, a detail saying what it looked for, the counts it would report) before rewriting the
+graph, and the pipeline records that as the pass's typed ``not_applicable``: the one way to say
+"did not apply", always with a reason. ``PassResult`` cannot say ``modified=False`` without one
+(``TypeError``), and the pipeline refuses, as an internal error (``PassFailure``), a ``run`` that
+returns anything but an applied result. Running a pass a second time on its own output must not
+apply (its marker: ``already-applied``; else it raises); the generic test harness checks that for
+every registered pass.
 
 The lifecycle belongs to the framework, not to each pass, and every pass declares its part in its
 class line (``Pass.__init_subclass__`` refuses the same names set as plain class attributes):
@@ -85,31 +89,44 @@ class NotApplicable:
 
 @dataclass
 class PassResult:
+    """A pass's outcome. A pass's ``run`` returns one only where it applied: ``PassResult(True,
+    summary)``. Every other outcome is the pipeline's, made from a ``PassNotApplicable`` (the pass's,
+    or its own ``already-applied`` / ``prerequisite-did-not-apply`` skips: ``PassNotApplicable.result``)
+    and carries the typed ``not_applicable``. So ``modified=False`` always comes with a reason: a
+    result without one is refused when made (``TypeError``). ``modified=True`` with a reason is the
+    pipeline's record of a ``marks_when_not_applicable`` pass that did not apply (it left the marker)."""
+
     modified: bool
     summary: dict[str, Any] = field(default_factory=dict)
     not_applicable: NotApplicable | None = None
 
-    @classmethod
-    def skipped(cls, reason: Reason, detail: str, modified: bool = False, **summary) -> "PassResult":
-        """A pass that did not apply; the summary keeps the detail under the reason's usual key."""
-        key = "already_applied" if reason is Reason.ALREADY_APPLIED else "not_applicable"
-        return cls(modified, {key: detail, **summary}, NotApplicable(reason, detail))
+    def __post_init__(self) -> None:
+        if not self.modified and self.not_applicable is None:
+            raise TypeError("PassResult(modified=False) without a reason: a pass that does not apply raises "
+                            "PassNotApplicable(reason, detail, **counts) before rewriting the graph")
 
 
 class PassNotApplicable(Exception):
-    """Raised by a pass's ``run`` (or a method it calls, e.g. ``analyze_stream``) when the pass does
-    not apply to this graph; raise it only before changing the graph. The pipeline catches it and
-    records ``PassResult.skipped(reason, detail, **summary)``: ``modified=False``, the typed
-    ``not_applicable`` in report.json, the detail in the summary next to ``summary``'s counts."""
+    """The one way to say a pass did not apply: raised by its ``run`` (or a method it calls, e.g.
+    ``analyze_stream``) with a typed ``reason``, a ``detail`` saying what it looked for and did not
+    find, and the counts its summary would have (``**summary``). Raise it before rewriting the graph;
+    a pass may leave its own marker first (``rms``, ``massive-split`` and ``muxq`` record the settings
+    they ran with where no channel qualifies, so a later run is ``already-applied``). The pipeline
+    catches it and records ``result()``: ``modified=False``, the typed ``not_applicable`` in
+    report.json, the detail in the summary next to the counts. The pipeline's own skips
+    (``already-applied``, ``prerequisite-did-not-apply``) are made the same way."""
 
-    def __init__(self, reason: Reason, detail: str, **summary: Any):
+    def __init__(self, reason: Reason, detail: str, /, **summary: Any):
         super().__init__(detail)
         self.reason = reason
         self.detail = detail
         self.summary = summary
 
     def result(self) -> PassResult:
-        return PassResult.skipped(self.reason, self.detail, **self.summary)
+        """The record: the detail under the reason's usual key (``already_applied`` or
+        ``not_applicable``) in front of the counts, and the typed reason."""
+        key = "already_applied" if self.reason is Reason.ALREADY_APPLIED else "not_applicable"
+        return PassResult(False, {key: self.detail, **self.summary}, NotApplicable(self.reason, self.detail))
 
 
 # How 8-bit int8 weights read by uint8 x int8 kernels are quantized (PassContext.int8_weights):
@@ -279,8 +296,9 @@ class Pass(abc.ABC):
 
     @abc.abstractmethod
     def run(self, graph: gs.Graph, ctx: PassContext) -> PassResult:
-        """Rewrite ``graph`` in place; report whether anything changed, or raise
-        ``PassNotApplicable`` (before changing it) when the pass does not apply."""
+        """Rewrite ``graph`` in place and return ``PassResult(True, summary)``; where the pass does
+        not apply, raise ``PassNotApplicable(reason, detail, **counts)`` before rewriting it (the
+        pipeline refuses any other result)."""
 
     @property
     def output_exactness(self) -> Exactness:

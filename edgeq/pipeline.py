@@ -9,9 +9,10 @@ Optional instruments, each after every pass:
 - ``check_numerics``: run the graph on one reference sample and log the drift of every output
   against the input model's (max abs error, SQNR in dB).
 A pass that raises ``PassNotApplicable`` did not apply: its record gets the typed
-``not_applicable`` (reason, detail). Any other exception, or an output that fails verification,
-becomes a ``PassFailure`` naming the pass (exit 1); a ``UserInputError`` from a pass passes
-through unchanged (exit 2). The pass lifecycle
+``not_applicable`` (reason, detail), the only way a record says ``modified: false``. Any other
+exception, a ``run`` that returns anything but an applied ``PassResult(True, summary)``, or an
+output that fails verification, becomes a ``PassFailure`` naming the pass (exit 1); a
+``UserInputError`` from a pass passes through unchanged (exit 2). The pass lifecycle
 (``Pass.establishes`` markers, ``Pass.requires`` read against the markers and the outcomes this run
 recorded, ``marks_when_not_applicable``) is enforced here: see ``edgeq.passbase``; so is
 the recipe's ``essential`` mark: an essential pass that does not apply stops the run at once
@@ -33,7 +34,7 @@ import onnx_graphsurgeon as gs
 
 from edgeq import ir
 from edgeq.errors import EdgeqError, EssentialPassNotApplied, PassFailure, UserInputError
-from edgeq.passbase import NotApplicable, Pass, PassContext, PassNotApplicable, PassResult, Reason
+from edgeq.passbase import Pass, PassContext, PassNotApplicable, PassResult, Reason
 from edgeq.peak_rss import peak_rss_mb
 from edgeq.registry import get_pass
 from edgeq.sqnr import sqnr_db
@@ -145,11 +146,10 @@ class Pipeline:
         return ir.to_model(graph), records
 
     def _require_applied(self, p: Pass, result: PassResult, record: dict) -> None:
-        """An essential pass must have changed the graph (or found its work already done); else stop
-        here, before the passes after it run on a model the recipe cannot serve."""
+        """An essential pass must have applied (or found its work already done); else stop here,
+        before the passes after it run on a model the recipe cannot serve. A pass that did not
+        apply has said why (``result.not_applicable``: ``PassResult`` has no other way)."""
         missed = result.not_applicable
-        if missed is None and not result.modified:
-            missed = NotApplicable(Reason.NO_SITES, "it found nothing to rewrite and left the graph unchanged")
         if missed is None or missed.reason is Reason.ALREADY_APPLIED:
             return
         if not self.options.allow_partial:
@@ -163,16 +163,20 @@ class Pipeline:
         check what it requires against their markers and ``outcomes`` (the passes run earlier in
         this run: ``_unmet``); else run it. A pass that raises ``PassNotApplicable`` (before changing
         the graph) is recorded as skipped with its reason; one that ``marks_when_not_applicable``
-        gets its marker, with the reason, wherever it does not apply."""
+        gets its marker, with the reason, wherever it does not apply. ``run`` returns only an applied
+        result (``PassResult(True, summary)``): anything else is refused (``TypeError``, which
+        ``run`` reports as the pass's ``PassFailure``)."""
         marker = p.establishes
         if marker is not None and marker.present(graph):
-            return PassResult.skipped(Reason.ALREADY_APPLIED, marker.text(graph))
+            return PassNotApplicable(Reason.ALREADY_APPLIED, marker.text(graph)).result()
         result = Pipeline._unmet(p, graph, outcomes)
         if result is None:
             try:
-                return p.run(graph, ctx)
+                result = p.run(graph, ctx)
             except PassNotApplicable as why:
                 result = why.result()
+            else:
+                return _applied(p, result)
         if p.marks_when_not_applicable:  # the reason is left on the graph for the passes that require it
             marker.set_not_applied(graph, result.not_applicable.detail, **p.marker_fields())
             result.modified = True
@@ -192,16 +196,17 @@ class Pipeline:
                 if outcome is None:
                     never_ran.append((name, f"{name} did not run earlier in this pipeline"))
                 elif (missed := outcome.not_applicable) is not None and missed.reason is Reason.PREREQUISITE_DID_NOT_APPLY:
-                    skip = skip or PassResult.skipped(Reason.PREREQUISITE_DID_NOT_APPLY, f"{name} did not apply: {missed.detail}")
+                    skip = skip or PassNotApplicable(Reason.PREREQUISITE_DID_NOT_APPLY,
+                                                     f"{name} did not apply: {missed.detail}").result()
             elif not needed.present(graph):
                 if required.marks_when_not_applicable:  # no marker at all: it never ran
                     never_ran.append((name, f"the graph has no '{needed.key}' marker: {needed.meaning}"))
                 else:
-                    skip = skip or PassResult.skipped(
+                    skip = skip or PassNotApplicable(
                         Reason.PREREQUISITE_DID_NOT_APPLY,
-                        f"{name} did not apply to this graph (no '{needed.key}' marker: {needed.meaning})")
+                        f"{name} did not apply to this graph (no '{needed.key}' marker: {needed.meaning})").result()
             elif (why := needed.not_applied(graph)) is not None:
-                skip = skip or PassResult.skipped(Reason.PREREQUISITE_DID_NOT_APPLY, f"{name} did not apply: {why}")
+                skip = skip or PassNotApplicable(Reason.PREREQUISITE_DID_NOT_APPLY, f"{name} did not apply: {why}").result()
         if never_ran:
             raise UserInputError(f"{p.name}: put {', '.join(n for n, _ in never_ran)} before {p.name} "
                                  f"({'; '.join(why for _, why in never_ran)})")
@@ -217,6 +222,17 @@ class Pipeline:
         except Exception as exc:  # noqa: BLE001
             return str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         return None
+
+
+def _applied(p: Pass, result: Any) -> PassResult:
+    """``result`` when ``p.run`` returned an applied result; else a ``TypeError`` (an internal error:
+    "did not apply" is said by raising ``PassNotApplicable``, never by a returned result)."""
+    if isinstance(result, PassResult) and result.modified and result.not_applicable is None:
+        return result
+    got = (f"PassResult(modified={result.modified}, not_applicable={result.not_applicable})"
+           if isinstance(result, PassResult) else type(result).__name__)
+    raise TypeError(f"{p.name}: run returned {got}; a pass returns PassResult(True, summary) where it applied "
+                    f"and raises PassNotApplicable(reason, detail, **counts) where it did not")
 
 
 def _counter_delta(a: collections.Counter, b: collections.Counter) -> dict[str, int]:

@@ -26,7 +26,7 @@ from edgeq import ir
 from dataclasses import dataclass
 
 from edgeq.errors import UserInputError
-from edgeq.passbase import Exactness, Pass, PassConfig, PassContext, PassResult
+from edgeq.passbase import Exactness, Pass, PassConfig, PassContext, PassNotApplicable, PassResult, Reason
 from edgeq.structure import Norm, analyze
 from edgeq.passes.methods.weights import LinearEditor, is_weightless, norm_weights, position_wise_readers, scale_rows
 
@@ -74,7 +74,13 @@ class FuseNormsPass(Pass, name="fuse-norms", per_block=True, exactness=Exactness
                 editor.set_weight(lin, w)
             _drop_norm_affine(graph, index, norm)
             folded.append(norm.name)
-        return PassResult(bool(folded), {"norms_folded": len(folded), "heads_untied": untied, "norms_skipped": skipped})
+        summary = {"norms_folded": len(folded), "heads_untied": untied, "norms_skipped": skipped}
+        if not structure.norms:
+            raise PassNotApplicable(Reason.STRUCTURE_NOT_FOUND, "no LayerNorm/RMSNorm in the graph", **summary)
+        if not folded:  # nothing was changed above: every norm was passed over
+            raise PassNotApplicable(Reason.NO_SITES, "no LayerNorm/RMSNorm with a scale or bias that only linears "
+                                    "read (the others are weightless or listed in norms_skipped)", **summary)
+        return PassResult(True, summary)
 
 
 def _sandwich_stream_norms(graph: gs.Graph) -> set[str]:

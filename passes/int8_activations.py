@@ -38,7 +38,7 @@ import onnx
 import onnx_graphsurgeon as gs
 
 from edgeq import ir
-from edgeq.passbase import Exactness, Pass, PassContext, PassResult
+from edgeq.passbase import Exactness, Pass, PassContext, PassNotApplicable, PassResult, Reason
 from edgeq.targets.requant import read_constant
 
 # unsigned storage -> (signed type, numpy type, onnx type, shift)
@@ -97,7 +97,13 @@ class Int8ActivationsPass(Pass, name="int8-activations", exactness=Exactness.EXA
             counts["clips"] += sum(n.op == "Clip" for n in group.movers)
         summary = {"activations_shifted": dict(shifted), **{f"{k}_rewritten": v for k, v in counts.items()},
                    "skipped": dict(skipped)}
-        return PassResult(bool(counts["quantizers"]), summary)
+        if not counts["quantizers"]:
+            if not skipped:
+                raise PassNotApplicable(Reason.STRUCTURE_NOT_FOUND, "no uint8/uint16 activation QuantizeLinear",
+                                        **summary)
+            raise PassNotApplicable(Reason.NO_SITES, f"no uint8/uint16 activation can be made signed "
+                                    f"({sum(skipped.values())} left as they are: see skipped)", **summary)
+        return PassResult(True, summary)
 
 
 def _zero_point(node: gs.Node) -> gs.Tensor | None:

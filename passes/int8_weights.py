@@ -31,7 +31,7 @@ import numpy as np
 import onnx_graphsurgeon as gs
 
 from edgeq import ir
-from edgeq.passbase import Exactness, Pass, PassContext, PassResult
+from edgeq.passbase import Exactness, Pass, PassContext, PassNotApplicable, PassResult, Reason
 from edgeq.targets.requant import read_constant, set_inputs
 
 # narrow storage -> shift subtracted from the integers and zero point to land in int8
@@ -66,7 +66,13 @@ class Int8WeightsPass(Pass, name="int8-weights", exactness=Exactness.EXACT,
             key = f"{dtype}->int8"
             widened[key] += 1
         summary = {"weights_widened": dict(widened), "dequantizers_rewritten": rewritten, "skipped": dict(skipped)}
-        return PassResult(bool(rewritten), summary)
+        if not seen:
+            raise PassNotApplicable(Reason.STRUCTURE_NOT_FOUND, "no int4/uint4/int2/uint2 weight behind a "
+                                    "DequantizeLinear", **summary)
+        if not rewritten:
+            raise PassNotApplicable(Reason.NO_SITES, f"no 4-bit/2-bit weight can be widened ({len(seen)} left as "
+                                    "they are: see skipped)", **summary)
+        return PassResult(True, summary)
 
 
 def _dtype_name(dtype) -> str | None:

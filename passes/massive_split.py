@@ -108,13 +108,18 @@ class MassiveSplitPass(SideBranchPass, name="massive-split", per_block=True, exa
         if branches:
             quantize_branches(graph, index, branches, ranges, cfg.branch, ctx.u8s8_safe)
         facts.MASSIVE_SPLIT.set(graph, ratio=cfg.ratio, branch=cfg.branch)
-        return PassResult(bool(branches), {
+        summary = {
             "linears": len(sites),
             "split": len(branches),
             "channels": sum(len(r["channels"]) for r in report.values()),
             "branch": cfg.branch,
             "per_linear": report,
-        })
+        }
+        if not branches:  # the graph is unchanged but for the marker: a later run is already-applied
+            raise PassNotApplicable(Reason.NO_SITES, f"no massive-activation channel (|x| max over {cfg.ratio:g}x the "
+                                    f"median channel's) in the inputs of the {len(sites)} float linear(s) in roles "
+                                    f"{', '.join(cfg.roles)}", **summary)
+        return PassResult(True, summary)
 
 
 def _split(graph, index, node: gs.Node, lin, site: gs.Tensor, hadamard: gs.Node | None,

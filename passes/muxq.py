@@ -141,7 +141,7 @@ class MuxqPass(Pass, name="muxq", exactness=Exactness.FLOAT_EQUIV, config=MuxqCo
             facts.KEEP_FLOAT.add(graph, branches)
         facts.MUXQ.set(graph, method=cfg.method, rule=cfg.rule, form=cfg.form)
         outliers = [r["outliers"] for r in report.values()]
-        return PassResult(bool(report), {
+        summary = {
             "method": cfg.method,
             "inputs": len(sites),
             "decomposed": len(report),
@@ -150,7 +150,12 @@ class MuxqPass(Pass, name="muxq", exactness=Exactness.FLOAT_EQUIV, config=MuxqCo
             "extra_k_share": round(sum(outliers) / max(sum(r["k"] for r in report.values()), 1), 4),
             "folded_into_norm": sum(r.get("body_scale") == "folded into norm" for r in report.values()),
             "per_input": report,
-        })
+        }
+        if not report:  # the graph is unchanged but for the marker: a later run is already-applied
+            rule = f"|x| > {cfg.threshold:g}" if cfg.rule == "abs" else f"channel std z-score > {cfg.z_threshold:g}"
+            raise PassNotApplicable(Reason.NO_SITES, f"no outlier channel ({rule}) in any of the {len(sites)} float linear "
+                                    "input(s)", **summary)
+        return PassResult(True, summary)
 
 
 def _const(index, name: str, value) -> gs.Constant:

@@ -19,7 +19,7 @@ import numpy as np
 import onnx_graphsurgeon as gs
 
 from edgeq import ir
-from edgeq.passbase import Exactness, Pass, PassContext, PassResult
+from edgeq.passbase import Exactness, Pass, PassContext, PassNotApplicable, PassResult, Reason
 from edgeq.quant import dequantize_weight
 from edgeq.targets.requant import ErrorMeter, broadcast_param, replace_weight, set_inputs, weight_dequantizers
 
@@ -31,7 +31,8 @@ class PositiveWeightScalesPass(Pass, name="positive-weight-scales", exactness=Ex
         meter = ErrorMeter()
         weights = channels = saturated = 0
         done: dict[tuple, tuple] = {}
-        for w in weight_dequantizers(graph, index):
+        found = weight_dequantizers(graph, index)
+        for w in found:
             negative = np.asarray(w.scale) < 0
             if not negative.any():
                 continue
@@ -51,4 +52,10 @@ class PositiveWeightScalesPass(Pass, name="positive-weight-scales", exactness=Ex
             saturated += int((q != flipped).sum())
             done[key] = replace_weight(graph, index, w, q, scale, w.zero_point, w.spec, "pos")
         summary = {"weights_flipped": weights, "channels_flipped": channels, "codes_saturated": saturated, **meter.summary()}
-        return PassResult(bool(weights), summary)
+        if not found:
+            raise PassNotApplicable(Reason.STRUCTURE_NOT_FOUND, "no DequantizeLinear of a constant integer weight",
+                                    **summary)
+        if not weights:
+            raise PassNotApplicable(Reason.NO_SITES, f"no negative scale on the {len(found)} weight DequantizeLinear(s)",
+                                    **summary)
+        return PassResult(True, summary)

@@ -31,7 +31,7 @@ import numpy as np
 import onnx_graphsurgeon as gs
 
 from edgeq import ir
-from edgeq.passbase import Exactness, Pass, PassContext, PassResult
+from edgeq.passbase import Exactness, Pass, PassContext, PassNotApplicable, PassResult, Reason
 from edgeq.qdq_nodes import integer_constant
 from edgeq.quant import QuantSpec, dequantize_weight
 from edgeq.targets.requant import (QDQ_OPS, ErrorMeter, pow2_ceil, integer_dtype, read_constant, replace_weight, requantize, set_inputs,
@@ -98,12 +98,16 @@ class Pow2ScalesPass(Pass, name="pow2-scales", exactness=Exactness.LOSSY,
                 continue
             changed = _rescale_activation(graph, index, node, shared, stats, skipped)
             activation_changes += int(changed)
-        modified = bool(weight_changes or activation_changes)
         summary = {"scales_changed": weight_changes + activation_changes, "activation_scales_changed": activation_changes,
                    "weight_scales_changed": weight_changes, **stats.summary(),
                    "weights_requantized": meter.count, **meter.summary(),
                    "skipped": {k: v for k, v in skipped.items() if v}}
-        return PassResult(modified, summary)
+        if not (weight_changes or activation_changes):
+            if not any(n.op in QDQ_OPS for n in graph.nodes):
+                raise PassNotApplicable(Reason.STRUCTURE_NOT_FOUND, "no QuantizeLinear/DequantizeLinear", **summary)
+            raise PassNotApplicable(Reason.NO_SITES, "every Q/DQ scale is a power of two already or is left as it is "
+                                    "(see skipped)", **summary)
+        return PassResult(True, summary)
 
 
 def _unused_range(w) -> float:

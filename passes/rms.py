@@ -74,13 +74,17 @@ class RmsPass(SideBranchPass, name="rms", per_block=True, exactness=Exactness.FL
                 ranges = {name: obs.range() for name, obs in observers.items()}
             quantize_branches(graph, index, branches, ranges, cfg.branch, ctx.u8s8_safe)
         facts.RMS.set(graph, mode=cfg.mode, branch=cfg.branch)
-        return PassResult(bool(branches), {
+        summary = {
             "online_hadamard_linears": len(eq9),
             "meeting_eq9": sum(v > 0 for v in eq9.values()),
             "split": len(branches),
             "branch": cfg.branch,
             "eq9_columns": {k: v for k, v in eq9.items() if v},
-        })
+        }
+        if not branches:  # (mode eq9) the graph is unchanged but for the marker: a later run is already-applied
+            raise PassNotApplicable(Reason.NO_SITES, f"no weight column of the {len(eq9)} linear(s) behind an online "
+                                    "Hadamard meets Eq. 9 (mode eq9): no channel 0 to split off", **summary)
+        return PassResult(True, summary)
 
 
 def _split(graph, index, editor: LinearEditor, node: gs.Node, lin, w_r: np.ndarray) -> dict:

@@ -22,7 +22,7 @@ import numpy as np
 import onnx_graphsurgeon as gs
 
 from edgeq import ir
-from edgeq.passbase import Exactness, Pass, PassContext, PassResult
+from edgeq.passbase import Exactness, Pass, PassContext, PassNotApplicable, PassResult, Reason
 from edgeq.quant import QuantSpec, dequantize_weight, quantize_weight
 from edgeq.targets.requant import ErrorMeter, replace_weight, set_inputs, weight_dequantizers
 
@@ -36,7 +36,8 @@ class SymmetricWeightsPass(Pass, name="symmetric-weights", exactness=Exactness.L
         meter = ErrorMeter()
         shifted = requantized = 0
         done: dict[tuple, tuple] = {}
-        for w in weight_dequantizers(graph, index):
+        found = weight_dequantizers(graph, index)
+        for w in found:
             if w.spec.signed and w.symmetric:
                 continue
             key = w.key()
@@ -54,4 +55,10 @@ class SymmetricWeightsPass(Pass, name="symmetric-weights", exactness=Exactness.L
             meter.add(old, dequantize_weight(q, scale, zp, signed))
             done[key] = replace_weight(graph, index, w, q, scale, zp, signed, "sym")
         summary = {"weights_shifted_exactly": shifted, "weights_requantized": requantized, **meter.summary()}
-        return PassResult(bool(shifted or requantized), summary)
+        if not found:
+            raise PassNotApplicable(Reason.STRUCTURE_NOT_FOUND, "no DequantizeLinear of a constant integer weight",
+                                    **summary)
+        if not (shifted or requantized):
+            raise PassNotApplicable(Reason.NO_SITES, f"the {len(found)} weight DequantizeLinear(s) are signed and "
+                                    "symmetric already", **summary)
+        return PassResult(True, summary)

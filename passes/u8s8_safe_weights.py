@@ -56,9 +56,11 @@ class U8S8SafeWeightsPass(Pass, name="u8s8-safe-weights", per_block=True, exactn
             fixes += n_fixes
         summary = {"u8s8_linears": len(sites), "weights_requantized": changed_weights, "channels_rescaled": channels,
                    "pair_fixes": fixes}
-        if changed_weights:
-            summary.update(meter.summary())
-        return PassResult(changed_weights > 0, summary)
+        if not changed_weights:  # nothing at risk: the graph is left untouched
+            raise PassNotApplicable(Reason.NO_SITES, f"no int8 weight of the {len(sites)} uint8 x int8 linear(s) has a "
+                                    f"same-sign adjacent pair over {PAIR_LIMIT} (none can saturate)", **summary)
+        summary.update(meter.summary())
+        return PassResult(True, summary)
 
 
 def _requantize(wdq: WeightDQ, k_axis: int) -> tuple[np.ndarray, np.ndarray, int, int]:

@@ -192,7 +192,9 @@ def test_int4_graph_input_is_left_alone():
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21)], ir_version=10)
     out, records = Pipeline([get_pass("int8-weights")()], PipelineOptions(verify=True)).run(model, PassContext())
     assert records[0]["modified"] is False and records[0]["verified"]
-    assert records[0]["summary"] == {"weights_widened": {}, "dequantizers_rewritten": 0,
+    why = "no 4-bit/2-bit weight can be widened (1 left as they are: see skipped)"
+    assert records[0]["not_applicable"] == {"reason": "no-sites", "detail": why}
+    assert records[0]["summary"] == {"not_applicable": why, "weights_widened": {}, "dequantizers_rewritten": 0,
                                      "skipped": {"weight is a graph input": 1}}
     assert out.graph.input[0].type.tensor_type.elem_type == TensorProto.INT4 and list(out.graph.node[0].input) == ["x4", "s"]
 

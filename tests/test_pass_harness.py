@@ -2,8 +2,9 @@
 
 For each (pass, model): the pass runs under the pipeline with verification on (onnx checker and
 an onnxruntime session), keeps the tolerance its exactness class promises (graph optimizations
-off), is idempotent (a second run reports modified=False and changes nothing), and its output
-survives save/load with external data bit for bit.
+off), is idempotent (a second run does not apply, says why, and changes nothing), and its output
+survives save/load with external data bit for bit. Every record that says ``modified: false`` says
+why (``not_applicable``: a pass that does not apply raises ``PassNotApplicable``, the one way).
 """
 
 import numpy as np
@@ -14,7 +15,7 @@ from edgeq import ir
 from edgeq.calib.session import CalibrationSet, Calibrator
 from edgeq.errors import UserInputError
 from edgeq.families import FAMILIES
-from edgeq.passbase import FLOAT_EQUIV_RTOL, Exactness, PassContext
+from edgeq.passbase import FLOAT_EQUIV_RTOL, Exactness, PassContext, Reason
 from edgeq.pipeline import Pipeline, PipelineOptions
 from edgeq.models.tiny import TINY_ARCHS
 from edgeq.registry import all_passes
@@ -55,6 +56,15 @@ def _run(model, feeds):
     return sess.run(None, feeds)
 
 
+def _check_reasons(records):
+    """A record that did not change the graph says why, typed (reason) and in words (detail)."""
+    for rec in records:
+        if not rec["modified"]:
+            why = rec.get("not_applicable")
+            assert why and why["reason"] in {r.value for r in Reason} and why["detail"], \
+                f"{rec['name']}: modified=False without a reason ({why})"
+
+
 @pytest.mark.parametrize("pass_name", PASSES)
 def test_pass_on_tiny_model(pass_name, tiny_model_name, tiny_models, tmp_path):
     model = ir.load_model(tiny_models[tiny_model_name])
@@ -79,6 +89,7 @@ def test_pass_on_tiny_model(pass_name, tiny_model_name, tiny_models, tmp_path):
             reference = reference_pre  # the prerequisites are checked by their own harness runs
     out, records = Pipeline(chain(), PipelineOptions(verify=True)).run(model, ctx)
     assert records[-1]["verified"]
+    _check_reasons(records)
     got = _run(out, feeds)
     for ref, new in zip(reference, got):
         if exactness is Exactness.EXACT:
@@ -96,6 +107,7 @@ def test_pass_on_tiny_model(pass_name, tiny_model_name, tiny_models, tmp_path):
     marked = pass_cls.establishes is not None and pass_cls.establishes.key in {p.key for p in out.metadata_props}
     again, records2 = Pipeline(chain()[-1:] if marked else chain()).run(out, ctx)
     assert records2[-1]["modified"] is False, f"{pass_name} is not idempotent"
+    _check_reasons(records2)
     for a, b in zip(got, _run(again, feeds)):
         np.testing.assert_array_equal(a, b)
 
@@ -103,3 +115,47 @@ def test_pass_on_tiny_model(pass_name, tiny_model_name, tiny_models, tmp_path):
     assert (tmp_path / "saved" / "model.onnx.data").exists()
     for a, b in zip(got, _run(ir.load_model(path), feeds)):
         np.testing.assert_array_equal(a, b)
+
+
+def test_did_not_apply_is_said_only_by_raising():
+    """One channel for "did not apply": ``PassNotApplicable``. A result saying ``modified=False``
+    without a reason cannot be made, and the pipeline refuses, as the pass's internal error, a
+    ``run`` that returns anything but an applied result (even one carrying a reason)."""
+    from edgeq.errors import PassFailure
+    from edgeq.passbase import NotApplicable, Pass, PassNotApplicable, PassResult, _PASSES
+
+    with pytest.raises(TypeError, match="raises PassNotApplicable"):
+        PassResult(False, {"rewritten": 0})
+    returned = {}
+
+    class ReturnsPass(Pass, name="test-returns", exactness=Exactness.EXACT):
+        def run(self, graph, ctx):
+            return returned["result"]
+
+    class RaisesPass(Pass, name="test-raises", exactness=Exactness.EXACT):
+        def run(self, graph, ctx):
+            raise PassNotApplicable(Reason.NO_SITES, "nothing here", rewritten=0)
+
+    try:
+        model = _identity_model()
+        bad = [PassResult(False, {}, NotApplicable(Reason.NO_SITES, "nothing")), None, {"modified": False}]
+        for result in bad:
+            returned["result"] = result
+            with pytest.raises(PassFailure, match="test-returns.*raises PassNotApplicable"):
+                Pipeline([ReturnsPass()]).run(model, PassContext())
+        _, records = Pipeline([RaisesPass()]).run(model, PassContext())
+        assert records[0]["modified"] is False
+        assert records[0]["not_applicable"] == {"reason": "no-sites", "detail": "nothing here"}
+        assert records[0]["summary"] == {"not_applicable": "nothing here", "rewritten": 0}
+    finally:
+        _PASSES.pop("test-returns", None)
+        _PASSES.pop("test-raises", None)
+
+
+def _identity_model():
+    from onnx import TensorProto, helper
+
+    graph = helper.make_graph([helper.make_node("Identity", ["x"], ["y"])], "g",
+                              [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2])])
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)], ir_version=9)

@@ -8,11 +8,16 @@
   target allows full-range int8 weights (``ort-cpu-vnni``), the ``u8s8-safe-weights`` guard; then
   the encodings are read from the result once, and with a target the result is checked against
   its profile (``TargetUnreachable``, exit 3, nothing written).
-- ``route``: one of four functions, each ``(plan, model) -> CompileResult`` and writing nothing:
-  ``compile_in_memory``, ``compile_blockwise``, ``compile_static`` (``--static``) and
-  ``compile_genai`` (``--target ort-genai``). The plan is frozen: the model ``plan_compile`` read
-  is handed to the route beside it (the pipeline clears it as it imports it), and what a route
+- ``route``: decided once, in ``plan_compile``, as a value on the plan (``Route``); each route is
+  one function ``(plan, model) -> CompileResult`` that writes nothing: ``compile_in_memory``,
+  ``compile_blockwise``, ``compile_static`` (``--static``) and ``compile_genai`` (``--target
+  ort-genai``). The plan is frozen and nothing in it is toggled afterwards: the model
+  ``plan_compile`` read is handed to the route beside it (the pipeline clears it as it imports
+  it), block-wise calibration runs on its own streaming view of the calibrator
+  (``Calibrator.streaming``) and on fresh pass instances for every block, and what a route
   measures (block-wise: the u8s8 risk, block by block) is returned in its result.
+- ``report``: a typed record (``edgeq.artifacts.report.CompileReport``), its sections filled by the
+  plan, the route and the writer that own them, serialized once by the writer.
 - ``write``: ``edgeq.artifacts.writer.write(result)`` writes the folder atomically (the graphs
   through the result's per-kind writer, then encodings, AIMET encodings, report, manifest last).
 
@@ -26,6 +31,7 @@ per block and whose graph splits into blocks, or forced with ``--blockwise on``.
 from __future__ import annotations
 
 import dataclasses
+import enum
 import errno
 import os
 import re
@@ -40,6 +46,7 @@ import edgeq
 from edgeq.measured_accuracy import measured_accuracy
 from edgeq import ir
 from edgeq.artifacts.manifest import input_model_record
+from edgeq.artifacts.report import CompilePathSection, CompileReport, RecipeSection, TargetSection
 from edgeq.artifacts.writer import CompileResult, ModelGraphs, StaticGraphs, write
 from edgeq.calib.dataset import InputLimits, build_calibration_set
 from edgeq.calib.session import Calibrator
@@ -83,6 +90,15 @@ class CompileRequest:
     lm_head_bits: int | None = None  # --target ort-genai: a float lm_head as int8 MatMulNBits (8, default) or kept (32)
 
 
+class Route(enum.Enum):
+    """How a compile runs and what it writes; decided once per compile (``choose_route``)."""
+
+    IN_MEMORY = "in-memory"  # the whole model in one graph: model.onnx
+    BLOCKWISE = "blockwise"  # one decoder block at a time, weights streamed out: model.onnx
+    STATIC = "static"  # --static: the prefill/decode pair over one weights file
+    GENAI = "genai"  # --target ort-genai: the folder onnxruntime-genai opens
+
+
 @dataclass(frozen=True)
 class CompilePlan:
     """What the routes need, all validated; never changed once made."""
@@ -99,21 +115,18 @@ class CompilePlan:
     calibration: dict | None
     sample: dict | None
     started: float
+    route: Route
     partition: object | None = None  # edgeq.blockwise.Partition when compiling block-wise
     blockwise_reason: str = ""  # why this path was chosen (report.json)
     static_shape: object | None = None  # edgeq.static.specialize.StaticShape with --static
 
 
-def compile_model(req: CompileRequest) -> dict:
+def compile_model(req: CompileRequest) -> CompileReport:
+    """Plan, run the plan's route, write its result; returns the report written."""
     plan, model = plan_compile(req)
-    if plan.partition is None:
-        if plan.static_shape is not None:
-            route = compile_static
-        elif plan.profile is not None and plan.profile.vendor == "ort-genai":
-            route = compile_genai
-        else:
-            route = compile_in_memory
-        return write(route(plan, model))
+    if plan.route is not Route.BLOCKWISE:
+        route = {Route.IN_MEMORY: compile_in_memory, Route.STATIC: compile_static, Route.GENAI: compile_genai}
+        return write(route[plan.route](plan, model))
     try:
         staging = _staging_dir(req.out_dir)
     except OSError as exc:
@@ -143,7 +156,7 @@ def compile_blockwise(plan: CompilePlan, skeleton: onnx.ModelProto, external_dat
     return _result(plan, ModelGraphs(model, u8s8, external_data=external_data), report, encodings)
 
 
-def _result(plan: CompilePlan, graphs, report: dict, encodings: dict) -> CompileResult:
+def _result(plan: CompilePlan, graphs, report: CompileReport, encodings: dict) -> CompileResult:
     return CompileResult(plan.req.out_dir, graphs, report, encodings, recipe=plan.recipe,
                          input_model=plan.input_model, target=plan.profile.name if plan.profile else None,
                          started=plan.started, force=plan.req.force, inputs=_inputs(plan.req))
@@ -173,16 +186,7 @@ def plan_compile(req: CompileRequest) -> tuple[CompilePlan, onnx.ModelProto]:
         static_shape = cache_layout(model, *req.static)
         if recipe.kv_cache.dtype != "float32":
             static_shape = dataclasses.replace(static_shape, cache_dtype=recipe.kv_cache.dtype)
-        if req.blockwise == "on":
-            raise UserInputError("--static compiles in memory: drop --blockwise on")
-        req = dataclasses.replace(req, blockwise="off")
-    if profile is not None and profile.vendor == "ort-genai":  # the genai writer reads the whole result
-        if req.blockwise == "on":
-            raise UserInputError("--target ort-genai compiles in memory: drop --blockwise on")
-        req = dataclasses.replace(req, blockwise="off")
-    part, why = _choose_path(req, model, passes + lowering + guard, locations)
-    if static_shape is not None:
-        why = "--static: the with-past graph compiles in memory"
+    route, part, why = choose_route(req, profile, model, passes + lowering + guard, locations)
     # before any work, what the structural check at load cannot see (edgeq.loadcheck): a model
     # onnxruntime refuses (one session, its weights mapped, not read) and a weight holding NaN or inf
     check_onnxruntime(model, req.model)
@@ -208,16 +212,33 @@ def plan_compile(req: CompileRequest) -> tuple[CompilePlan, onnx.ModelProto]:
     fingerprint = model_fingerprint(model, ir.model_folder(req.model))
     plan = CompilePlan(req, recipe, profile, passes + lowering + guard, (len(passes), len(lowering)), int8_weights,
                        input_model_record(req.model, locations), fingerprint, calibrator,
-                       calibration, sample, started, part, why, static_shape=static_shape)
+                       calibration, sample, started, route, part, why, static_shape=static_shape)
     return plan, model
+
+
+def choose_route(req: CompileRequest, profile: TargetProfile | None, skeleton: onnx.ModelProto,
+                 passes: list[Pass], locations: set[str]) -> tuple[Route, object | None, str]:
+    """(route, partition, reason) for this compile, decided once: ``--static`` and ``--target
+    ort-genai`` compile the whole with-past graph in memory (``--blockwise on`` is refused with
+    them); otherwise block-wise or in memory by ``--blockwise`` and the model's size."""
+    if req.blockwise not in BLOCKWISE_MODES:
+        raise UserInputError(f"--blockwise must be one of {', '.join(BLOCKWISE_MODES)}")
+    if req.static is not None:
+        if req.blockwise == "on":
+            raise UserInputError("--static compiles in memory: drop --blockwise on")
+        return Route.STATIC, None, "--static: the with-past graph compiles in memory"
+    if profile is not None and profile.vendor == "ort-genai":  # the genai writer reads the whole result
+        if req.blockwise == "on":
+            raise UserInputError("--target ort-genai compiles in memory: drop --blockwise on")
+        return Route.GENAI, None, "--blockwise off"
+    part, why = _choose_path(req, skeleton, passes, locations)
+    return (Route.IN_MEMORY if part is None else Route.BLOCKWISE), part, why
 
 
 def _choose_path(req: CompileRequest, skeleton: onnx.ModelProto, passes: list[Pass], locations: set[str]):
     """(partition, reason): a ``Partition`` to compile block-wise, or None for the in-memory path."""
     from edgeq.blockwise import NotPartitionable, partition
 
-    if req.blockwise not in BLOCKWISE_MODES:
-        raise UserInputError(f"--blockwise must be one of {', '.join(BLOCKWISE_MODES)}")
     if req.blockwise == "off":
         return None, "--blockwise off"
     base = ir.model_folder(req.model)
@@ -251,7 +272,7 @@ def run_plan(plan: CompilePlan, model: onnx.ModelProto, external_data: Path | No
     options = PipelineOptions(req.dump_each, req.verify, req.check_numerics, essential=essential,
                               allow_partial=req.allow_partial, recipe=plan.recipe.name)
     measured = None
-    if plan.partition is not None:
+    if plan.route is Route.BLOCKWISE:
         model, records, measured = _run_blocks(plan, model, ctx, options, external_data)
     else:
         model, records = Pipeline(plan.passes, options).run(model, ctx, plan.sample, consume=True)
@@ -260,7 +281,7 @@ def run_plan(plan: CompilePlan, model: onnx.ModelProto, external_data: Path | No
               "guard": records[n_recipe + n_lowering:]}
     ir.set_metadata(model, "edgeq.version", edgeq.__version__)
     ir.set_metadata(model, "edgeq.recipe", plan.recipe.name)
-    if plan.static_shape is not None:  # the static graphs are read and checked once specialized
+    if plan.route is Route.STATIC:  # the static graphs are read and checked once specialized
         return model, stages, None, None, None
     encodings = collect_encodings(model, str(external_data.parent) if external_data is not None else "")
     if plan.profile is not None and external_data is not None:
@@ -270,7 +291,8 @@ def run_plan(plan: CompilePlan, model: onnx.ModelProto, external_data: Path | No
     return model, stages, encodings, target, measured
 
 
-def reach_target(plan: CompilePlan, model: onnx.ModelProto, encodings: dict, lowering: list) -> tuple[onnx.ModelProto, dict | None]:
+def reach_target(plan: CompilePlan, model: onnx.ModelProto, encodings: dict, lowering: list
+                 ) -> tuple[onnx.ModelProto, TargetSection | None]:
     """With a target: check ``model`` against its profile (``TargetUnreachable`` when it is not
     clean), mark it, and select the profile's onnxruntime kernels; returns (model, target summary)."""
     if plan.profile is None:
@@ -279,13 +301,12 @@ def reach_target(plan: CompilePlan, model: onnx.ModelProto, encodings: dict, low
     if not result.clean:
         raise TargetUnreachable(result)
     ir.set_metadata(model, "edgeq.target", plan.profile.name)
-    target = {"name": plan.profile.name, "description": plan.profile.description,
-              "lowering": lowering, "check": result.to_dict()}
+    target = TargetSection(plan.profile.name, plan.profile.description, lowering, result.to_dict())
     if plan.profile.ort_kernels:  # after the check: the profile is stated in edgeq ops
         from edgeq.runtime_ops.ort_kernels import use_ort_kernels
 
         model = use_ort_kernels(model)
-        target["ort_kernels"] = sorted({n.op_type for n in model.graph.node if n.domain == "edgeq.ort"})
+        target.ort_kernels = sorted({n.op_type for n in model.graph.node if n.domain == "edgeq.ort"})
     return model, target
 
 
@@ -311,18 +332,13 @@ def compile_static(plan: CompilePlan, model: onnx.ModelProto) -> CompileResult:
     for name in pair:
         pair[name], target = reach_target(plan, pair[name], encodings, stages["lowering"])
         if target is not None:
-            checks[name] = target.pop("check")
+            checks[name] = target.check
     if target is not None:
-        target["check"] = checks
+        target.check = checks
     report, u8s8 = build_report(plan, stages, target)
-    report["static"] = static_report(shape, pair, scales)
-    vendor = None
-    if plan.req.context_binary:
-        from edgeq.targets.qnn_context import write_context_binaries
-
-        def vendor(folder):
-            report["qnn_context"] = write_context_binaries(folder, list(pair), plan.req.htp_arch)
-    graphs = StaticGraphs(pair, u8s8, extra_files=tokenizer_files(plan.req.model), after_graphs=vendor)
+    report.static = static_report(shape, pair, scales)
+    graphs = StaticGraphs(pair, u8s8, extra_files=tokenizer_files(plan.req.model),
+                          context_binary=plan.req.context_binary, htp_arch=plan.req.htp_arch)
     return _result(plan, graphs, report, encodings)
 
 
@@ -387,22 +403,18 @@ def _run_blocks(plan: CompilePlan, skeleton: onnx.ModelProto, ctx: PassContext, 
 
     part = plan.partition
     carry = None
-    if plan.calibrator is not None:
-        carry = plan.calibrator.carry = StreamCarry(cut=None, capture=part.stream[1], spill_dir=external_data.parent / "carry")
+    if plan.calibrator is not None:  # the plan's calibrator is left as it is: blocks calibrate on a streaming view
+        carry = StreamCarry(cut=None, capture=part.stream[1], spill_dir=external_data.parent / "carry")
+        ctx = dataclasses.replace(ctx, calibrator=plan.calibrator.streaming(carry))
 
     block_options = dataclasses.replace(options, collect_garbage=True)
 
     def run_block(graph, i: int):
-        passes = plan.passes if i == 0 else _build_passes(plan)
-        return Pipeline(passes, block_options).run(graph, ctx, consume=True)
+        return Pipeline(_build_passes(plan), block_options).run(graph, ctx, consume=True)
 
     progress = BlockProgress(part.num_layers, _enabled() or os.environ.get("EDGEQ_PROGRESS") is None)
-    try:
-        model, per_block, u8s8 = compile_blocks(skeleton, part, ir.model_folder(plan.req.model),
-                                                external_data, run_block, carry, progress, plan.sample)
-    finally:
-        if plan.calibrator is not None:
-            plan.calibrator.carry = None
+    model, per_block, u8s8 = compile_blocks(skeleton, part, ir.model_folder(plan.req.model),
+                                            external_data, run_block, carry, progress, plan.sample)
     return model, merge_records(per_block), u8s8
 
 
@@ -419,39 +431,37 @@ def _staging_dir(out_dir: Path) -> Path:
     return ir.staging_dir(out, "weights")
 
 
-def build_report(plan: CompilePlan, stages: dict, target: dict | None, measured_u8s8: dict | None = None
-                 ) -> tuple[dict, dict]:
-    """report.json's body and its u8s8 section (with ``measured_u8s8``, what block-wise measured),
-    before the writer adds what it measures."""
+def build_report(plan: CompilePlan, stages: dict, target: TargetSection | None, measured_u8s8: dict | None = None
+                 ) -> tuple[CompileReport, dict]:
+    """The plan's part of report.json and its u8s8 section (with ``measured_u8s8``, what block-wise
+    measured), before the route and the writer fill theirs."""
     calibration = plan.calibration
     if plan.calibrator is not None:
         log = plan.calibrator.log
         calibration = {**calibration, "onnxruntime_runs": log.runs, "cache_hits": log.cache_hits,
                        "seconds": round(log.seconds, 2), "tensors_observed": log.tensors_observed,
                        "fingerprint_seconds": round(log.fingerprint_seconds, 2), "ranges": log.ranges}
-    report = {
-        "edgeq_version": edgeq.__version__,
-        "input_model": str(plan.req.model),
-        "input_fingerprint": plan.fingerprint,
-        "compile_path": {"blockwise": plan.partition is not None, "reason": plan.blockwise_reason,
-                         "blocks": plan.partition.num_layers if plan.partition is not None else None},
-        "recipe": {"name": plan.recipe.name, "description": plan.recipe.description,
-                   "calibration": asdict(plan.recipe.calibration)},
-        "passes": stages["recipe"],
-        "calibration": calibration,
-    }
-    partial = [{"pass": rec["name"], **rec["not_applicable"]} for rec in stages["recipe"] if rec.get("essential_not_applied")]
-    if partial:  # only with --allow-partial: the recipe did not do its job on this model
-        report["partial"] = partial
-    if target is not None:
-        report["target"] = target
+    report = CompileReport(
+        edgeq_version=edgeq.__version__,
+        input_model=str(plan.req.model),
+        input_fingerprint=plan.fingerprint,
+        compile_path=CompilePathSection(plan.route is Route.BLOCKWISE, plan.blockwise_reason,
+                                        plan.partition.num_layers if plan.partition is not None else None),
+        recipe=RecipeSection(plan.recipe.name, plan.recipe.description, asdict(plan.recipe.calibration)),
+        passes=stages["recipe"],
+        calibration=calibration,
+        # only with --allow-partial: the recipe did not do its job on this model
+        partial=[{"pass": rec["name"], **rec["not_applicable"]} for rec in stages["recipe"]
+                 if rec.get("essential_not_applied")],
+        target=target,
+    )
     measured = measured_accuracy(plan.req.model, plan.req.recipe)
     if measured is not None:  # what this recipe costs on the model's family, measured on real weights
-        report["measured_accuracy"] = measured
+        report.measured_accuracy = measured
         if not measured["sane"]:
-            report["accuracy_warning"] = (f"recipe {measured['recipe']} measured {measured['ppl_x_fp32']:.2f}x fp32 "
-                                          f"perplexity on {measured['measured_on']} ({measured['family']} family; "
-                                          f"{measured['results']})")
+            report.accuracy_warning = (f"recipe {measured['recipe']} measured {measured['ppl_x_fp32']:.2f}x fp32 "
+                                       f"perplexity on {measured['measured_on']} ({measured['family']} family; "
+                                       f"{measured['results']})")
     u8s8 = {"int8_weight_range": plan.int8_weights, "guard": stages["guard"][0] if stages["guard"] else None}
     if measured_u8s8 is not None:
         u8s8.update(measured_u8s8)  # (block-wise: probed block by block)

@@ -21,7 +21,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Protocol
+from typing import Protocol
 
 import onnx
 
@@ -29,13 +29,15 @@ from edgeq import ir
 from edgeq.artifacts.aimet import aimet_unsupported, write_aimet
 from edgeq.artifacts.encodings import json_safe, strict_json
 from edgeq.artifacts.manifest import write_manifest
+from edgeq.artifacts.report import CompileReport, OutputRecord
 from edgeq.peak_rss import peak_rss_mb
 
 
 class Graphs(Protocol):
-    def write_into(self, tmp: Path, report: dict) -> int:
-        """Write the graphs (and the files beside them) into ``tmp``, add their sections to
-        ``report``; returns the bytes of the graphs written (report.json's ``output_size_mb``)."""
+    def write_into(self, tmp: Path, report: CompileReport) -> int:
+        """Write the graphs (and the files beside them) into ``tmp``, fill the report's sections
+        that writing them measures (``u8s8``; a static pair's weights and context binaries; genai's
+        check); returns the bytes of the graphs written (report.json's ``output_size_mb``)."""
 
 
 @dataclass
@@ -44,7 +46,7 @@ class CompileResult:
 
     out_dir: Path
     graphs: Graphs  # ModelGraphs | StaticGraphs | GenaiGraphs
-    report: dict  # report.json's body; the writer adds what it measures (sizes, time, peak RSS, u8s8)
+    report: CompileReport  # the writer fills what it measures (sizes, time, peak RSS, u8s8)
     encodings: dict
     recipe: object  # the loaded Recipe (manifest: name, origin, sha256)
     input_model: dict  # manifest record of the input's files
@@ -54,7 +56,7 @@ class CompileResult:
     inputs: tuple = ()  # what must not be replaced (ir.check_output_dir)
 
 
-def write(result: CompileResult) -> dict:
+def write(result: CompileResult) -> CompileReport:
     """Write ``result``'s output folder atomically; returns the completed report."""
     with ir.atomic_output_dir(result.out_dir, force=result.force, inputs=result.inputs) as tmp:
         output_bytes = result.graphs.write_into(tmp, result.report)
@@ -76,7 +78,7 @@ class ModelGraphs:
     probe_feeds: dict | None = None
     external_data: Path | None = None
 
-    def write_into(self, tmp: Path, report: dict) -> int:
+    def write_into(self, tmp: Path, report: CompileReport) -> int:
         model = self.model
         if self.external_data is not None and any(True for _ in ir.external_data_locations(model)):
             data = tmp / ("model.onnx" + ir.EXTERNAL_DATA_SUFFIX)
@@ -88,9 +90,9 @@ class ModelGraphs:
             model_path = ir.save_model(model, tmp / "model.onnx")
         if self.external_data is not None:  # block-wise: the bound came block by block; only prove it loads
             check_loads(model_path)
-            report["u8s8"] = self.u8s8
+            report.u8s8 = self.u8s8
         else:
-            report["u8s8"] = _u8s8_report(model_path, self.probe_feeds, self.u8s8)
+            report.u8s8 = _u8s8_report(model_path, self.probe_feeds, self.u8s8)
         return model_bytes(model_path)
 
 
@@ -98,44 +100,50 @@ class ModelGraphs:
 class StaticGraphs:
     """The static pair (``compile --static``): ``prefill.onnx`` and ``decode.onnx`` over one
     ``weights.data`` (``edgeq.static.shared_weights``), each proven to load; the tokenizer files
-    (``extra_files``) so that ``edgeq generate`` runs on the folder alone. ``after_graphs(folder)``:
-    more outputs made from the written graphs (QNN context binaries), before the report and the
-    manifest list them."""
+    (``extra_files``) so that ``edgeq generate`` runs on the folder alone. ``context_binary``
+    (``--context-binary``, for HTP generation ``htp_arch`` or the default): QNN context binaries
+    prepared from the written graphs into ``qnn/``, before the report and the manifest list them."""
 
     models: dict[str, onnx.ModelProto]
     u8s8: dict
     extra_files: list[Path] = field(default_factory=list)
-    after_graphs: Callable[[Path], None] | None = None
+    context_binary: bool = False
+    htp_arch: int | None = None
 
-    def write_into(self, tmp: Path, report: dict) -> int:
+    def write_into(self, tmp: Path, report: CompileReport) -> int:
         from edgeq.static.shared_weights import save_sharing_weights
 
-        report["static"]["weights"] = save_sharing_weights(self.models, tmp)
+        weights = save_sharing_weights(self.models, tmp)
+        report.static = {**(report.static or {}), "weights": weights}
         first = tmp / next(iter(self.models))
-        report["u8s8"] = _u8s8_report(first, None, self.u8s8)  # (the worst-case bound; the same weights in both)
+        report.u8s8 = _u8s8_report(first, None, self.u8s8)  # (the worst-case bound; the same weights in both)
         for name in list(self.models)[1:]:
             check_loads(tmp / name)
         for file in self.extra_files:
             (tmp / file.name).write_bytes(file.read_bytes())
         graphs = sum(f.stat().st_size for f in tmp.iterdir() if f.suffix in (".onnx", ".data"))
-        if self.after_graphs is not None:
-            self.after_graphs(tmp)
+        if self.context_binary:
+            from edgeq.targets.qnn_context import write_context_binaries
+
+            report.qnn_context = write_context_binaries(tmp, list(self.models), self.htp_arch)
         return graphs
 
 
-def write_records(tmp: Path, report: dict, encodings: dict, recipe, input_model: dict, target: str | None,
+def write_records(tmp: Path, report: CompileReport, encodings: dict, recipe, input_model: dict, target: str | None,
                   started: float, output_bytes: int) -> None:
     """What every output folder gets after its graphs: encodings (ours and AIMET's), report (with
-    time, peak RSS and sizes) and, last, the manifest hashing the final file set."""
+    time, peak RSS and sizes; serialized here, once) and, last, the manifest hashing the final file set."""
     (tmp / "encodings.json").write_text(strict_json(encodings, encodings))
-    report["quantized_tensors"] = {"activations": len(encodings["activations"]), "weights": len(encodings["weights"])}
     write_aimet(tmp / "aimet_encodings.json", encodings, version="1.0.0", strict=False)
-    report["aimet_unsupported"] = aimet_unsupported(encodings, "1.0.0")
-    report["seconds_total"] = round(time.perf_counter() - started, 2)
-    report["peak_rss_mb"] = peak_rss_mb()
-    report["input_size_mb"] = round(sum(f["size"] for f in input_model["files"].values()) / 2**20, 1)
-    report["output_size_mb"] = round(output_bytes / 2**20, 1)
-    (tmp / "report.json").write_text(strict_json(json_safe(report, default=_json_default)))
+    report.output = OutputRecord(
+        quantized_tensors={"activations": len(encodings["activations"]), "weights": len(encodings["weights"])},
+        aimet_unsupported=aimet_unsupported(encodings, "1.0.0"),
+        seconds_total=round(time.perf_counter() - started, 2),
+        peak_rss_mb=peak_rss_mb(),
+        input_size_mb=round(sum(f["size"] for f in input_model["files"].values()) / 2**20, 1),
+        output_size_mb=round(output_bytes / 2**20, 1),
+    )
+    (tmp / "report.json").write_text(strict_json(json_safe(report.to_json(), default=_json_default)))
     write_manifest(input_model, recipe, target, tmp)
 def model_bytes(path: Path) -> int:
     """The model file plus its external data files."""

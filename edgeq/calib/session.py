@@ -15,6 +15,8 @@ the upstream blocks as they were before that pass.
 
 from __future__ import annotations
 
+import copy
+
 import hashlib
 import os
 import time
@@ -123,7 +125,17 @@ class Calibrator:
         self.use_cache = use_cache and self.cache_dir is not None
         self.log = CalibrationLog()
         self._fingerprint_memo: dict = {}
-        self.carry: StreamCarry | None = None  # set by a block-wise compile
+        # block-wise calibration's hidden-state carry; only set on a view made by ``streaming``
+        self.carry: StreamCarry | None = None
+
+    def streaming(self, carry: StreamCarry) -> "Calibrator":
+        """A view of this calibrator for a block-wise compile: the same data, cache, log and
+        fingerprints, observing one block at a time through ``carry``. Why a view, not a switch:
+        the compile plan holds this calibrator frozen, and a mode set on it from outside would
+        change what every later user of the plan observes."""
+        view = copy.copy(self)
+        view.carry = carry
+        return view
 
     def begin_pass(self, position: int) -> None:
         """The pipeline names the pass about to run (block-wise calibration keys its states by it)."""

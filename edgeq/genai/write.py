@@ -18,6 +18,7 @@ from pathlib import Path
 import onnx
 
 from edgeq import ir
+from edgeq.artifacts.report import CompileReport, GenaiSection
 from edgeq.artifacts.writer import check_loads
 from edgeq.genai import genai_tokenizer, read_config
 from edgeq.genai.emit import build_genai_model, dumps, genai_config
@@ -48,7 +49,7 @@ def _linear_summary(dec) -> dict:
             "group_sizes": sorted({lin.weight.group for lin in lins if isinstance(lin.weight, QuantWeight)})}
 
 
-def genai_graphs(model: onnx.ModelProto, report: dict, source_model: Path, accuracy_level: int,
+def genai_graphs(model: onnx.ModelProto, report: CompileReport, source_model: Path, accuracy_level: int,
                  lm_head_bits: int = 8) -> GenaiGraphs:
     """genai's graph from the compiled ``model`` (which it clears as it reads it), and report.json's
     ``genai`` section."""
@@ -60,10 +61,10 @@ def genai_graphs(model: onnx.ModelProto, report: dict, source_model: Path, accur
         dec.lm_head = dataclasses.replace(dec.lm_head, weight=rtn_int8(dec.lm_head.weight))
     genai_model = build_genai_model(dec, config, functions, opsets, accuracy_level)
     ops = Counter(n.op_type for n in genai_model.graph.node)
-    report["genai"] = {"accuracy_level": accuracy_level, "linears": _linear_summary(dec), "family": config["model_type"],
-                       "nodes": {op: ops[op] for op in ("MatMulNBits", "MatMul", "GroupQueryAttention",
+    report.genai = GenaiSection(accuracy_level, _linear_summary(dec), config["model_type"],
+                                {op: ops[op] for op in ("MatMulNBits", "MatMul", "GroupQueryAttention",
                                                         "SkipSimplifiedLayerNormalization")},
-                       "context_length": int(config.get("max_position_embeddings", 4096))}
+                                int(config.get("max_position_embeddings", 4096)))
     del dec
     return GenaiGraphs(genai_model, config, generation, Path(source_model).parent)
 
@@ -77,7 +78,7 @@ class GenaiGraphs:
     generation: dict
     source: Path  # the input model's folder: tokenizer and config files
 
-    def write_into(self, tmp: Path, report: dict) -> int:
+    def write_into(self, tmp: Path, report: CompileReport) -> int:
         source = self.source
         model_path = ir.save_model(self.model, tmp / "model.onnx")
         self.model = None  # written: not held while onnxruntime loads it
@@ -94,11 +95,11 @@ class GenaiGraphs:
             import onnxruntime_genai as og
 
             og.Model(str(tmp))
-        report["genai"]["opened_by_onnxruntime_genai"] = version
+        report.genai.opened_by_onnxruntime_genai, report.genai.opened = version, True
         size = sum(f.stat().st_size for f in tmp.iterdir() if f.name.startswith("model.onnx"))
         # no uint8 x int8 MatMulInteger to saturate: every quantized linear is a MatMulNBits (4-bit, and
         # the lm_head 8-bit unless --lm-head-bits 32 leaves it float or the recipe made it 4-bit)
-        report["u8s8"] = {"int8_weight_range": "none: MatMulNBits (4-bit; lm_head 8-bit by default) and float linears only"}
+        report.u8s8 = {"int8_weight_range": "none: MatMulNBits (4-bit; lm_head 8-bit by default) and float linears only"}
         return size
 
 

@@ -1,0 +1,154 @@
+"""``report.json`` as a typed record: one dataclass per section, one serialization.
+
+Why: the report used to be a dict that four modules wrote keys into while the output was being
+written, and that the CLI read back by string. Now each section is a field of ``CompileReport``
+filled by the part of the compile that owns it, and ``to_json`` is the one place that turns it into
+report.json's object (the JSON keys and their order are an interface: tools read them):
+
+- the plan (``edgeq.compiler.build_report``): ``edgeq_version`` ... ``accuracy_warning``;
+- the ``--static`` route: ``static`` (its graphs' ``weights`` added by ``StaticGraphs`` when it
+  writes the shared weights file); QNN context binaries: ``qnn_context``;
+- the ``--target ort-genai`` route: ``genai``;
+- the graph writers (``edgeq.artifacts.writer``): ``u8s8``; ``write_records``: the counts, time,
+  peak RSS and sizes (``OutputRecord``).
+
+Sections whose contents are records of other modules (a pass's record from the pipeline, a target
+check, the u8s8 probe, the static layout) stay JSON objects inside their typed section.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass
+class CompilePathSection:
+    """``compile_path``: in memory or block-wise, and why."""
+
+    blockwise: bool
+    reason: str
+    blocks: int | None
+
+    def to_json(self) -> dict:
+        return {"blockwise": self.blockwise, "reason": self.reason, "blocks": self.blocks}
+
+
+@dataclass
+class RecipeSection:
+    """``recipe``: the recipe as it was read."""
+
+    name: str
+    description: str
+    calibration: dict
+
+    def to_json(self) -> dict:
+        return {"name": self.name, "description": self.description, "calibration": self.calibration}
+
+
+@dataclass
+class TargetSection:
+    """``target``: the profile the output was checked against, its lowering passes' records, the
+    check (one per graph of a static pair) and the onnxruntime kernels it selected."""
+
+    name: str
+    description: str
+    lowering: list[dict]
+    check: dict | None = None
+    ort_kernels: list[str] | None = None
+
+    def to_json(self) -> dict:
+        out = {"name": self.name, "description": self.description, "lowering": self.lowering, "check": self.check}
+        if self.ort_kernels is not None:
+            out["ort_kernels"] = self.ort_kernels
+        return out
+
+
+@dataclass
+class GenaiSection:
+    """``genai``: the onnxruntime-genai folder's graph and whether genai opened it."""
+
+    accuracy_level: int
+    linears: dict
+    family: str
+    nodes: dict
+    context_length: int
+    opened_by_onnxruntime_genai: str | None = None
+    opened: bool = False  # whether the writer ran genai's check (the key is written only then)
+
+    def to_json(self) -> dict:
+        out = {"accuracy_level": self.accuracy_level, "linears": self.linears, "family": self.family,
+               "nodes": self.nodes, "context_length": self.context_length}
+        if self.opened:
+            out["opened_by_onnxruntime_genai"] = self.opened_by_onnxruntime_genai
+        return out
+
+
+@dataclass
+class OutputRecord:
+    """What ``write_records`` measures once the graphs are written."""
+
+    quantized_tensors: dict
+    aimet_unsupported: Any
+    seconds_total: float
+    peak_rss_mb: float
+    input_size_mb: float
+    output_size_mb: float
+
+    def to_json(self) -> dict:
+        return {"quantized_tensors": self.quantized_tensors, "aimet_unsupported": self.aimet_unsupported,
+                "seconds_total": self.seconds_total, "peak_rss_mb": self.peak_rss_mb,
+                "input_size_mb": self.input_size_mb, "output_size_mb": self.output_size_mb}
+
+
+@dataclass
+class CompileReport:
+    """report.json. ``passes`` are the pipeline's records of the recipe's passes; ``partial`` the
+    essential passes that did not apply (``--allow-partial``)."""
+
+    edgeq_version: str
+    input_model: str
+    input_fingerprint: str
+    compile_path: CompilePathSection
+    recipe: RecipeSection
+    passes: list[dict]
+    calibration: dict | None
+    partial: list[dict] = field(default_factory=list)
+    target: TargetSection | None = None
+    measured_accuracy: dict | None = None
+    accuracy_warning: str | None = None
+    static: dict | None = None
+    genai: GenaiSection | None = None
+    u8s8: dict | None = None
+    qnn_context: dict | None = None
+    output: OutputRecord | None = None
+
+    @property
+    def lowering(self) -> list[dict]:
+        return self.target.lowering if self.target is not None else []
+
+    def to_json(self) -> dict:
+        """report.json's object: the keys in the order tools have always read them, optional
+        sections only where they apply."""
+        out = {"edgeq_version": self.edgeq_version, "input_model": self.input_model,
+               "input_fingerprint": self.input_fingerprint, "compile_path": self.compile_path.to_json(),
+               "recipe": self.recipe.to_json(), "passes": self.passes, "calibration": self.calibration}
+        if self.partial:
+            out["partial"] = self.partial
+        if self.target is not None:
+            out["target"] = self.target.to_json()
+        if self.measured_accuracy is not None:
+            out["measured_accuracy"] = self.measured_accuracy
+        if self.accuracy_warning is not None:
+            out["accuracy_warning"] = self.accuracy_warning
+        if self.static is not None:
+            out["static"] = self.static
+        if self.genai is not None:
+            out["genai"] = self.genai.to_json()
+        if self.u8s8 is not None:
+            out["u8s8"] = self.u8s8
+        if self.qnn_context is not None:
+            out["qnn_context"] = self.qnn_context
+        if self.output is not None:
+            out.update(self.output.to_json())
+        return out

@@ -14,11 +14,13 @@ from edgeq.argtypes import non_negative_int, positive_int
 _OUTPUT_HELP = (
     "output folder; gets model.onnx, config.json, tokenizer files and edgeq-export.json (which marks it "
     "as edgeq's). Written under a temporary name and renamed at the end, replacing an existing folder "
-    "only when the export succeeded and the folder is empty or an earlier edgeq output (see --force); "
+    "only when the export succeeded and the folder is empty or an earlier edgeq output holding nothing but "
+    "the files its edgeq-export.json lists (see --force); "
     "never the current folder, an input's folder or one above them"
 )
 _FORCE_HELP = (
-    "replace the output folder even when it is not empty and was not written by edgeq (everything in "
+    "replace the output folder even when it is not empty and was not written by edgeq, or holds files "
+    "edgeq did not write (everything in "
     "it is deleted); without it such a folder is refused (exit 2). Never allowed: a file, the current "
     "folder, an input's folder or a folder above them"
 )

@@ -35,7 +35,6 @@ import numpy as np
 
 from edgeq.errors import UserInputError
 from edgeq.facts import KVQUANT
-from edgeq.runtime_ops.visual_kv_codes import dequantize_channelwise as dequantize  # noqa: F401  (re-exported: what post-scaled attention equals)
 from edgeq.runtime_ops.visual_kv_codes import pack_codes, quantize_rows
 
 VISUAL_PREFIX = "visual_key_values."  # a kvquant decode graph's packed visual cache

@@ -77,10 +77,7 @@ import triton.language as tl
 import triton.testing
 
 from edgeq.kernels.triton_tiles import tile_ids
-from edgeq.kernels.w4a8_dequant_triton import (  # noqa: F401  (re-exported: the GEMM's public API)
-    DEQ_F16X2,
-    DEQ_F32,
-    DEQ_TRITON,
+from edgeq.kernels.w4a8_dequant_triton import (
     HALF,
     _dequant_planes,
     _group_offset,
@@ -88,16 +85,13 @@ from edgeq.kernels.w4a8_dequant_triton import (  # noqa: F401  (re-exported: the
     check_weight,
     dequant_mode,
     scale_tensor,
-    scales_fit_f16x2,
-    w4a8_dequantize_fp8,
     w4a8_gemm_two_pass,
 )
 from edgeq.kernels.w4a8_gemm_ref import FP8_DTYPE, GROUP_SIZE
 
 COUNTER_SLOTS = 1 << 16  # split-K tile counters per device (tiles of one split-K launch)
-__all__ = ["w4a8_gemm", "w4a8_gemm_two_pass", "w4a8_dequantize_fp8", "scales_fit_f16x2", "config_dict",
-           "last_tuned_config", "tuning_timings", "candidate_configs", "m_bucket", "CONFIGS",
-           "DEQ_TRITON", "DEQ_F32", "DEQ_F16X2", "TWO_PASS_MIN_M"]
+__all__ = ["w4a8_gemm", "config_dict", "last_tuned_config", "tuning_timings", "candidate_configs", "m_bucket",
+           "CONFIGS", "TWO_PASS_MIN_M"]
 TWO_PASS_MIN_M = 128  # path="auto": rows of X from which the two-pass path is taken
 
 

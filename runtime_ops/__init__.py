@@ -51,12 +51,10 @@ from edgeq.runtime_ops.subspace_qdq import (
 from edgeq.runtime_ops.visual_kv_attention import (
     OP_TYPE as VISUAL_KV_ATTENTION,
     make_visual_kv_attention_node,
+    visual_kv_attention_kivi_reference,
     visual_kv_attention_reference,
 )
-from edgeq.runtime_ops.visual_kv_attention_kivi import (
-    OP_TYPE as VISUAL_KV_ATTENTION_KIVI,
-    visual_kv_attention_kivi_reference,
-)
+from edgeq.runtime_ops.visual_kv_attention_kivi import OP_TYPE as VISUAL_KV_ATTENTION_KIVI
 from edgeq.runtime_ops.w4a8_linear import (
     OP_TYPE as W4A8_LINEAR,
     make_w4a8_linear_node,

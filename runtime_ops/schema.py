@@ -200,7 +200,7 @@ SCHEMAS: dict[str, OpSchema] = {schema.name: schema for schema in (
         outputs=(IOSpec("y", "float32 [B, H, S, D]: VisualKVAttention's softmax, times [per-token dequantized visual "
                              "V; text V]: (p_vis * v_scale^T) . c_v + p_vis . v_alpha + p_txt . v_text"),),
         function_builder=_vkk.visual_kv_attention_kivi_function,
-        reference=_vkk.visual_kv_attention_kivi_reference,
+        reference=_vk.visual_kv_attention_kivi_reference,
         attributes=_VK_ATTRIBUTES,
     ),
 )}

@@ -78,12 +78,12 @@ value nodes; both numpy references (``visual_kv_attention_reference``,
 ``visual_kv_attention_kivi_reference``, defined here) run the shared core ``attend``; the node
 helper writes either (``v_per_token``).
 
-Also here (defined in ``visual_kv_codes``, re-exported): ``pack_codes`` / ``unpack_codes``
+In ``visual_kv_codes`` (import them from there): ``pack_codes`` / ``unpack_codes``
 (numpy, the bit order above), ``quantize_channelwise`` (the paper's Eq. 3/5: alpha = min,
 scale = (max - min) / (2^b - 1) per (batch, head, channel) over the tokens,
 codes = clip(round((x - alpha) / scale)), half to even), ``quantize_pertoken`` (the same over the
 channels, axis -1: KIVI's values, [..., N, 1] ranges) and ``dequantize_channelwise``
-(codes * scale + alpha, float64, for checks; any layout that broadcasts); defined here:
+(codes * scale + alpha, float64, for checks; any layout that broadcasts). Defined here:
 ``calibrate_logits`` (g above, numpy).
 """
 
@@ -96,16 +96,7 @@ import onnx
 from onnx import AttributeProto, TensorProto, helper
 
 from edgeq.runtime_ops.domain import DOMAIN
-from edgeq.runtime_ops.visual_kv_codes import (  # noqa: F401  (re-exported: the packing is part of this op's spec)
-    SUPPORTED_BITS,
-    _check_bits,
-    _group,
-    dequantize_channelwise,
-    pack_codes,
-    quantize_channelwise,
-    quantize_pertoken,
-    unpack_codes,
-)
+from edgeq.runtime_ops.visual_kv_codes import _check_bits, _group, unpack_codes
 
 OP_TYPE = "VisualKVAttention"
 OP_TYPE_KIVI = "VisualKVAttentionKIVI"  # values per token: visual_kv_attention_kivi
@@ -244,7 +235,7 @@ def visual_kv_attention_reference(q, k_codes, k_alpha, k_scale, v_codes, v_alpha
 def visual_kv_attention_kivi_reference(q, k_codes, k_alpha, k_scale, v_codes, v_alpha, v_scale, k_text, v_text,
                                        mask=None, bits=None, tau1=0.0, tau2=0.0, calibrate=1):
     """Numpy reference of ``edgeq::VisualKVAttentionKIVI`` (module ``visual_kv_attention_kivi``,
-    which re-exports it; float64 inside, the output rounded once to float32): VisualKVAttention's
+    whose schema uses it; float64 inside, the output rounded once to float32): VisualKVAttention's
     keys, calibration and softmax, then ``(p_vis * v_scale^T) . c_v + p_vis . v_alpha + p_txt .
     v_text`` with v_alpha / v_scale [B, KVH, Nv, 1]. ``mask`` may be None. Returns ``(y,)``."""
     return attend(OP_TYPE_KIVI, q, k_codes, k_alpha, k_scale, v_codes, v_alpha, v_scale, k_text, v_text, mask,

@@ -19,7 +19,7 @@ VisualKVAttention's. The function body is VisualKVAttention's (``attention_funct
 value nodes replaced: ``Transpose`` of v_scale to [B, KVH, 1, Nv], ``Mul`` with the grouped
 p_vis, ``MatMul`` with the float codes, and ``MatMul`` of p_vis with v_alpha ([.., Nv] x [Nv, 1],
 broadcast over D by the final ``Sum``). The numpy reference ``visual_kv_attention_kivi_reference``
-(defined in ``visual_kv_attention`` on the shared core ``attend``, re-exported here) runs in
+(defined in ``visual_kv_attention`` on the shared core ``attend``) runs in
 float64 with a float32 output and VisualKVAttention's validation, v_alpha / v_scale required
 [B, KVH, Nv, 1].
 """
@@ -29,19 +29,10 @@ from __future__ import annotations
 import onnx
 from onnx import helper
 
-from edgeq.runtime_ops.visual_kv_attention import (  # noqa: F401  (re-exported)
-    ATTRIBUTE_DEFAULTS,
-    INPUTS,
-    MIN_OPSET,
-    OP_TYPE_KIVI,
-    OUTPUTS,
-    attention_function,
-    make_visual_kv_attention_node,
-    quantize_pertoken,
-    visual_kv_attention_kivi_reference,
-)
+from edgeq.runtime_ops.visual_kv_attention import MIN_OPSET as VK_MIN_OPSET, OP_TYPE_KIVI, attention_function
 
 OP_TYPE = OP_TYPE_KIVI
+MIN_OPSET = VK_MIN_OPSET  # VisualKVAttention's function body (``schema`` reads it here)
 
 
 def pertoken_value_nodes() -> list[onnx.NodeProto]:

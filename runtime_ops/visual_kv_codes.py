@@ -5,9 +5,9 @@ Bits b in {1, 2, 4, 8}; G = 8 / b codes per byte along head_dim (D a multiple of
 (CalibQuant A.1): entry i of a group is stored shifted left by 8 - b * (i + 1), so
 ``code[g * G + i] = (byte[g] >> (8 - b * (i + 1))) & (2^b - 1)`` (b = 2: [3, 0, 1, 2] -> 198;
 b = 1: [1, 0, 1, 1, 0, 0, 0, 1] -> 0b10110001; b = 4: [3, 10] -> 0x3A = 58, the first entry in
-the high nibble; b = 8: one code per byte, shift 0). ``visual_kv_attention`` re-exports every
-public name here; its docstring is the spec of the ops. The Triton kernels (``kernels/``) have
-their own torch packing at 1 and 2 bits (same bit order).
+the high nibble; b = 8: one code per byte, shift 0). The ops' spec is ``visual_kv_attention``'s
+docstring; code that packs or quantizes for them imports these names from here. The Triton
+kernels (``kernels/``) have their own torch packing at 1 and 2 bits (same bit order).
 """
 
 from __future__ import annotations

@@ -55,13 +55,16 @@ from edgeq.kernels.w4a8_gemm_ref import (  # noqa: E402
 from triton.runtime.errors import OutOfResources  # noqa: E402
 
 from edgeq.kernels import w4a8_gemm_triton as W  # noqa: E402
+from edgeq.kernels.w4a8_dequant_triton import (  # noqa: E402
+    scales_fit_f16x2,
+    w4a8_dequantize_fp8,
+    w4a8_gemm_two_pass,
+)
 from edgeq.kernels.w4a8_gemm_triton import (  # noqa: E402
     CONFIGS,
     config_dict,
     last_tuned_config,
-    w4a8_dequantize_fp8,
     w4a8_gemm,
-    w4a8_gemm_two_pass,
 )
 
 pytestmark = pytest.mark.gpu
@@ -154,7 +157,7 @@ def test_scale_dtypes(scale_dtype):
 @pytest.mark.parametrize("symmetric", [True, False], ids=["sym", "asym"])
 def test_dequant_kernel_is_bit_exact(symmetric, scale_dtype, dequant):
     q = _layer(640, 1024, symmetric=symmetric, scale_dtype=scale_dtype, heavy=True)
-    assert W.scales_fit_f16x2(q.group_scales)
+    assert scales_fit_f16x2(q.group_scales)
     w8 = w4a8_dequantize_fp8(q.packed, q.group_scales, q.zeros, dequant=dequant)
     ref = dequantize_fp8(q.packed, q.group_scales, q.zeros)
     assert w8.dtype == FP8_DTYPE and w8.shape == (640, 1024)
@@ -172,7 +175,7 @@ def test_dequant_of_every_nibble_and_scale_is_bit_exact():
     zeros = (torch.arange(2 * n, device="cuda") % 16).to(torch.uint8).reshape(k // 128, n)
     packed = pack_int4(u)
     scales7 = round_significant(scales, 7)
-    assert not W.scales_fit_f16x2(scales) and W.scales_fit_f16x2(scales7)
+    assert not scales_fit_f16x2(scales) and scales_fit_f16x2(scales7)
     for sc, modes in ((scales, ("auto", "f32", "triton")), (scales7, ("auto", "f16x2", "f32", "triton"))):
         for z in (None, zeros):
             ref = dequantize_fp8(packed, sc, z)
@@ -184,9 +187,9 @@ def test_dequant_of_every_nibble_and_scale_is_bit_exact():
 def test_f16x2_check_is_cached_and_follows_in_place_changes():
     q = quantize_dpq(torch.randn(128, 256, device="cuda") * 0.02)
     sc = q.group_scales.clone()
-    assert W.scales_fit_f16x2(sc) and W.scales_fit_f16x2(sc)
+    assert scales_fit_f16x2(sc) and scales_fit_f16x2(sc)
     sc[0, 0] = 0.1  # 0.1 has more than 7 significant bits; the version counter moves
-    assert not W.scales_fit_f16x2(sc)
+    assert not scales_fit_f16x2(sc)
     x8, sa = _acts(16, 256)
     y = w4a8_gemm(x8, sa, q.packed, sc, q.s8, path="fused")  # auto -> f32 path, still exact
     ref = w4a8_gemm_ref(x8, sa, q.packed, sc, q.s8, out_dtype=torch.float64)

@@ -19,11 +19,12 @@ import pytest
 from edgeq import ir
 from edgeq.calib.session import CalibrationSet, Calibrator
 from edgeq.errors import UserInputError
-from edgeq.kv_cache import SCHEMES, VisualCacheSpec, dequantize, quantize_rows, visual_cache_feeds
+from edgeq.kv_cache import SCHEMES, VisualCacheSpec, visual_cache_feeds
 from edgeq.models import kv_export as kv
 from edgeq.passbase import PassContext
 from edgeq.pipeline import Pipeline, PipelineOptions
 from edgeq.registry import get_pass
+from edgeq.runtime_ops.visual_kv_codes import dequantize_channelwise as dequantize, quantize_rows
 from edgeq.textdata import empty_cache_feeds
 
 SEQ, VS, VL = 16, 2, 8  # tiny prompt: tokens [2, 10) play the image

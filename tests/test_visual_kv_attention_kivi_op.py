@@ -42,21 +42,20 @@ from edgeq.runtime_ops.visual_kv_attention import (
     INPUTS,
     OP_TYPE,
     OP_TYPE_KIVI,
-    SUPPORTED_BITS,
     channelwise_value_nodes,
-    dequantize_channelwise,
     make_visual_kv_attention_node,
+    visual_kv_attention_function,
+    visual_kv_attention_kivi_reference,
+    visual_kv_attention_reference,
+)
+from edgeq.runtime_ops.visual_kv_attention_kivi import pertoken_value_nodes, visual_kv_attention_kivi_function
+from edgeq.runtime_ops.visual_kv_codes import (
+    SUPPORTED_BITS,
+    dequantize_channelwise,
     pack_codes,
     quantize_channelwise,
     quantize_pertoken,
     unpack_codes,
-    visual_kv_attention_function,
-    visual_kv_attention_reference,
-)
-from edgeq.runtime_ops.visual_kv_attention_kivi import (
-    pertoken_value_nodes,
-    visual_kv_attention_kivi_function,
-    visual_kv_attention_kivi_reference,
 )
 
 LAYOUTS = ["global", "token"]  # "token" = VisualKVAttentionKIVI

@@ -32,18 +32,20 @@ from onnx.reference import ReferenceEvaluator
 from edgeq.runtime_ops import DOMAIN, SCHEMAS, ensure_functions, reference_evaluator_ops
 from edgeq.runtime_ops.visual_kv_attention import (
     INPUTS,
-    SUPPORTED_BITS,
     MIN_OPSET,
     OP_TYPE,
     calibrate_logits,
-    dequantize_channelwise,
     make_visual_kv_attention_node,
+    visual_kv_attention_function,
+    visual_kv_attention_reference,
+)
+from edgeq.runtime_ops.visual_kv_codes import (
+    SUPPORTED_BITS,
+    dequantize_channelwise,
     pack_codes,
     quantize_channelwise,
     quantize_pertoken,
     unpack_codes,
-    visual_kv_attention_function,
-    visual_kv_attention_reference,
 )
 
 LEVELS = {

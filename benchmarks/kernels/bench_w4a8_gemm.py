@@ -67,7 +67,8 @@ def _operand_set(m: int, k: int, wset: dict, gen) -> dict:
 
 def _ops() -> dict:
     """name -> function of one operand set; the names are the JSON keys (``<name>_ms``)."""
-    from edgeq.kernels.w4a8_gemm_triton import w4a8_gemm, w4a8_gemm_two_pass
+    from edgeq.kernels.w4a8_dequant_triton import w4a8_gemm_two_pass
+    from edgeq.kernels.w4a8_gemm_triton import w4a8_gemm
 
     def w4a8(s, fast=False, dequant="auto", path="fused", scales="group_scales"):
         q = s["q"]
@@ -168,6 +169,7 @@ def sass_report(results: list[dict], n: int, k: int) -> str:
     import re
 
     from edgeq.kernels import w4a8_gemm_triton as W
+    from edgeq.kernels.w4a8_dequant_triton import DEQ_F16X2, DEQ_F32, DEQ_TRITON
     from edgeq.kernels.w4a8_gemm_ref import quantize_dpq
 
     q = quantize_dpq(torch.randn(n, k, device="cuda") * 0.02)
@@ -176,8 +178,8 @@ def sass_report(results: list[dict], n: int, k: int) -> str:
         x2 = torch.zeros(r["M"], k, device="cuda").to(torch.float8_e4m3fn)
         y = torch.empty(r["M"], n, device="cuda", dtype=torch.bfloat16)
         one = torch.ones(1, device="cuda")
-        for tag, fast, deq in (("", False, W.DEQ_F16X2), ("_fast", True, W.DEQ_F16X2), ("_f32", False, W.DEQ_F32),
-                               ("_plain", False, W.DEQ_TRITON)):
+        for tag, fast, deq in (("", False, DEQ_F16X2), ("_fast", True, DEQ_F16X2), ("_f32", False, DEQ_F32),
+                               ("_plain", False, DEQ_TRITON)):
             cfg = r.get(f"config{tag}")
             if not cfg:
                 continue

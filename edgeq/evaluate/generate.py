@@ -38,7 +38,7 @@ import numpy as np
 
 from edgeq.errors import UserInputError
 
-from edgeq.kv_cache import PAST_PREFIX, PRESENT_PREFIX, VISUAL_PREFIX  # noqa: F401 (re-exported)
+from edgeq.kv_cache import PAST_PREFIX, PRESENT_PREFIX, VISUAL_PREFIX
 
 SPAN_INPUTS = ("visual_start", "visual_len")
 _TYPES = {"tensor(float)": np.float32, "tensor(float16)": np.float16, "tensor(double)": np.float64,

@@ -34,8 +34,12 @@ demo: install $(ART)/smollm2/model.onnx
 	@printf "fp32      : "; $(EDGEQ) eval ppl $(ART)/smollm2/model.onnx --text $(DATA)/test.txt --tokenizer $(ART)/smollm2 --windows $(WINDOWS)
 	@printf "$(RECIPE)  : "; $(EDGEQ) eval ppl $(ART)/smollm2-$(RECIPE)/model.onnx --text $(DATA)/test.txt --tokenizer $(ART)/smollm2 --windows $(WINDOWS)
 
+# two pytest-xdist workers, whole test files each (their module fixtures built once): the suite is
+# as much Python and subprocess start-up as onnxruntime, so two workers use both cores of a 2-core
+# machine; the session exports are cached on disk and built once (a lock in tests/conftest.py)
+TEST_WORKERS ?= 2
 test: install
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile
 
 bench: install $(ART)/smollm2/model.onnx
 	$(PY) benchmarks/foundation.py --model-dir $(ART)/smollm2 --out $(ART)/bench-foundation.json

@@ -7,3 +7,13 @@ custom ops in ``edgeq.runtime_ops``, Triton kernels in ``edgeq.kernels`` and mod
 """
 
 __version__ = "0.1.0"
+
+# the signals the current run of the command line has received, in order (``edgeq.cli`` acts on the
+# first), kept here where the program's entry (``edgeq.__main__``) reaches them before it imports
+# anything else; ``_note_signal`` is the handler that notes one while nothing may be interrupted.
+# Importing edgeq installs no handler.
+_signals: list[int] = []
+
+
+def _note_signal(signum, frame):
+    _signals.append(signum)

@@ -1,32 +1,67 @@
-"""Allow ``python -m edgeq``.
+"""``python -m edgeq``, and the ``edgeq`` console script (``edgeq.__main__:main``): ``main``.
 
-``edgeq.cli.main`` handles SIGINT, SIGTERM and SIGHUP from its first line on; before it runs,
-while ``edgeq.cli`` itself is imported, a signal ends the run the same way: one line, exit 128 +
-the signal's number (nothing is written yet). Nothing here runs on ``import edgeq``.
+Signals. SIGINT, SIGTERM and SIGHUP end a run with one line on stderr and exit 128 + N (130, 143,
+129); what was being written is removed, nothing is left. ``main`` takes them over in its first
+statements, before anything else is imported (through ``_signal``, the C module: ``signal`` itself
+runs enum code on import), and from then on only notes them until the command line's modules are
+loaded (``edgeq.cli``: ``_signals_deferred``); a signal noted then ends the run as soon as they are.
+A signal the host ignores (``nohup``, a background job's SIGINT) stays ignored. Once the command has
+returned, the three are ignored: a signal then would turn a finished run into a failed one.
+
+Before ``main`` runs there is no handler of edgeq's (and none can be: that is CPython starting up,
+``site`` and the ``.pth`` files of the installation, ``runpy`` or the console script importing this
+package). A signal there does what it does to any Python program, and nothing has been written:
+SIGTERM and SIGHUP kill the process (exit -15 / -1 to a parent, 143 / 129 in a shell). SIGINT kills
+it likewise (-2) until CPython installs its own handler, early in its initialization; from there on
+it raises ``KeyboardInterrupt`` where the interpreter is. Inside its initialization (the io
+streams, ``site``) that is a fatal error: "Fatal Python error: init_import_site: Failed to import
+the site module", the traceback, exit 1 (``-m``: "Could not import runpy module", exit 1, while
+runpy loads). After it (``runpy``; the console script's ``from edgeq.__main__ import main``) it is
+an uncaught KeyboardInterrupt: the traceback, and CPython ends the process with SIGINT (-2).
+Raised in one of importlib's weakref callbacks it is printed ("Exception ignored in ...") and
+dropped: the run goes on. Under load that start-up takes a tenth of a second or more; no ``-X`` option or
+environment variable turns CPython's SIGINT handler off (``-S``/``-I`` would shorten it, but a
+console script cannot pass them and an editable install needs ``site``).
+
+Importing this module changes nothing (the signals noted are kept in ``edgeq._signals``, shared
+with ``edgeq.cli``).
 """
 
-import signal
+import _signal
 import sys
 
-
-def _stop(signum, frame):
-    print(f"edgeq: terminated by {signal.Signals(signum).name}", file=sys.stderr)
-    raise SystemExit(128 + signum)
+from edgeq import _note_signal
 
 
-def _run() -> int:
-    for name in ("SIGTERM", "SIGHUP"):  # (SIGINT: Python's KeyboardInterrupt, caught below)
-        sig = getattr(signal, name, None)
-        if sig is not None and signal.getsignal(sig) is not signal.SIG_IGN:
-            signal.signal(sig, _stop)
+def _take_over() -> list[int]:
+    """Handle SIGINT (first: its window is the one that prints), SIGTERM and SIGHUP by noting them
+    where they are Python's default (KeyboardInterrupt) or the system's (killed): the ones taken."""
+    taken = []
+    for name in ("SIGINT", "SIGTERM", "SIGHUP"):
+        sig = getattr(_signal, name, None)
+        if sig is None:
+            continue
+        try:
+            current = _signal.getsignal(sig)
+            if current is _signal.default_int_handler or current == _signal.SIG_DFL:
+                _signal.signal(sig, _note_signal)
+                taken.append(sig)
+        except ValueError:  # not the main thread: signals are not ours to handle
+            break
+    return taken
+
+
+def main() -> int:
+    """Run the command line (``sys.argv``) as the program; returns its exit code."""
+    taken = _take_over()
     try:
-        from edgeq.cli import main
+        from edgeq.cli import _main  # (a signal meanwhile is noted: it ends the run once loaded)
 
-        return main()
-    except KeyboardInterrupt:
-        print("edgeq: interrupted", file=sys.stderr)
-        return 130
+        return _main(sys.argv[1:], program=True)
+    finally:  # the command is over (or argparse exits: --help, usage errors)
+        for sig in taken:
+            _signal.signal(sig, _signal.SIG_IGN)
 
 
 if __name__ == "__main__":
-    raise SystemExit(_run())
+    raise SystemExit(main())

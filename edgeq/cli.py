@@ -14,14 +14,15 @@ that forgot the command must not read as a success; ``edgeq --help`` is the way 
 exit 0). An ``OSError`` about a path the user gave (a name too long, missing, a folder where a file
 was expected, no permission), or a file inside it, is bad input too (exit 2, one line), wherever
 it surfaces. Signals: SIGINT, SIGTERM and SIGHUP end a run with one line and exit 130 / 143 / 129,
-whatever they interrupt (module imports included: ``main`` installs its handlers first and, while
-the command line's modules load, only notes a signal and acts on it once they are loaded;
-``python -m edgeq`` also covers the import of this module); what was being written is removed on
-the way out.
+whatever they interrupt (module imports included: the program's entry, ``edgeq.__main__.main``,
+installs its handlers before importing this module and, while the command line's modules load, a
+signal is only noted and acted on once they are loaded; ``edgeq.__main__`` says what a signal does
+before that, while Python itself starts); what was being written is removed on the way out.
 """
 
 from __future__ import annotations
 
+import _thread
 import argparse
 import contextlib
 import errno
@@ -30,9 +31,12 @@ import os
 import signal
 import sys
 import threading
+import time
 from pathlib import Path
 
 from edgeq.argtypes import positive_float, positive_int, seq_len_int
+from edgeq import _note_signal as _note
+from edgeq import _signals as _RECEIVED
 from edgeq.errors import EdgeqError, UserInputError
 
 _EPILOG = """examples:
@@ -134,26 +138,27 @@ def _run_compile(args) -> int:
         for v in exc.result.violations:
             print(v.message)
         raise
-    target = report.get("target")
-    for rec in report["passes"] + (target["lowering"] if target else []):
+    for rec in report.passes + report.lowering:
         state = "modified" if rec["modified"] else "unchanged"
         print(f"  {rec['name']:<17} {rec['seconds']:8.2f} s  {state}  {json.dumps(rec['summary'])[:160]}")
         for out, d in rec.get("numerics", {}).items():
             print(f"    drift {out}: max_abs {d.get('max_abs', 0):.4g}  sqnr {d.get('sqnr_db', 0):.1f} dB")
-    for miss in report.get("partial", []):
+    for miss in report.partial:
         print(f"edgeq: warning: essential pass '{miss['pass']}' did not apply ({miss['reason']}: {miss['detail']}); "
               f"the model was written without it (--allow-partial)", file=sys.stderr)
-    if "accuracy_warning" in report:
-        print(f"edgeq: warning: {report['accuracy_warning']}; the model is written, but expect that loss", file=sys.stderr)
-    if target:
-        graphs = " (both graphs)" if "static" in report else ""
-        print(f"  target {target['name']}: {len(target['lowering'])} lowering pass(es), clean{graphs}")
-    for graph, rec in report.get("qnn_context", {}).get("graphs", {}).items():
+    if report.accuracy_warning is not None:
+        print(f"edgeq: warning: {report.accuracy_warning}; the model is written, but expect that loss", file=sys.stderr)
+    if report.target is not None:
+        graphs = " (both graphs)" if report.static is not None else ""
+        print(f"  target {report.target.name}: {len(report.target.lowering)} lowering pass(es), clean{graphs}")
+    qnn = report.qnn_context or {}
+    for graph, rec in qnn.get("graphs", {}).items():
         print(f"  qnn context binary {rec['files'][-1]}: {rec['bytes'] / 2**20:.1f} MB, prepared in "
-              f"{rec['prepare_seconds']:.1f} s, loads back in {rec['load_seconds']:.1f} s (HTP v{report['qnn_context']['htp_arch']})")
-    written = "prefill.onnx + decode.onnx + weights.data" if "static" in report else "model.onnx"
-    print(f"wrote {args.out}/{written} in {report['seconds_total']:.1f} s (peak RSS {report['peak_rss_mb']:.0f} MB, "
-          f"model {report['input_size_mb']:.0f} MB -> {report['output_size_mb']:.0f} MB)")
+              f"{rec['prepare_seconds']:.1f} s, loads back in {rec['load_seconds']:.1f} s (HTP v{qnn['htp_arch']})")
+    written = "prefill.onnx + decode.onnx + weights.data" if report.static is not None else "model.onnx"
+    out = report.output
+    print(f"wrote {args.out}/{written} in {out.seconds_total:.1f} s (peak RSS {out.peak_rss_mb:.0f} MB, "
+          f"model {out.input_size_mb:.0f} MB -> {out.output_size_mb:.0f} MB)")
     return 0
 
 
@@ -243,48 +248,110 @@ class Terminated(KeyboardInterrupt):
 
 
 _TERMINATING = tuple(getattr(signal, name) for name in ("SIGTERM", "SIGHUP") if hasattr(signal, name))
-# the signals received while the current command runs: an exception raised by a signal handler can
-# come out changed (an import in C code, numpy's among them, turns it into an ImportError), so what
-# ends the run is told by this, not by the exception's type
-_RECEIVED: list[int] = []
+# _RECEIVED (edgeq._signals, shared with the program's entry, edgeq.__main__, which notes signals
+# before this module is loaded): the signals received while the current command runs. An exception raised by a signal
+# handler can come out changed (an import in C code, numpy's among them, turns it into an
+# ImportError) or be swallowed (raised inside a weakref callback or a __del__: importlib has such
+# callbacks), so what ends the run is told by this, not by the exception's type.
 
 
 def _terminate(signum, frame):
+    _RECEIVED.append(signum)
+    if _held(signum, frame):
+        return
     for sig in _TERMINATING:  # a second signal must not interrupt the cleanup the first one starts
         signal.signal(sig, signal.SIG_IGN)
-    _RECEIVED.append(signum)
     raise Terminated(signum)
 
 
 def _interrupt(signum, frame):
     _RECEIVED.append(signum)
+    if _held(signum, frame):
+        return
     raise KeyboardInterrupt
 
 
+# where a signal's exception is not raised: in an import (C code turns it into another exception,
+# importlib's weakref callbacks drop it), in tempfile (a temporary folder made but not yet anyone's,
+# or half removed: left behind), in a folder's removal (half removed), in a ``__del__`` (dropped)
+_HOLD_MODULES = frozenset({"importlib._bootstrap", "importlib._bootstrap_external", "tempfile"})
+_HOLD_CODE = frozenset({"__del__", "rmtree", "_rmtree_safe_fd", "_rmtree_unsafe", "_rmtree_safe_fd_step"})
+
+
+def _held(signum: int, frame) -> bool:
+    """Whether the program is where a signal's exception must not be raised (any frame up, see
+    above); if so the signal is delivered again a moment later, until it is out of there."""
+    while frame is not None:
+        if frame.f_code.co_name in _HOLD_CODE or frame.f_globals.get("__name__") in _HOLD_MODULES:
+            _deliver_again(signum)
+            return True
+        frame = frame.f_back
+    return False
+
+
+def _unraisable(hook):
+    """``sys.unraisablehook`` while a command runs: the exception of a signal raised where Python
+    cannot pass it on (a weakref callback; importlib's and ``__del__`` are held already) is not
+    printed ("Exception ignored in ...", a traceback) and not lost: the signal is delivered again a
+    moment later, once Python is back in the program's own flow."""
+
+    def unraisable(unraisable):
+        try:
+            if not (_RECEIVED and isinstance(unraisable.exc_value, KeyboardInterrupt)):
+                return hook(unraisable)
+            _deliver_again(_RECEIVED[0])
+        except KeyboardInterrupt:  # delivered again while still in here: once more
+            if _RECEIVED:
+                _deliver_again(_RECEIVED[0])
+
+    return unraisable
+
+
+def _deliver_again(signum: int) -> None:
+    if signum in _TERMINATING and signal.getsignal(signum) is signal.SIG_IGN:  # (_terminate ignores
+        signal.signal(signum, _terminate)  # the signals after the first: this one is the first)
+    # a bare thread (no lock of threading's: the callback may have run while one was held), and a
+    # delay: interrupt_main now would raise right here, in the hook, where it is dropped again
+    _thread.start_new_thread(_interrupt_main_later, (signum, _RUN[0]))
+
+
+def _interrupt_main_later(signum: int, run: int) -> None:
+    time.sleep(0.01)
+    if _RUN == [run, True]:  # (not once the run is over: the host's handlers are back)
+        _thread.interrupt_main(signum)
+
+
+_RUN = [0, False]  # the current run's number, whether it is still on (_signals_unwind)
+
+
 @contextlib.contextmanager
-def _signals_unwind():
+def _signals_unwind(fresh: bool = True):
     """While a command runs: SIGTERM and SIGHUP raise ``Terminated``, SIGINT ``KeyboardInterrupt``,
     each noted in ``_RECEIVED`` (installed here, not at import, and put back after, so that importing
-    edgeq changes nothing for its host; a signal the host ignores or handles itself is left alone)."""
-    _RECEIVED.clear()
+    edgeq changes nothing for its host; a signal the host ignores or handles itself is left alone,
+    the program entry's ``_note_signal`` is taken over). ``fresh``: forget the signals noted before
+    (the program keeps those its entry noted while this module was imported)."""
+    if fresh:
+        _RECEIVED.clear()
     if threading.current_thread() is not threading.main_thread():
         yield
         return
     previous = {}
+    hook = sys.unraisablehook
     try:
         for sig in _TERMINATING:
             if signal.getsignal(sig) is not signal.SIG_IGN:  # (nohup: a hangup stays ignored)
                 previous[sig] = signal.signal(sig, _terminate)
-        if signal.getsignal(signal.SIGINT) is signal.default_int_handler:
+        if signal.getsignal(signal.SIGINT) in (signal.default_int_handler, _note):
             previous[signal.SIGINT] = signal.signal(signal.SIGINT, _interrupt)
+        sys.unraisablehook = _unraisable(hook)
+        _RUN[:] = [_RUN[0] + 1, True]
         yield
     finally:
+        _RUN[1] = False
+        sys.unraisablehook = hook
         for sig, handler in previous.items():
             signal.signal(sig, handler)
-
-
-def _note(signum, frame):
-    _RECEIVED.append(signum)
 
 
 @contextlib.contextmanager
@@ -300,13 +367,19 @@ def _signals_deferred():
     try:
         for sig in mine:
             signal.signal(sig, _note)
-        yield
+        if not _RECEIVED:  # (one the program's entry noted: the modules are not needed)
+            yield
     finally:
         for sig, handler in mine.items():
             signal.signal(sig, handler)
     if _RECEIVED:
         signum = _RECEIVED[0]
-        raise KeyboardInterrupt if signum == signal.SIGINT else Terminated(signum)
+        if signum == signal.SIGINT:
+            raise KeyboardInterrupt
+        for sig in _TERMINATING:  # as _terminate: nothing interrupts the cleanup this starts
+            if sig in mine:
+                signal.signal(sig, signal.SIG_IGN)
+        raise Terminated(signum)
 
 
 def _stopped(signum: int) -> int:
@@ -343,23 +416,22 @@ def _user_path_error(exc: OSError, argv: list[str]) -> str | None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Run one command; returns its exit code (see the module docstring). SIGTERM and SIGHUP are
-    handled from the first line on (``_signals_unwind``), so a signal while the command's modules
-    are still being imported ends the run like one later: one line, 128 + the signal's number.
-    Called as the program (``argv`` None: the console script, ``python -m edgeq``), signals are
-    ignored once the command has ended: one then would kill a run whose output is complete while
-    the interpreter shuts down (exit -N, as if it had failed)."""
-    program = argv is None
-    code = _main(sys.argv[1:] if program else list(argv))
-    if program and threading.current_thread() is threading.main_thread():
-        for sig in (signal.SIGINT, *_TERMINATING):
-            signal.signal(sig, signal.SIG_IGN)
-    return code
+    """Run one command; returns its exit code (see the module docstring). SIGINT, SIGTERM and
+    SIGHUP are handled from the first line on (``_signals_unwind``), so a signal while the command's
+    modules are still being imported ends the run like one later: one line, 128 + the signal's
+    number. ``argv`` None: the program (``sys.argv``), as ``edgeq.__main__.main`` runs it (the
+    console script and ``python -m edgeq`` call that, which takes the signals over before importing
+    this module, and ignores them once the command has ended)."""
+    if argv is None:
+        from edgeq.__main__ import main as program
+
+        return program()
+    return _main(list(argv))
 
 
-def _main(argv: list[str]) -> int:
+def _main(argv: list[str], program: bool = False) -> int:
     try:
-        with _signals_unwind():
+        with _signals_unwind(fresh=not program):
             with _signals_deferred():
                 parser = build_parser()
             args = parser.parse_args(argv)

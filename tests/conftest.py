@@ -45,10 +45,21 @@ def _cache_key(*parts: str, sources: tuple[str, ...], engine: tuple[str, ...] = 
 
 
 def _cached(folder: Path, build) -> Path:
-    """Return ``folder/model.onnx``, running ``build(folder)`` first if it is not there yet."""
+    """Return ``folder/model.onnx``, running ``build(folder)`` first if it is not there yet.
+
+    Under pytest-xdist (``make test`` runs two workers) both workers may want the same entry at
+    once: an exclusive lock file beside the entry makes the second wait for the first's export
+    and reuse it instead of exporting it again (or racing it for the rename)."""
+    import fcntl
+
     model = folder / "model.onnx"
-    if not model.is_file():
-        build(folder)
+    if model.is_file():
+        return model
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    with open(folder.parent / f".{folder.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not model.is_file():
+            build(folder)
     return model
 
 

@@ -147,7 +147,10 @@ class Case:
     argv: list[str]
     setup: str = ""  # how the inputs were made, for the reproduction
     env: dict = field(default_factory=dict)  # variables set (None: unset) for this case only
-    signal_after: tuple | None = None  # (signal, seconds): sent to the subprocess that long after its start
+    # (signal, when): sent to the subprocess that many seconds after its start, or, when is "handled",
+    # as soon as edgeq's entry has taken the signals over (``_handles_signals``)
+    signal_after: tuple | None = None
+    script: bool = False  # run as the ``edgeq`` console script (else ``python -m edgeq``)
 
 
 @dataclass
@@ -183,6 +186,27 @@ def _run_inprocess(case: Case, capfd) -> Outcome:
     return Outcome(code, out, err, raised)
 
 
+def _program(case: Case) -> list[str]:
+    """``python -m edgeq``, or the console script installed beside this Python when the case asks."""
+    script = Path(sys.executable).with_name("edgeq")
+    return [str(script)] if case.script and script.is_file() else [sys.executable, "-m", "edgeq"]
+
+
+# SigCgt (/proc/PID/status): the signals a process handles. CPython handles SIGINT from its start;
+# SIGTERM and SIGHUP only get a handler from edgeq's entry, which installs SIGINT's first.
+_ENTRY_HANDLES = (1 << (signal.SIGTERM - 1)) | (1 << (signal.SIGHUP - 1))
+
+
+def _handles_signals(pid: int) -> bool:
+    """Whether edgeq's entry has taken the signals over in process ``pid`` (Linux)."""
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return False
+    m = re.search(r"^SigCgt:\s*([0-9a-fA-F]+)$", status, re.M)
+    return bool(m) and int(m.group(1), 16) & _ENTRY_HANDLES == _ENTRY_HANDLES
+
+
 def _run_subprocess(case: Case, fz: Fuzz) -> Outcome:
     env = {**os.environ, "EDGEQ_PROGRESS": "0", "EDGEQ_CACHE_DIR": str(fz.cache), "TMPDIR": str(fz.systmp)}
     for k, v in case.env.items():
@@ -190,7 +214,7 @@ def _run_subprocess(case: Case, fz: Fuzz) -> Outcome:
             env.pop(k, None)
         else:
             env[k] = v
-    cmd = [sys.executable, "-m", "edgeq", *case.argv]
+    cmd = [*_program(case), *case.argv]
     if case.signal_after is None:
         try:
             done = subprocess.run(cmd, cwd=fz.cwd, env=env, capture_output=True, text=True, errors="replace",
@@ -198,13 +222,20 @@ def _run_subprocess(case: Case, fz: Fuzz) -> Outcome:
         except subprocess.TimeoutExpired as exc:
             return Outcome(None, "", str(exc.stderr or ""), raised="timed out after 300 s")
         return Outcome(done.returncode, done.stdout, done.stderr)
-    sig, delay = case.signal_after
+    sig, when = case.signal_after
     with subprocess.Popen(cmd, cwd=fz.cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                           errors="replace", preexec_fn=_foreground_signals) as proc:
-        try:
-            proc.wait(timeout=delay)
-        except subprocess.TimeoutExpired:
-            proc.send_signal(sig)
+        if when == "handled":
+            deadline = time.monotonic() + 120
+            while proc.poll() is None and not _handles_signals(proc.pid) and time.monotonic() < deadline:
+                time.sleep(0.0002)
+            if proc.poll() is None:
+                proc.send_signal(sig)
+        else:
+            try:
+                proc.wait(timeout=when)
+            except subprocess.TimeoutExpired:
+                proc.send_signal(sig)
         try:
             out, err = proc.communicate(timeout=300)
         except subprocess.TimeoutExpired:
@@ -240,24 +271,89 @@ def _foreign(before: dict, rel: str) -> bool:
     return bool(children) and not (children & EDGEQ_MARKERS)
 
 
+def _edgeq_roots() -> list[Path]:
+    """The folders edgeq's code is in (an editable install maps some subpackages beside ``edgeq/``)."""
+    from importlib.util import find_spec
+
+    roots = []
+    for name in ("edgeq", "edgeq.passes", "edgeq.runtime_ops", "edgeq.kernels", "edgeq.models"):
+        spec = find_spec(name)
+        roots += [Path(p).resolve() for p in (spec.submodule_search_locations or [])] if spec else []
+    return roots
+
+
+# edgeq's only code that can run before its entry has handlers: these modules' bodies, main's first lines
+_BEFORE_HANDLERS = {"__init__.py", "__main__.py"}
+_FRAME = re.compile(r'^  File "([^"]+)", line \d+,? in \S+$')  # a traceback's, or a thread dump's
+_TRACEBACK = r"Traceback \(most recent call last\):\n(?:(?:  .*)?\n)*?"  # its frames and source lines
+_REPORT = re.compile(r"(?P<fatal>Fatal Python error: init_\w+: .*\nPython runtime state: .*\n"
+                     r"|Could not import runpy module\n)?"
+                     r"(?P<ignored>Exception ignored in: .*\n)?"
+                     rf"(?P<frames>(?:{_TRACEBACK}\S.*\n\n(?:During handling of the above exception, another exception "
+                     r"occurred:|The above exception was the direct cause of the following exception:)\n\n)*"
+                     rf"{_TRACEBACK})?KeyboardInterrupt:? ?\n"
+                     # a fatal error raised where no Python code ran: the threads' stacks instead
+                     r"(?P<dump>\nCurrent thread 0x[0-9a-f]+ \(most recent call first\):\n(?:  .*\n)*)?"
+                     r"(?P<modules>\nExtension modules: .*\n)?")
+
+
+def _cpython_interrupt(err: str) -> tuple[str, str | None]:
+    """A SIGINT that came before edgeq's entry took the signals over is CPython's to report
+    (``edgeq/__main__.py`` says how): split that report off the start of stderr. Returns the rest and
+    the report's kind: "fatal" (it stopped CPython's initialization, or ``-m``'s import of runpy:
+    exit 1), "uncaught" (runpy or the console script importing edgeq: exit -2), "ignored" (raised in
+    a weakref callback of importlib's: printed, swallowed, the run goes on) or None. A report with a
+    frame in edgeq's code other than the module bodies its entry runs in is not CPython's: None."""
+    m = _REPORT.match(err)
+    if not m or (not m.group("fatal") and not m.group("frames")) or (
+            not m.group("fatal") and (m.group("dump") or m.group("modules"))):
+        return err, None
+    roots = _edgeq_roots()
+    for line in ((m.group("frames") or "") + (m.group("dump") or "")).splitlines():
+        frame = _FRAME.match(line)
+        if not frame:
+            continue  # a source line or a caret line
+        path = Path(frame.group(1))
+        if not path.is_absolute():
+            continue  # <frozen ...>, <string> (a .pth line)
+        path = path.resolve()
+        if any(root in path.parents for root in roots) and not (
+                path.parent == roots[0] and path.name in _BEFORE_HANDLERS):
+            return err, None
+    kind = "fatal" if m.group("fatal") else "ignored" if m.group("ignored") else "uncaught"
+    return err[m.end():], kind
+
+
+def _signal_line(signum: int) -> str:
+    return "edgeq: interrupted" if signum == signal.SIGINT else f"edgeq: terminated by {signal.Signals(signum).name}"
+
+
 def _check(case: Case, res: Outcome, before: dict, after: dict, fz: Fuzz) -> list[str]:
     problems = []
-    err_lines = [line for line in res.err.splitlines() if line.strip()]
-    # a signal sent: 128 + its number (edgeq's handler ran), or the signal's own death before edgeq
-    # installed one (Python starting up); either way nothing may be left
-    allowed = EXIT_CODES | ({128 + case.signal_after[0]} if case.signal_after else set())
+    sig = case.signal_after[0] if case.signal_after else None
+    # a signal sent: 128 + its number and one line (edgeq's handler ran), the finished command's own
+    # outcome, or, before edgeq's entry installed a handler (Python starting up), what the signal
+    # does to any Python program: killed by it, nothing printed, or for SIGINT CPython's own report
+    # (_cpython_interrupt); either way nothing may be left
+    err, cpython = _cpython_interrupt(res.err) if sig == signal.SIGINT else (res.err, None)
+    err_lines = [line for line in err.splitlines() if line.strip()]
+    allowed = EXIT_CODES | ({128 + sig} if sig else set())
     if res.raised:
         problems.append(f"main() raised {res.raised.splitlines()[0][:120]}")
-    elif case.signal_after and res.code == -case.signal_after[0]:
-        pass
+    elif cpython in ("fatal", "uncaught"):
+        if res.code != {"fatal": 1, "uncaught": -sig}[cpython] or err_lines:
+            problems.append(f"exit {res.code} after CPython's {cpython} KeyboardInterrupt")
+    elif sig and res.code == -sig:
+        if err_lines:
+            problems.append(f"killed by the signal with {len(err_lines)} stderr lines")
     elif res.code not in allowed:
         problems.append(f"exit {res.code}")
-    if "Traceback (most recent call last)" in res.err + res.out:
+    if "Traceback (most recent call last)" in err + res.out or "Fatal Python error" in err:
         problems.append("traceback printed")
     if res.code in (2, 4) and len(err_lines) != 1:
         problems.append(f"exit {res.code} with {len(err_lines)} stderr lines")
-    if res.code in allowed - EXIT_CODES and len(err_lines) > 1:
-        problems.append(f"exit {res.code} with {len(err_lines)} stderr lines")
+    if sig and res.code == 128 + sig and err_lines != [_signal_line(sig)]:
+        problems.append(f"exit {res.code} with {len(err_lines)} stderr lines, not {_signal_line(sig)!r} alone")
     if res.code == 3 and len(err_lines) > 1:
         problems.append(f"exit 3 with {len(err_lines)} stderr lines")
 

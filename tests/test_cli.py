@@ -342,3 +342,127 @@ def test_report_records_peak_memory_per_pass(toy, tmp_path, capsys):
     peaks = [rec["peak_rss_mb"] for rec in report["passes"]] + [report["u8s8"]["guard"]["peak_rss_mb"]]
     assert all(p > 10 for p in peaks) and peaks == sorted(peaks)
     assert report["peak_rss_mb"] >= peaks[-1]
+
+
+# -- signals (the rest: test_cli_errors.py, test_output_safety.py, test_fuzz.py) ------------------
+
+
+@pytest.fixture
+def foreground_signals():
+    """A terminal's foreground job's dispositions, whatever the runner inherited (nohup, background)."""
+    import signal
+
+    saved = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    signal.signal(signal.SIGHUP, signal.SIG_DFL)
+    yield
+    for sig, handler in saved.items():
+        signal.signal(sig, handler)
+
+
+@pytest.mark.parametrize("name, code", [("SIGINT", 130), ("SIGTERM", 143)])
+def test_a_signal_swallowed_by_a_weakref_callback_still_ends_the_run(monkeypatch, capfd, foreground_signals,
+                                                                     name, code):
+    """A signal's exception raised inside a weakref callback (importlib has some: an import the
+    signal lands in) is printed and dropped by Python ("Exception ignored in ..."): edgeq prints
+    nothing of it and the signal still ends the run, one line, 128 + N."""
+    import signal
+    import time
+    import weakref
+
+    import edgeq.cli
+
+    def command(args):
+        class Thing:
+            pass
+
+        thing = Thing()
+        ref = weakref.ref(thing, lambda r: signal.raise_signal(getattr(signal, name)))  # noqa: F841
+        del thing  # the callback runs, the handler raises in it
+        end = time.monotonic() + 30
+        while time.monotonic() < end:  # the command goes on; the signal again, in its own flow
+            pass
+        print("finished")
+        return 0
+
+    monkeypatch.setattr(edgeq.cli, "_run_recipes", command)
+    assert main(["recipes"]) == code
+    out, err = capfd.readouterr()
+    assert out == "" and err == ("edgeq: interrupted\n" if name == "SIGINT" else "edgeq: terminated by SIGTERM\n")
+
+
+def test_importing_the_entry_changes_no_signal_handler():
+    """``python -m edgeq`` and the console script run ``edgeq.__main__.main``; importing it (and
+    ``edgeq.cli``) takes no signal over: only ``main`` does, first thing."""
+    import subprocess
+    import sys
+
+    code = ("import signal; names = ('SIGINT', 'SIGTERM', 'SIGHUP'); "
+            "before = [signal.getsignal(getattr(signal, n)) for n in names]; "
+            "import edgeq.__main__, edgeq.cli; "
+            "assert [signal.getsignal(getattr(signal, n)) for n in names] == before")
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+@pytest.mark.parametrize("where", ["a temporary folder", "an import", "shutil.rmtree"])
+@pytest.mark.parametrize("name, code", [("SIGINT", 130), ("SIGTERM", 143)])
+def test_a_signal_waits_for_a_cleanup_or_an_import(monkeypatch, capfd, tmp_path, foreground_signals, where, name, code):
+    """A signal that lands while a folder (a temporary one or any) is being removed, or a module
+    imported (C code would turn its exception into another one, importlib's callbacks drop it), is
+    raised once that is over: the folder is gone, the module loaded; then one line, 128 + N."""
+    import importlib
+    import os
+    import shutil
+    import signal
+    import sys
+    import tempfile
+    import time
+    from pathlib import Path
+
+    import edgeq.cli
+
+    done = []
+    module = f"signalled_by_{name.lower()}"  # (one per signal: imported once)
+    (tmp_path / f"{module}.py").write_text(f"import signal\nsignal.raise_signal(signal.{name})\nLOADED = True\n")
+    folder = tmp_path / "folder"
+    folder.mkdir()
+    for i in range(50):
+        (folder / f"f{i}").write_text("x")
+
+    def signal_at_the_first_unlink():
+        unlink = os.unlink
+
+        def signalled(*a, **kw):
+            monkeypatch.setattr(os, "unlink", unlink)
+            signal.raise_signal(getattr(signal, name))
+            return unlink(*a, **kw)
+
+        monkeypatch.setattr(os, "unlink", signalled)
+
+    def command(args):
+        if where == "a temporary folder":
+            with tempfile.TemporaryDirectory(dir=tmp_path) as tmp:
+                for i in range(50):
+                    (Path(tmp) / f"f{i}").write_text("x")
+                signal_at_the_first_unlink()
+            done.append("cleaned" if not Path(tmp).exists() else "")
+        elif where == "an import":
+            monkeypatch.syspath_prepend(str(tmp_path))
+            try:
+                done.append("cleaned" if importlib.import_module(module).LOADED else "")
+            finally:
+                sys.modules.pop(module, None)
+        else:
+            signal_at_the_first_unlink()
+            shutil.rmtree(folder)
+            done.append("cleaned" if not folder.exists() else "")
+        end = time.monotonic() + 10
+        while time.monotonic() < end:  # the command goes on: the signal comes here
+            pass
+        return 0
+
+    monkeypatch.setattr(edgeq.cli, "_run_recipes", command)
+    assert main(["recipes"]) == code
+    assert done == ["cleaned"]
+    assert capfd.readouterr().err == ("edgeq: interrupted\n" if name == "SIGINT" else "edgeq: terminated by SIGTERM\n")

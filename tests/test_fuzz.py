@@ -252,18 +252,27 @@ def test_checker_flags_each_breach(fz, capfd, monkeypatch, behaviour, flagged):
 
 
 # -- signals -----------------------------------------------------------------------------------------------
+#
+# What a signal may do (fuzz_harness._check): end the run with 128 + N and its one line, or let the
+# command finish (0, ...); before edgeq's entry has taken the signals over (CPython starting up, a
+# tenth of a second or more under load: edgeq/__main__.py) what it does to any Python program: killed
+# by it with nothing printed, or for SIGINT CPython's own KeyboardInterrupt report with no frame of
+# edgeq's past its entry's first lines. Nothing is ever left.
+
+
+def _toy_compile(fz: Fuzz, out: str) -> list[str]:
+    return ["compile", str(fz.ws / "toy" / "model.onnx"), *FAST, "--calib", str(fz.ws / "calib.txt"), "-o", out]
 
 
 def build_signal_case(draw, fz: Fuzz) -> Case:
-    import signal
-
     sig = draw(st.sampled_from([signal.SIGINT, signal.SIGTERM, signal.SIGHUP]), label="signal")
-    delay = draw(st.sampled_from([0.05, 0.5, 1.0, 1.5, 2.0, 3.0, 4.5]), label="delay")
+    delay = draw(st.sampled_from([0.0, 0.01, 0.05, 0.2, 0.5, 1.0, 1.5, 2.0, 3.0, 4.5]), label="delay")
+    script = draw(st.booleans(), label="console script")
     out = str(fz.ws / draw(st.sampled_from(["out", "foreign"]), label="out"))
     what = draw(st.sampled_from(["compile-toy", "compile-tiny", "compile-tiny", "export"]), label="command")
     calib, tok = str(fz.ws / "calib.txt"), str(fz.ws / "toy")
     if what == "compile-toy":
-        argv = ["compile", str(fz.ws / "toy" / "model.onnx"), *FAST, "--calib", calib, "-o", out]
+        argv = _toy_compile(fz, out)
     elif what == "compile-tiny":  # mquant-w8a8: six passes, a couple of seconds
         argv = ["compile", str(fz.base / "tiny" / "model.onnx"), "--calib-windows", "2", "--seq-len", "16",
                 "--no-cache", "--calib", calib, "--tokenizer", tok, "--verify", "-o", out]
@@ -271,8 +280,9 @@ def build_signal_case(draw, fz: Fuzz) -> Case:
         argv = ["export", "tiny", "llama", "-o", out]
     if out.endswith("foreign") and draw(st.booleans(), label="force"):
         argv.append("--force")
-    return Case("signals", f"signal:{signal.Signals(sig).name}:{what}", argv, f"{signal.Signals(sig).name} after {delay} s",
-                signal_after=(sig, delay))
+    name = signal.Signals(sig).name
+    return Case("signals", f"signal:{name}:{what}", argv, f"{name} after {delay} s{' (edgeq script)' if script else ''}",
+                signal_after=(sig, delay), script=script)
 
 
 @fuzz_settings(8)
@@ -283,9 +293,49 @@ def _signal_campaign(fz, data):
 
 
 def test_fuzz_signals(fz):
-    """SIGINT / SIGTERM / SIGHUP at a random moment of a compile or export (a subprocess): exit 130 /
-    143 / 129 with one line, or finished (0), or killed before edgeq started; nothing left either way."""
+    """SIGINT / SIGTERM / SIGHUP at a random moment of a compile or export (a subprocess, ``python -m
+    edgeq`` or the console script): exit 130 / 143 / 129 with one line, or finished (0), or, before
+    edgeq's entry took the signals over, what the signal does to any Python program (above);
+    nothing left either way."""
     start = time.monotonic()
     _signal_campaign(fz)
     _timed(fz, "signals", start)
     assert_kept(fz, "signals")
+
+
+START_UP = (0.0, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32)  # s: Python starting, the entry, the imports
+
+
+@pytest.mark.parametrize("script", [False, True], ids=["python -m edgeq", "edgeq script"])
+def test_signals_during_start_up(fz, script):
+    """Each signal at fixed moments of a compile's first third of a second, whatever they fall on
+    with this machine's load: CPython starting up (site, the installation's .pth files), runpy or the
+    console script importing edgeq, its entry taking the signals over, the command line's modules
+    loading. Every outcome must be one the contract allows (above), none a traceback of edgeq's."""
+    start = time.monotonic()
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        for delay in START_UP:
+            fz.fresh_ws()
+            name = signal.Signals(sig).name
+            run_case(fz, Case("start-up", f"start-up:{name}", _toy_compile(fz, str(fz.ws / "out")),
+                              f"{name} after {delay} s{' (edgeq script)' if script else ''}",
+                              signal_after=(sig, delay), script=script))
+    _timed(fz, "start-up", start)
+    assert_kept(fz, "start-up")
+
+
+@pytest.mark.skipif(not Path("/proc/self/status").is_file(), reason="reads /proc/PID/status (Linux)")
+@pytest.mark.parametrize("script", [False, True], ids=["python -m edgeq", "edgeq script"])
+def test_a_signal_once_the_entry_handles_it(fz, script):
+    """Sent the moment edgeq's entry has taken the signals over (its SIGTERM and SIGHUP handlers seen
+    in /proc/PID/status; nothing else of edgeq's is loaded yet): whatever the load, exactly 128 + N
+    and its one line, nothing written."""
+    group = f"handled{'-script' if script else ''}"
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        fz.fresh_ws()
+        name = signal.Signals(sig).name
+        run_case(fz, Case(group, f"handled:{name}", _toy_compile(fz, str(fz.ws / "out")),
+                          f"{name} once handled{' (edgeq script)' if script else ''}",
+                          signal_after=(sig, "handled"), script=script))
+    assert_kept(fz, group)
+    assert fz.stats[group]["exit_codes"] == {"130": 1, "143": 1, "129": 1}

@@ -123,7 +123,7 @@ def genai_perplexity(path: Path, args) -> dict:
     import numpy as np
     import onnxruntime as ort
 
-    from edgeq.nll import window_nll
+    from edgeq.runtime.nll import window_nll
     from edgeq.textdata import token_windows
 
     decoder = json.loads((path / "genai_config.json").read_text())["model"]["decoder"]

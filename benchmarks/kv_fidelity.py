@@ -75,12 +75,12 @@ def _reference(session, data, n, steps, embed):
 
 
 def _compile(model_dir: Path, bits: int, options: dict):
-    from edgeq import ir
+    from edgeq.graph import ir
     from edgeq.calib.dataset import build_calibration_set
     from edgeq.calib.session import Calibrator
-    from edgeq.passbase import PassContext
-    from edgeq.pipeline import Pipeline
-    from edgeq.registry import get_pass
+    from edgeq.passmanager.passbase import PassContext
+    from edgeq.passmanager.pipeline import Pipeline
+    from edgeq.passmanager.registry import get_pass
 
     model = ir.load_model(model_dir / "model.onnx")
     specs = ir.input_specs(model)
@@ -100,7 +100,7 @@ def main(argv=None) -> int:
     p.add_argument("--bits", default=",".join(map(str, BITS)), help="comma-separated bit widths")
     a = p.parse_args(argv)
 
-    from edgeq import ir
+    from edgeq.graph import ir
     from edgeq.evaluate.generate import greedy_decode
     from edgeq.kv_cache import VisualCacheSpec, cache_bytes_per_token, visual_cache_feeds
     from edgeq.models.embeds_export import ort_session

@@ -30,7 +30,7 @@ def site_ranges(model_path: Path, feeds: list[dict], visual_masks: list[np.ndarr
     first real token (the attention sink that carries massive activations)."""
     import onnx
 
-    from edgeq import ir
+    from edgeq.graph import ir
     from edgeq.structure import find_linears
 
     model = onnx.load(str(model_path))

@@ -40,10 +40,10 @@ ACCURACY_LEVEL_0 = {"session.qdq_matmulnbits_accuracy_level": "0"}
 
 def _lower(base: Path, target: str, out: Path) -> dict:
     """Run the profile's lowering passes on a compiled graph, check it, save it under ``out``."""
-    from edgeq import ir
-    from edgeq.passbase import PassContext
-    from edgeq.pipeline import Pipeline
-    from edgeq.registry import get_pass
+    from edgeq.graph import ir
+    from edgeq.passmanager.passbase import PassContext
+    from edgeq.passmanager.pipeline import Pipeline
+    from edgeq.passmanager.registry import get_pass
     from edgeq.targets import check_model, load_target
 
     profile = load_target(target)

@@ -234,7 +234,7 @@ def _recipe_file(spec: dict, work: Path) -> str:
     quantizes lm_head (``skip_roles = []``), written under ``work``."""
     if not spec.get("lm_head_4bit"):
         return spec["recipe"]
-    from edgeq.tomlfile import load_named_toml
+    from edgeq.files.tomlfile import load_named_toml
 
     text = load_named_toml(spec["recipe"], "edgeq", "recipes", "recipe").text
     if text.count('skip_roles = ["lm_head"]') != 1:
@@ -355,7 +355,7 @@ def weight_policy(folder: Path) -> dict:
 
 
 def _session(path: Path, exact_qdq: bool):
-    from edgeq.ort_session import open_session, session_options
+    from edgeq.runtime.ort_session import open_session, session_options
 
     return open_session(path, options=session_options(optimize=True, exact_qdq=exact_qdq))
 
@@ -381,7 +381,7 @@ def _feeds(session, ids: np.ndarray, folder: Path) -> dict:
 
 
 def onnx_perplexity(path: Path, windows: np.ndarray, exact_qdq: bool) -> float:
-    from edgeq.nll import window_nll
+    from edgeq.runtime.nll import window_nll
 
     model = path / "model.onnx"
     session = _session(model, exact_qdq)

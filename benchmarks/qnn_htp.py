@@ -76,7 +76,7 @@ def _on_both(pair: Path, ids: np.ndarray) -> dict:
     context binaries), one window at a time: logits agreement and both perplexities."""
     from edgeq.generation.decoders import open_decoder
     from edgeq.generation.teacher_forced import window_logits
-    from edgeq.nll import window_nll
+    from edgeq.runtime.nll import window_nll
 
     cpu, htp = open_decoder(pair), open_decoder(pair, provider="qnn-htp")
     diffs, scales, top1, kls, nll = [], [], [], [], {"cpu": 0.0, "qnn-htp": 0.0}

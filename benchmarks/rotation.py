@@ -41,7 +41,7 @@ def _without(recipe: str, pass_name: str) -> str:
 def main(argv=None) -> int:
     a = bench_parser(__doc__, "bench-rotation", "w8a8,quarot-w8a8,mquant-w8a8,mquant-w4a8").parse_args(argv)
 
-    from edgeq import ir
+    from edgeq.graph import ir
     from edgeq.passes.methods.eq9 import eq9_table
     from edgeq.evaluate.ppl import perplexity
 

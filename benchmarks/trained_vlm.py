@@ -53,7 +53,7 @@ PARTS = ("ranges", "accuracy", "latency", "kv")
 def _session(path: Path, exact: bool = False):
     import onnxruntime as ort
 
-    from edgeq.ort_session import session_options
+    from edgeq.runtime.ort_session import session_options
 
     return ort.InferenceSession(str(path), session_options(exact_qdq=exact), providers=["CPUExecutionProvider"])
 
@@ -167,7 +167,7 @@ def _kv_path(session, sample: dict, meta_row: dict, embed: np.ndarray, spec=None
 
 
 def kv_part(model_dir: Path, samples: int) -> dict:
-    from edgeq import ir
+    from edgeq.graph import ir
     from edgeq.kv_cache import VisualCacheSpec, cache_bytes_per_token
     from edgeq.models.easy_vqa import QUESTION_TYPES
     from edgeq.models.trained_vlm import WITH_PAST_DIR, load_eval

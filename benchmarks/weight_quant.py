@@ -63,7 +63,7 @@ def sweep_seconds_7b(group_size: int = 128) -> dict:
     """Seconds of one GPTQ sweep per Llama-2-7B linear shape (random weight, random SPD Hessian),
     and the sum over the 7 linears of 32 layers."""
     from edgeq.passes.methods.gptq import gptq_quantize
-    from edgeq.quant import QuantSpec
+    from edgeq.quantize.quant import QuantSpec
 
     rng = np.random.default_rng(0)
     spec = QuantSpec("int4", True, axis=0, block_size=group_size)

@@ -183,7 +183,7 @@ def _run_recipes(args) -> int:
 
 
 def _run_passes(args) -> int:
-    from edgeq.registry import all_passes
+    from edgeq.passmanager.registry import all_passes
 
     passes = all_passes()
     width = max(len(n) for n in passes) + 1
@@ -419,14 +419,11 @@ def main(argv: list[str] | None = None) -> int:
     """Run one command; returns its exit code (see the module docstring). SIGINT, SIGTERM and
     SIGHUP are handled from the first line on (``_signals_unwind``), so a signal while the command's
     modules are still being imported ends the run like one later: one line, 128 + the signal's
-    number. ``argv`` None: the program (``sys.argv``), as ``edgeq.__main__.main`` runs it (the
-    console script and ``python -m edgeq`` call that, which takes the signals over before importing
-    this module, and ignores them once the command has ended)."""
-    if argv is None:
-        from edgeq.__main__ import main as program
-
-        return program()
-    return _main(list(argv))
+    number. ``argv`` None: ``sys.argv``. The program itself is ``edgeq.__main__.main`` (the console
+    script and ``python -m edgeq``), which takes the signals over before importing this module and
+    ignores them once the command has ended; it calls ``_main`` (importing it from here would make
+    the two modules import each other)."""
+    return _main(sys.argv[1:] if argv is None else list(argv))
 
 
 def _main(argv: list[str], program: bool = False) -> int:

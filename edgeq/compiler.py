@@ -1,7 +1,7 @@
 """``edgeq compile``: plan -> route -> write.
 
 - ``plan``: everything that can be refused is checked before any work (output folder, recipe,
-  target, model: its structure, an onnxruntime session on it, its weights finite (``edgeq.loadcheck``),
+  target, model: its structure, an onnxruntime session on it, its weights finite (``edgeq.graph.loadcheck``),
   opset, calibration data), and what the outputs must record is taken once: the
   recipe as it was read (origin and hash), the input model's file hashes, its fingerprint.
 - ``run``: one ``Pipeline`` over the recipe's passes, the target's lowering passes and, unless the
@@ -44,20 +44,21 @@ import onnx
 
 import edgeq
 from edgeq.measured_accuracy import measured_accuracy
-from edgeq import ir
+from edgeq.graph import ir
+from edgeq.files import output_dir
 from edgeq.artifacts.manifest import input_model_record
 from edgeq.artifacts.report import CompilePathSection, CompileReport, RecipeSection, TargetSection
 from edgeq.artifacts.writer import CompileResult, ModelGraphs, StaticGraphs, write
 from edgeq.calib.dataset import InputLimits, build_calibration_set
 from edgeq.calib.session import Calibrator
 from edgeq.errors import UserInputError
-from edgeq.fingerprint import model_fingerprint
-from edgeq.loadcheck import check_onnxruntime
-from edgeq.passbase import Pass, PassContext
-from edgeq.pipeline import Pipeline, PipelineOptions
-from edgeq.qdq_encodings import collect_encodings
+from edgeq.graph.fingerprint import model_fingerprint
+from edgeq.graph.loadcheck import check_onnxruntime
+from edgeq.passmanager.passbase import Pass, PassContext
+from edgeq.passmanager.pipeline import Pipeline, PipelineOptions
+from edgeq.quantize.qdq_encodings import collect_encodings
 from edgeq.recipes import DEFAULT_RECIPE, Recipe, load_recipe
-from edgeq.registry import get_pass
+from edgeq.passmanager.registry import get_pass
 from edgeq.targets import TargetProfile, TargetUnreachable, check_model, load_target
 from edgeq.textdata import default_tokenizer_dir
 
@@ -83,7 +84,7 @@ class CompileRequest:
     allow_partial: bool = False  # write the model even when an essential pass did not apply
     blockwise: str = "auto"  # "auto" | "on" | "off": compile one decoder block at a time
     static: tuple[int, int] | None = None  # (prefill, context): write the static prefill/decode pair
-    force: bool = False  # replace a non-empty out_dir that edgeq did not write (ir.check_output_dir)
+    force: bool = False  # replace a non-empty out_dir that edgeq did not write (output_dir.check_output_dir)
     context_binary: bool = False  # with --static and a QNN target: OUT/qnn/*_ctx.onnx prepared by the vendor's HTP
     htp_arch: int | None = None  # the HTP generation the context binaries are prepared for
     accuracy_level: int | None = None  # --target ort-genai: MatMulNBits accuracy_level (default 4, genai's for the CPU)
@@ -187,7 +188,7 @@ def plan_compile(req: CompileRequest) -> tuple[CompilePlan, onnx.ModelProto]:
         if recipe.kv_cache.dtype != "float32":
             static_shape = dataclasses.replace(static_shape, cache_dtype=recipe.kv_cache.dtype)
     route, part, why = choose_route(req, profile, model, passes + lowering + guard, locations)
-    # before any work, what the structural check at load cannot see (edgeq.loadcheck): a model
+    # before any work, what the structural check at load cannot see (edgeq.graph.loadcheck): a model
     # onnxruntime refuses (one session, its weights mapped, not read) and a weight holding NaN or inf
     check_onnxruntime(model, req.model)
     if part is None and locations:  # in memory: read the weights too, each judged as it is read
@@ -399,7 +400,7 @@ def _run_blocks(plan: CompilePlan, skeleton: onnx.ModelProto, ctx: PassContext, 
     measured block by block)."""
     from edgeq.blockwise import BlockProgress, compile_blocks, merge_records
     from edgeq.calib.session import StreamCarry
-    from edgeq.progress import _enabled
+    from edgeq.runtime.progress import _enabled
 
     part = plan.partition
     carry = None
@@ -428,7 +429,7 @@ def _staging_dir(out_dir: Path) -> Path:
     (``.OUT.weights-PID-*``: a later run removes it if this process dies without cleaning up)."""
     out = out_dir.resolve()
     out.parent.mkdir(parents=True, exist_ok=True)
-    return ir.staging_dir(out, "weights")
+    return output_dir.staging_dir(out, "weights")
 
 
 def build_report(plan: CompilePlan, stages: dict, target: TargetSection | None, measured_u8s8: dict | None = None
@@ -476,8 +477,8 @@ def _inputs(req: CompileRequest) -> tuple[Path, ...]:
 
 def _check_out_dir(req: CompileRequest) -> None:
     """Refuse, before any work is done, an output folder that must not or cannot be replaced
-    (``ir.check_output_dir``) and a ``--dump-each`` folder that cannot hold the dumps."""
-    ir.check_output_dir(req.out_dir, force=req.force, inputs=_inputs(req))
+    (``output_dir.check_output_dir``) and a ``--dump-each`` folder that cannot hold the dumps."""
+    output_dir.check_output_dir(req.out_dir, force=req.force, inputs=_inputs(req))
     if req.dump_each is not None:
         _check_dump_each(req.dump_each, req.out_dir.resolve(), req.force)
 
@@ -504,4 +505,4 @@ def _check_dump_each(dump_each: Path, out: Path, force: bool = False) -> None:
             raise UserInputError(f"--dump-each {dump_each} holds files edgeq did not dump (e.g. {foreign[0]}); "
                                  f"name an empty or new folder, or pass --force to write the dumps among them")
         return
-    ir.check_writable_parent(dump, what="the --dump-each folder")
+    output_dir.check_writable_parent(dump, what="the --dump-each folder")

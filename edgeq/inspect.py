@@ -12,7 +12,7 @@ from pathlib import Path
 
 import numpy as np
 
-from edgeq import ir
+from edgeq.graph import ir
 from edgeq.calib.dataset import InputLimits, build_calibration_set
 from edgeq.calib.observers import PerChannelAbsMaxObserver
 from edgeq.calib.session import Calibrator

@@ -34,7 +34,7 @@ from typing import Mapping
 import numpy as np
 
 from edgeq.errors import UserInputError
-from edgeq.facts import KVQUANT
+from edgeq.graph.facts import KVQUANT
 from edgeq.runtime_ops.visual_kv_codes import pack_codes, quantize_rows
 
 VISUAL_PREFIX = "visual_key_values."  # a kvquant decode graph's packed visual cache

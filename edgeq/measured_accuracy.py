@@ -15,7 +15,7 @@ import os
 from importlib import resources
 
 from edgeq.textdata import hf_config
-from edgeq.tomlfile import is_path, parse_toml
+from edgeq.files.tomlfile import is_path, parse_toml
 
 
 def _table() -> dict:

@@ -11,8 +11,8 @@ from __future__ import annotations
 import numpy as np
 import onnx_graphsurgeon as gs
 
-from edgeq.facts import VISUAL_SPAN_INPUTS
-from edgeq.graph_builder import NodeBuilder
+from edgeq.graph.facts import VISUAL_SPAN_INPUTS
+from edgeq.graph.graph_builder import NodeBuilder
 
 SPAN_METADATA_KEY = VISUAL_SPAN_INPUTS.key  # as written by edgeq.models.composed_vlm
 DEFAULT_SPAN_INPUTS = ("visual_start", "visual_len")

@@ -34,9 +34,9 @@ import typing
 from dataclasses import dataclass
 
 from edgeq.errors import UserInputError
-from edgeq.passbase import Pass, PassConfig
-from edgeq.registry import get_pass
-from edgeq.tomlfile import builtin_names, load_named_toml, parse_toml
+from edgeq.passmanager.passbase import Pass, PassConfig
+from edgeq.passmanager.registry import get_pass
+from edgeq.files.tomlfile import builtin_names, load_named_toml, parse_toml
 
 DEFAULT_RECIPE = "mquant-w8a8"
 
@@ -86,7 +86,7 @@ def builtin_recipe_names() -> list[str]:
 
 
 def load_recipe(name_or_path: str) -> Recipe:
-    """A built-in recipe by name, or a recipe file by path (``edgeq.tomlfile``)."""
+    """A built-in recipe by name, or a recipe file by path (``edgeq.files.tomlfile``)."""
     file = load_named_toml(name_or_path, "edgeq", "recipes", "recipe")
     recipe = parse_recipe(file.text, file.name, source=file.where, sha256=file.sha256)
     return dataclasses.replace(recipe, origin=file.source)

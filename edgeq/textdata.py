@@ -41,7 +41,7 @@ import numpy as np
 
 from edgeq.errors import UserInputError
 from edgeq.kv_cache import PAST_PREFIX
-from edgeq.npzfile import NumpyFileError, read_npy, read_npz
+from edgeq.files.npzfile import NumpyFileError, read_npy, read_npz
 
 TOKEN_INPUTS = ("input_ids", "attention_mask", "position_ids")
 CACHE_PREFIX = PAST_PREFIX  # KV-cache inputs; calibration runs the prefill with them empty

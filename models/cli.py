@@ -36,7 +36,7 @@ _WITH_PAST_HELP = (
 def _source(sources: argparse._SubParsersAction, name: str, func, help: str,
             description: str) -> argparse.ArgumentParser:
     """One export source: its subparser with the ``-o/--output`` folder every source writes and
-    ``--force``, run by ``func`` once the folder passed ``edgeq.ir.check_output_dir``."""
+    ``--force``, run by ``func`` once the folder passed ``edgeq.files.output_dir.check_output_dir``."""
     parser = sources.add_parser(name, help=help, description=description)
     parser.add_argument("-o", "--output", required=True, metavar="DIR", help=_OUTPUT_HELP)
     parser.add_argument("--force", action="store_true", help=_FORCE_HELP)
@@ -51,7 +51,7 @@ def _inputs(args: argparse.Namespace) -> tuple[str, ...]:
 
 def _checked(func, args: argparse.Namespace) -> int:
     """The output folder is checked before any work (building a model takes seconds to minutes)."""
-    from edgeq.ir import check_output_dir
+    from edgeq.files.output_dir import check_output_dir
 
     check_output_dir(args.output, force=args.force, inputs=_inputs(args))
     return func(args)

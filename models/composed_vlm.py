@@ -51,7 +51,7 @@ from typing import Sequence
 import numpy as np
 
 from edgeq.errors import UserInputError
-from edgeq.ir import atomic_output_dir
+from edgeq.files.output_dir import atomic_output_dir
 from edgeq.models.craft_vision import (CRAFT_FILE, FEATURE_CHANNELS, GRID, IMAGE_SIZE, IMAGENET_MEAN, IMAGENET_STD,
                                        VISUAL_TOKENS, craft_weights_path, load_image, load_vgg_backbone, render_crop,
                                        require_skimage, sample_crops, vgg_features)

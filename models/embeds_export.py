@@ -78,7 +78,7 @@ def _tensor_input(name: str, elem_type: int, dims: Sequence[Any]):
 def export_embeds_lm(decoder, lm_head, out_dir: Path, hidden_size: int, position_rows: int | None = None) -> Path:
     """Export ``lm_head(decoder(inputs_embeds, attention_mask, position_ids))`` to ``out_dir``.
 
-    One graph, opset 18, weights in ``model.onnx.data`` (``edgeq.ir.save_model``). The
+    One graph, opset 18, weights in ``model.onnx.data`` (``edgeq.graph.ir.save_model``). The
     TorchScript exporter (``dynamo=False``) is the one optimum uses, so the linears, decomposed
     RMSNorm and node names (``/model/layers.N/...``) look like the text-only SmolLM2 export's.
     Attention differs on purpose: the decoder should run eager attention (optimum exports SDPA),
@@ -92,7 +92,7 @@ def export_embeds_lm(decoder, lm_head, out_dir: Path, hidden_size: int, position
     import onnx
     import torch
 
-    from edgeq import ir
+    from edgeq.graph import ir
 
     module = _embeds_lm_module(decoder, lm_head)
     batch, seq = 2, 8

@@ -28,7 +28,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from edgeq.errors import UserInputError
-from edgeq.ir import atomic_output_dir
+from edgeq.files.output_dir import atomic_output_dir
 
 EXPORT_EXTRA_HINT = "pip install -e .[export]"
 MODEL_FILE = "model.onnx"
@@ -98,7 +98,7 @@ def export_hf(hf_dir: str | os.PathLike, out_dir: str | os.PathLike, task: str =
     """Export the Hugging Face model in ``hf_dir`` to ``out_dir`` and return ``out_dir``.
 
     ``out_dir`` is written atomically: it only appears (or is replaced) once the export succeeded;
-    ``force``: it may replace a non-empty folder edgeq did not write (``edgeq.ir.check_output_dir``).
+    ``force``: it may replace a non-empty folder edgeq did not write (``edgeq.files.output_dir.check_output_dir``).
     """
     hf_dir = Path(hf_dir)
     if not hf_dir.exists():
@@ -213,7 +213,7 @@ def externalize_weights(path: Path) -> None:
         return
     import onnx
 
-    from edgeq.ir import external_data_locations, save_model
+    from edgeq.graph.ir import external_data_locations, save_model
 
     model = onnx.load_model(str(path))
     if any(True for _ in external_data_locations(model)):

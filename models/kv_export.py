@@ -40,7 +40,7 @@ import numpy as np
 
 from edgeq.errors import UserInputError
 from edgeq.families import TINY_WITH_PAST
-from edgeq.ir import atomic_output_dir
+from edgeq.files.output_dir import atomic_output_dir
 
 MODEL_FILE = "model.onnx"
 EMBED_TABLE_FILE = "embed_tokens.npy"
@@ -166,7 +166,7 @@ def export_embeds_lm_with_past(decoder, lm_head, out_dir: Path) -> Path:
     from optimum.exporters.onnx import model_patcher as patcher
     from transformers.cache_utils import DynamicLayer
 
-    from edgeq import ir
+    from edgeq.graph import ir
     from edgeq.modality_mask import SPAN_METADATA_KEY
     from edgeq.models.embeds_export import EMBED_INPUTS, OPSET, SPAN_INPUTS, _tensor_input, traceable_masks
 

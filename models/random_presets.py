@@ -38,7 +38,8 @@ import numpy as np
 import onnx
 
 from edgeq.errors import UserInputError
-from edgeq.ir import EXTERNAL_DATA_SUFFIX, atomic_output_dir
+from edgeq.graph.ir import EXTERNAL_DATA_SUFFIX
+from edgeq.files.output_dir import atomic_output_dir
 from edgeq.models.hf_export import MODEL_FILE, export_to, require_export_deps
 
 DATA_FILE = MODEL_FILE + EXTERNAL_DATA_SUFFIX  # model.onnx.data, like edgeq's own outputs

@@ -15,7 +15,7 @@ import os
 import tempfile
 from pathlib import Path
 
-from edgeq.ir import atomic_output_dir
+from edgeq.files.output_dir import atomic_output_dir
 from edgeq.models.gguf_folder import record_add_bos
 from edgeq.models.gguf_folder import save_hf_folder as save_gguf_folder
 from edgeq.models.hf_export import export_to, require_export_deps

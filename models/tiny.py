@@ -20,7 +20,7 @@ from pathlib import Path
 
 from edgeq.errors import UserInputError
 from edgeq.families import BY_NAME, TINY_ARCHS, by_model_type
-from edgeq.ir import atomic_output_dir
+from edgeq.files.output_dir import atomic_output_dir
 from edgeq.models.hf_export import export_to, require_export_deps
 
 __all__ = ["TINY_ARCHS", "build_tiny", "export_tiny"]

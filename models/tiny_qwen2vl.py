@@ -31,7 +31,7 @@ from pathlib import Path
 import numpy as np
 
 from edgeq.errors import UserInputError
-from edgeq.ir import atomic_output_dir
+from edgeq.files.output_dir import atomic_output_dir
 
 TINY_QWEN2VL = "qwen2vl"  # the name ``edgeq export tiny`` accepts for it
 HIDDEN = 64

@@ -47,7 +47,7 @@ from typing import Sequence
 import numpy as np
 
 from edgeq.errors import UserInputError
-from edgeq.ir import atomic_output_dir
+from edgeq.files.output_dir import atomic_output_dir
 from edgeq.models.easy_vqa import (IGNORE, QUESTION_TYPES, VISUAL, ChatFormat, Question, accuracy_by_type, answer_prior,
                                    image_ids, load_images, load_questions, prior_accuracy, stratified)
 from edgeq.models.package_files import dist_version
@@ -96,7 +96,7 @@ def _features(cache: Path, split: str, ids: Sequence[int], settings: TrainSettin
     (``tag`` defaults to the split; rows follow ``ids``)."""
     from edgeq.models.craft_vision import load_vgg_backbone
     from edgeq.models.vlm_training import image_features
-    from edgeq.progress import progress
+    from edgeq.runtime.progress import progress
 
     path = cache / f"features-{tag or split}.npz"
     if path.is_file():

@@ -180,7 +180,7 @@ def run_stage(name: str, model: VisionLanguageModel, params: list, batches: list
     ``checkpoint`` when it holds this stage. Returns the loss curve summary and timing."""
     import torch
 
-    from edgeq.progress import progress
+    from edgeq.runtime.progress import progress
 
     optimizer = torch.optim.AdamW(params, lr=lr, betas=(0.9, 0.999), weight_decay=0.0)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, _schedule(len(batches)))
@@ -250,7 +250,7 @@ def scored_logits(model: VisionLanguageModel, chat: ChatFormat, questions: Seque
     import torch
     from transformers import DynamicCache
 
-    from edgeq.progress import progress
+    from edgeq.runtime.progress import progress
 
     encoded = [chat.conversation([(q.text, q.answer)]) for q in questions]
     prefix_len = chat.visual_start + chat.visual_tokens + len(chat.newline)

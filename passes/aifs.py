@@ -49,10 +49,11 @@ from dataclasses import dataclass
 import numpy as np
 import onnx_graphsurgeon as gs
 
-from edgeq import facts, ir
-from edgeq.graph_builder import NodeBuilder
+from edgeq.graph import facts
+from edgeq.graph import ir
+from edgeq.graph.graph_builder import NodeBuilder
 from edgeq.modality_mask import span_input_names, visual_block_mask
-from edgeq.passbase import Exactness, Pass, PassConfig, PassContext, PassNotApplicable, PassResult, Reason
+from edgeq.passmanager.passbase import Exactness, Pass, PassConfig, PassContext, PassNotApplicable, PassResult, Reason
 from edgeq.structure import BreadthFirst
 
 # value "span=START,LEN;visual_count=TENSOR;original_order=T1,T2": MSQ reads the count, and knows

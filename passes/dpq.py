@@ -29,15 +29,15 @@ from dataclasses import dataclass
 import numpy as np
 import onnx_graphsurgeon as gs
 
-from edgeq import ir
+from edgeq.graph import ir
 from edgeq.calib.observers import MinMaxObserver
 from edgeq.passes.methods.dpq import DpqColumns
 from edgeq.errors import UserInputError
 from edgeq.passes.methods.fp8 import FP8_MAX, power_of_two_scale
 from edgeq.passes.methods.gptq import ColumnQuantizer, GptqResult, IntColumns
-from edgeq.passbase import Exactness, PassContext
-from edgeq.qdq_nodes import insert_fp8_qdq
-from edgeq.quant import QuantSpec
+from edgeq.passmanager.passbase import Exactness, PassContext
+from edgeq.quantize.qdq_nodes import insert_fp8_qdq
+from edgeq.quantize.quant import QuantSpec
 from edgeq.structure.linears import Linear
 from edgeq.passes.methods.gptq_rewrite import GptqConfig, GptqRewrite
 

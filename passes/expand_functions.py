@@ -21,8 +21,8 @@ import onnx.inliner
 import onnx_graphsurgeon as gs
 from onnx_graphsurgeon.exporters.onnx_exporter import OnnxExporter
 
-from edgeq import ir
-from edgeq.passbase import Exactness, Pass, PassContext, PassNotApplicable, PassResult, Reason
+from edgeq.graph import ir
+from edgeq.passmanager.passbase import Exactness, Pass, PassContext, PassNotApplicable, PassResult, Reason
 from edgeq.runtime_ops.domain import DOMAIN, DOMAIN_VERSION
 from edgeq.runtime_ops.schema import get_schema
 

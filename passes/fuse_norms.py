@@ -22,11 +22,11 @@ from __future__ import annotations
 import numpy as np
 import onnx_graphsurgeon as gs
 
-from edgeq import ir
+from edgeq.graph import ir
 from dataclasses import dataclass
 
 from edgeq.errors import UserInputError
-from edgeq.passbase import Exactness, Pass, PassConfig, PassContext, PassNotApplicable, PassResult, Reason
+from edgeq.passmanager.passbase import Exactness, Pass, PassConfig, PassContext, PassNotApplicable, PassResult, Reason
 from edgeq.structure import Norm, analyze
 from edgeq.passes.methods.weights import LinearEditor, is_weightless, norm_weights, position_wise_readers, scale_rows
 
@@ -85,7 +85,7 @@ class FuseNormsPass(Pass, name="fuse-norms", per_block=True, exactness=Exactness
 
 def _sandwich_stream_norms(graph: gs.Graph) -> set[str]:
     """The stream norms' names when the stream has post-sublayer norms, else none."""
-    from edgeq.passbase import PassNotApplicable
+    from edgeq.passmanager.passbase import PassNotApplicable
     from edgeq.passes.methods.stream import analyze_stream
 
     try:

@@ -16,10 +16,10 @@ from dataclasses import dataclass
 import numpy as np
 import onnx_graphsurgeon as gs
 
-from edgeq import ir
-from edgeq.passbase import Exactness, Pass, PassConfig, PassContext, PassNotApplicable, PassResult, Reason
-from edgeq.qdq_nodes import QuantizedTensor, ensure_opset, insert_dequantize
-from edgeq.quant import QuantSpec, dequantize, quantize, scale_zero_point
+from edgeq.graph import ir
+from edgeq.passmanager.passbase import Exactness, Pass, PassConfig, PassContext, PassNotApplicable, PassResult, Reason
+from edgeq.quantize.qdq_nodes import QuantizedTensor, ensure_opset, insert_dequantize
+from edgeq.quantize.quant import QuantSpec, dequantize, quantize, scale_zero_point
 from edgeq.targets.requant import relative_rms
 
 TABLE_DTYPES = ("uint16", "uint8")

@@ -7,7 +7,7 @@ over the sweep in ``edgeq.passes.methods.gptq``; ``dpq`` builds on the same rewr
 
 from __future__ import annotations
 
-from edgeq.passbase import Exactness
+from edgeq.passmanager.passbase import Exactness
 from edgeq.passes.methods.gptq_rewrite import GptqConfig, GptqRewrite
 
 __all__ = ["GptqConfig", "GptqPass"]

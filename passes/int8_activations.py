@@ -37,8 +37,8 @@ import numpy as np
 import onnx
 import onnx_graphsurgeon as gs
 
-from edgeq import ir
-from edgeq.passbase import Exactness, Pass, PassContext, PassNotApplicable, PassResult, Reason
+from edgeq.graph import ir
+from edgeq.passmanager.passbase import Exactness, Pass, PassContext, PassNotApplicable, PassResult, Reason
 from edgeq.targets.requant import read_constant
 
 # unsigned storage -> (signed type, numpy type, onnx type, shift)
@@ -47,7 +47,7 @@ _SIGNED = {
     "uint16": ("int16", np.int16, onnx.TensorProto.INT16, 32768),
 }
 _ONNX_UNSIGNED = {onnx.TensorProto.UINT8: "uint8", onnx.TensorProto.UINT16: "uint16"}
-# ops that move integer elements without changing their grid (``edgeq.qdq_encodings._PASS_THROUGH``),
+# ops that move integer elements without changing their grid (``edgeq.quantize.qdq_encodings._PASS_THROUGH``),
 # with the input slots carrying the integers (None: every input)
 _DATA_SLOTS: dict[str, tuple[int, ...] | None] = {
     "Clip": (0,), "Gather": (0,), "GatherElements": (0,), "Concat": None, "Reshape": (0,), "Transpose": (0,),

@@ -30,8 +30,8 @@ import collections
 import numpy as np
 import onnx_graphsurgeon as gs
 
-from edgeq import ir
-from edgeq.passbase import Exactness, Pass, PassContext, PassNotApplicable, PassResult, Reason
+from edgeq.graph import ir
+from edgeq.passmanager.passbase import Exactness, Pass, PassContext, PassNotApplicable, PassResult, Reason
 from edgeq.targets.requant import read_constant, set_inputs
 
 # narrow storage -> shift subtracted from the integers and zero point to land in int8

@@ -35,11 +35,11 @@ from dataclasses import dataclass
 import numpy as np
 import onnx_graphsurgeon as gs
 
-from edgeq import facts
+from edgeq.graph import facts
 from edgeq.errors import UserInputError
 from edgeq.passes.methods.kv_attention_sites import KVSite, find_kv_sites
 from edgeq.kv_cache import FIELDS, VISUAL_PREFIX, VisualCacheSpec
-from edgeq.passbase import Exactness, Pass, PassConfig, PassContext, PassResult
+from edgeq.passmanager.passbase import Exactness, Pass, PassConfig, PassContext, PassResult
 from edgeq.runtime_ops.domain import DOMAIN
 
 

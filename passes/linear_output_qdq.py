@@ -26,11 +26,11 @@ from dataclasses import dataclass
 import numpy as np
 import onnx_graphsurgeon as gs
 
-from edgeq import ir
+from edgeq.graph import ir
 from edgeq.calib.observers import MinMaxObserver
-from edgeq.passbase import Exactness, Pass, PassConfig, PassContext, PassNotApplicable, PassResult, Reason
-from edgeq.qdq_nodes import ensure_opset, insert_dequantize, insert_quantize
-from edgeq.quant import QuantSpec, scale_zero_point
+from edgeq.passmanager.passbase import Exactness, Pass, PassConfig, PassContext, PassNotApplicable, PassResult, Reason
+from edgeq.quantize.qdq_nodes import ensure_opset, insert_dequantize, insert_quantize
+from edgeq.quantize.quant import QuantSpec, scale_zero_point
 
 _LINEARS = ("MatMul", "Gemm", "Conv")
 ACTIVATION_DTYPES = ("uint16", "int16", "uint8", "int8")

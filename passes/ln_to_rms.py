@@ -18,8 +18,8 @@ from __future__ import annotations
 import numpy as np
 import onnx_graphsurgeon as gs
 
-from edgeq import ir
-from edgeq.passbase import Exactness, Pass, PassContext, PassNotApplicable, PassResult, Reason
+from edgeq.graph import ir
+from edgeq.passmanager.passbase import Exactness, Pass, PassContext, PassNotApplicable, PassResult, Reason
 from edgeq.passes.methods.stream import analyze_stream, transform_stream_input
 from edgeq.structure import Norm
 from edgeq.passes.methods.weights import LinearEditor

@@ -48,11 +48,11 @@ from dataclasses import dataclass
 import numpy as np
 import onnx_graphsurgeon as gs
 
-from edgeq import ir
+from edgeq.graph import ir
 from edgeq.passes.methods.matmulnbits import BITS, DOMAIN
-from edgeq.passbase import Exactness, Pass, PassContext, PassNotApplicable, PassResult, Reason
-from edgeq.qdq_nodes import ensure_opset, insert_weight_dequantize
-from edgeq.quant import QuantSpec
+from edgeq.passmanager.passbase import Exactness, Pass, PassContext, PassNotApplicable, PassResult, Reason
+from edgeq.quantize.qdq_nodes import ensure_opset, insert_weight_dequantize
+from edgeq.quantize.quant import QuantSpec
 from edgeq.targets.requant import read_constant
 
 _SUFFIX = "_MatMulNBits"  # what edgeq.passes.methods.matmulnbits.insert_matmulnbits appends to the linear's name

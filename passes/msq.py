@@ -33,14 +33,15 @@ from dataclasses import dataclass
 import numpy as np
 import onnx_graphsurgeon as gs
 
-from edgeq import facts, ir
+from edgeq.graph import facts
+from edgeq.graph import ir
 from edgeq.errors import UserInputError
-from edgeq.graph_builder import NodeBuilder
+from edgeq.graph.graph_builder import NodeBuilder
 from edgeq.modality_mask import prefix_mask, span_input_names, visual_block_mask
-from edgeq.passbase import Exactness, PassContext, PassResult
+from edgeq.passmanager.passbase import Exactness, PassContext, PassResult
 from edgeq.passes.methods.static_qdq import QDQConfig, StaticQDQ, static_activations
-from edgeq.qdq_nodes import QuantizedTensor, insert_dequantize, insert_quantize
-from edgeq.quant import QuantSpec, scale_zero_point
+from edgeq.quantize.qdq_nodes import QuantizedTensor, insert_dequantize, insert_quantize
+from edgeq.quantize.quant import QuantSpec, scale_zero_point
 from edgeq.runtime_ops.domain import DOMAIN
 
 MSQ_KEY = facts.MSQ.key  # the model metadata key msq leaves (tests read it)

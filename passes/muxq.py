@@ -32,10 +32,11 @@ from dataclasses import dataclass
 import numpy as np
 import onnx_graphsurgeon as gs
 
-from edgeq import facts, ir
+from edgeq.graph import facts
+from edgeq.graph import ir
 from edgeq.calib.observers import ChannelStatsObserver
 from edgeq.errors import UserInputError
-from edgeq.passbase import Exactness, Pass, PassConfig, PassContext, PassNotApplicable, PassResult, Reason
+from edgeq.passmanager.passbase import Exactness, Pass, PassConfig, PassContext, PassNotApplicable, PassResult, Reason
 from edgeq.passes.methods.side_branch import add_branch
 from edgeq.structure import Norm, analyze
 from edgeq.passes.methods.weights import LinearEditor, norm_weights, position_wise_readers

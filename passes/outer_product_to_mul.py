@@ -15,9 +15,9 @@ from __future__ import annotations
 import numpy as np
 import onnx_graphsurgeon as gs
 
-from edgeq import ir
-from edgeq.passbase import Exactness, Pass, PassContext, PassNotApplicable, PassResult, Reason
-from edgeq.quant import dequantize
+from edgeq.graph import ir
+from edgeq.passmanager.passbase import Exactness, Pass, PassContext, PassNotApplicable, PassResult, Reason
+from edgeq.quantize.quant import dequantize
 
 
 class OuterProductToMulPass(Pass, name="outer-product-to-mul", exactness=Exactness.FLOAT_EQUIV,

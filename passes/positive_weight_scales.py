@@ -18,9 +18,9 @@ from __future__ import annotations
 import numpy as np
 import onnx_graphsurgeon as gs
 
-from edgeq import ir
-from edgeq.passbase import Exactness, Pass, PassContext, PassNotApplicable, PassResult, Reason
-from edgeq.quant import dequantize_weight
+from edgeq.graph import ir
+from edgeq.passmanager.passbase import Exactness, Pass, PassContext, PassNotApplicable, PassResult, Reason
+from edgeq.quantize.quant import dequantize_weight
 from edgeq.targets.requant import ErrorMeter, broadcast_param, replace_weight, set_inputs, weight_dequantizers
 
 

@@ -30,10 +30,10 @@ from __future__ import annotations
 import numpy as np
 import onnx_graphsurgeon as gs
 
-from edgeq import ir
-from edgeq.passbase import Exactness, Pass, PassContext, PassNotApplicable, PassResult, Reason
-from edgeq.qdq_nodes import integer_constant
-from edgeq.quant import QuantSpec, dequantize_weight
+from edgeq.graph import ir
+from edgeq.passmanager.passbase import Exactness, Pass, PassContext, PassNotApplicable, PassResult, Reason
+from edgeq.quantize.qdq_nodes import integer_constant
+from edgeq.quantize.quant import QuantSpec, dequantize_weight
 from edgeq.targets.requant import (QDQ_OPS, ErrorMeter, pow2_ceil, integer_dtype, read_constant, replace_weight, requantize, set_inputs,
                                    weight_dequantizers)
 

@@ -7,7 +7,7 @@ per-linear DequantizeLinear, per-channel/group/tensor weights, per-token studies
 
 from __future__ import annotations
 
-from edgeq.passbase import Exactness
+from edgeq.passmanager.passbase import Exactness
 from edgeq.passes.methods.static_qdq import QDQConfig, StaticQDQ, static_activations
 
 __all__ = ["QDQConfig", "QDQPass"]

@@ -27,11 +27,12 @@ from dataclasses import dataclass
 import numpy as np
 import onnx_graphsurgeon as gs
 
-from edgeq import facts, ir
+from edgeq.graph import facts
+from edgeq.graph import ir
 from edgeq.passes.methods.attention_tensors import AttentionNotFound, AttentionTensors, find_attention_tensors
 from edgeq.calib.observers import HessianObserver, PerChannelAbsMaxObserver
 from edgeq.errors import UserInputError
-from edgeq.passbase import Exactness, Pass, PassConfig, PassContext, PassResult
+from edgeq.passmanager.passbase import Exactness, Pass, PassConfig, PassContext, PassResult
 from edgeq.passes.methods.rotation import fold_online_rotations, rotate_post_norms, rotate_stream, set_writer_weights
 from edgeq.passes.methods.resq import SubspaceBasis, linf_basis, subspace_basis
 from edgeq.runtime_ops.hadamard import randomized_hadamard

@@ -25,14 +25,15 @@ from dataclasses import dataclass
 import numpy as np
 import onnx_graphsurgeon as gs
 
-from edgeq import facts, ir
+from edgeq.graph import facts
+from edgeq.graph import ir
 from edgeq.calib.observers import ChannelMinMaxObserver, HessianObserver
 from edgeq.errors import UserInputError
 from edgeq.passes.methods.gptq import IntColumns, gptq_quantize
-from edgeq.passbase import Exactness, Pass, PassConfig, PassContext, PassNotApplicable, PassResult, Reason
-from edgeq.qdq_nodes import (check_weights_finite, ensure_opset, insert_dequantize, insert_quantize,
+from edgeq.passmanager.passbase import Exactness, Pass, PassConfig, PassContext, PassNotApplicable, PassResult, Reason
+from edgeq.quantize.qdq_nodes import (check_weights_finite, ensure_opset, insert_dequantize, insert_quantize,
                               insert_token_fake_quant_asymmetric, insert_weight_dequantize)
-from edgeq.quant import QuantSpec, quantize_weight, scale_zero_point
+from edgeq.quantize.quant import QuantSpec, quantize_weight, scale_zero_point
 from edgeq.runtime_ops.domain import DOMAIN
 from edgeq.structure import find_linears
 from edgeq.structure.linears import Linear

@@ -21,11 +21,12 @@ from dataclasses import dataclass
 import numpy as np
 import onnx_graphsurgeon as gs
 
-from edgeq import facts, ir
+from edgeq.graph import facts
+from edgeq.graph import ir
 from edgeq.calib.observers import MinMaxObserver
 from edgeq.passes.methods.eq9 import eq9_columns
 from edgeq.errors import UserInputError
-from edgeq.passbase import Exactness, PassConfig, PassContext, PassNotApplicable, PassResult, Reason
+from edgeq.passmanager.passbase import Exactness, PassConfig, PassContext, PassNotApplicable, PassResult, Reason
 from edgeq.runtime_ops.online_hadamard import OP_TYPE, hadamard_matrix_for_fold
 from edgeq.passes.methods.side_branch import SideBranchPass, add_branch, branch_quantized, check_branch, quantize_branches
 from edgeq.structure import analyze

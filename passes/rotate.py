@@ -54,8 +54,8 @@ from dataclasses import dataclass
 
 import onnx_graphsurgeon as gs
 
-from edgeq import facts
-from edgeq.passbase import Exactness, Pass, PassConfig, PassContext, PassResult
+from edgeq.graph import facts
+from edgeq.passmanager.passbase import Exactness, Pass, PassConfig, PassContext, PassResult
 from edgeq.runtime_ops.hadamard import randomized_hadamard
 from edgeq.passes.methods.rotation import (fold_online_rotations, rotate_at_norm_outputs, rotate_post_norms, rotate_stream,
                                            set_writer_weights)
@@ -107,7 +107,7 @@ class RotatePass(Pass, name="rotate", per_block=True, exactness=Exactness.FLOAT_
 
 
 def _weightless(graph: gs.Graph, stream) -> bool:
-    from edgeq import ir
+    from edgeq.graph import ir
     from edgeq.passes.methods.weights import is_weightless
 
     index = ir.GraphIndex(graph)

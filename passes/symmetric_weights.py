@@ -21,9 +21,9 @@ from __future__ import annotations
 import numpy as np
 import onnx_graphsurgeon as gs
 
-from edgeq import ir
-from edgeq.passbase import Exactness, Pass, PassContext, PassNotApplicable, PassResult, Reason
-from edgeq.quant import QuantSpec, dequantize_weight, quantize_weight
+from edgeq.graph import ir
+from edgeq.passmanager.passbase import Exactness, Pass, PassContext, PassNotApplicable, PassResult, Reason
+from edgeq.quantize.quant import QuantSpec, dequantize_weight, quantize_weight
 from edgeq.targets.requant import ErrorMeter, replace_weight, set_inputs, weight_dequantizers
 
 _SIGNED = {"uint8": "int8", "uint4": "int4", "uint16": "int16", "int8": "int8", "int4": "int4", "int16": "int16"}

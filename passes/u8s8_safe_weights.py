@@ -20,9 +20,9 @@ from __future__ import annotations
 import numpy as np
 import onnx_graphsurgeon as gs
 
-from edgeq import ir
-from edgeq.passbase import Exactness, Pass, PassContext, PassNotApplicable, PassResult, Reason
-from edgeq.quant import QuantSpec
+from edgeq.graph import ir
+from edgeq.passmanager.passbase import Exactness, Pass, PassContext, PassNotApplicable, PassResult, Reason
+from edgeq.quantize.quant import QuantSpec
 from edgeq.targets.check import is_power_of_two
 from edgeq.targets.requant import ErrorMeter, WeightDQ, broadcast_param, pow2_ceil, replace_weight
 from edgeq.targets.saturation import PAIR_LIMIT, fix_pairs, pair_bounded_scale, worst_pair

@@ -27,7 +27,7 @@ import edgeq.runtime_ops.subspace_qdq as _sq
 import edgeq.runtime_ops.visual_kv_attention as _vk
 import edgeq.runtime_ops.visual_kv_attention_kivi as _vkk
 import edgeq.runtime_ops.w4a8_linear as _w4
-from edgeq.protowalk import proto_nodes
+from edgeq.graph.protowalk import proto_nodes
 from edgeq.runtime_ops.domain import DOMAIN, DOMAIN_VERSION
 
 

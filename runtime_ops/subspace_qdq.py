@@ -17,19 +17,19 @@ the last r, ``high_bits``) with b bits; ``y = Concat(qdq(x_low), qdq(x_high))``,
   (scalar of the storage type). The storage type is int8 when ``symmetric=1`` and uint8 when 0
   (the node helper and the reference check the zero points' type, the body cannot);
   values are clipped to the b-bit range inside it, [-2^(b-1), 2^(b-1) - 1] (int8: [-8, 7] at 4
-  bits) or [0, 2^b - 1] (uint8: [0, 15]), exactly as ``edgeq.qdq_nodes.insert_quantize`` does for
+  bits) or [0, 2^b - 1] (uint8: [0, 15]), exactly as ``edgeq.quantize.qdq_nodes.insert_quantize`` does for
   narrowed specs: ``DequantizeLinear(Clip(QuantizeLinear(x_p, s, z), qmin, qmax), s, z)``, i.e.
   ``(clip(round(x / s) + z, qmin, qmax) - z) * s``, rounding half to even.
 - dynamic (``dynamic=1``): one (scale, zero point) per token (per row over the last axis),
   separately for the low and the high part, computed at run time; the scale and zero-point
   inputs are ignored and may be empty ("") names. With ``lo = min(min(row), 0)`` and
-  ``hi = max(max(row), 0)`` (zero is always representable, as in ``edgeq.quant.scale_zero_point``
+  ``hi = max(max(row), 0)`` (zero is always representable, as in ``edgeq.quantize.quant.scale_zero_point``
   and SpinQuant's/ResQ's activation quantizer):
 
   - ``symmetric=0`` (the paper's per-token asymmetric setting):
     ``s = max((hi - lo) / (2^b - 1), tiny)``, ``z = clip(round(-lo / s), 0, 2^b - 1)``,
     ``q = clip(round(x / s) + z, 0, 2^b - 1)``, ``y = (q - z) * s``;
-  - ``symmetric=1`` (``edgeq.qdq_nodes.insert_token_fake_quant``'s per-token quantizer):
+  - ``symmetric=1`` (``edgeq.quantize.qdq_nodes.insert_token_fake_quant``'s per-token quantizer):
     ``s = max(max(-lo, hi) / (2^(b-1) - 1), tiny)``, ``z = 0``,
     ``q = clip(round(x / s), -(2^(b-1) - 1), 2^(b-1) - 1)``, ``y = q * s``.
 
@@ -93,7 +93,7 @@ def _float(name: str, value: float) -> onnx.NodeProto:
 
 def _static_part(p: str) -> list[onnx.NodeProto]:
     """QuantizeLinear -> Clip to the b-bit range in the storage type -> DequantizeLinear, the
-    pattern ``edgeq.qdq_nodes.insert_quantize`` writes for narrowed specs."""
+    pattern ``edgeq.quantize.qdq_nodes.insert_quantize`` writes for narrowed specs."""
     v = lambda s: f"static_{p}_{s}"  # noqa: E731
     return [
         helper.make_node("QuantizeLinear", [f"x_{p}", f"{p}_scale_given", f"{p}_zero_point_given"], [v("q")]),

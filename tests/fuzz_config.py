@@ -84,7 +84,7 @@ def _pass_table() -> dict[str, dict[str, object]]:
     import dataclasses
     import typing
 
-    from edgeq.registry import all_passes
+    from edgeq.passmanager.registry import all_passes
 
     return {name: {f.name: typing.get_type_hints(cls.Config)[f.name] for f in dataclasses.fields(cls.Config)}
             for name, cls in all_passes().items()}
@@ -153,7 +153,7 @@ def _recipe_dict(draw, passes: dict) -> tuple[dict, str]:
 def _target_dict(draw) -> tuple[dict, str]:
     import tomllib
 
-    from edgeq.registry import all_passes
+    from edgeq.passmanager.registry import all_passes
 
     base = draw(st.sampled_from(["generic-qdq", "pow2-int", "qnn-htp"]), label="profile")
     path = REPO_ROOT / "edgeq" / "targets" / "profiles" / f"{base}.toml"

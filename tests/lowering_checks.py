@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import numpy as np
 
-from edgeq import ir
-from edgeq.passbase import PassContext
-from edgeq.pipeline import Pipeline, PipelineOptions
-from edgeq.registry import get_pass
+from edgeq.graph import ir
+from edgeq.passmanager.passbase import PassContext
+from edgeq.passmanager.pipeline import Pipeline, PipelineOptions
+from edgeq.passmanager.registry import get_pass
 
 
 def outputs(model, feeds):

@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 
 from edgeq.passes.methods.fp8 import round_fp8
-from edgeq.quant import QuantSpec, dequantize, quantize
+from edgeq.quantize.quant import QuantSpec, dequantize, quantize
 
 
 def fake_quant(x: np.ndarray, scale, zp, spec: QuantSpec) -> np.ndarray:

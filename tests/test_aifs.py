@@ -9,13 +9,13 @@ import onnx
 import pytest
 from toy import qwen_vl_feeds
 
-from edgeq import ir
+from edgeq.graph import ir
 from edgeq.models import composed_vlm as cv
 from edgeq.models import embeds_export as ee
-from edgeq.passbase import FLOAT_EQUIV_RTOL, PassContext
+from edgeq.passmanager.passbase import FLOAT_EQUIV_RTOL, PassContext
 from edgeq.passes.aifs import AIFS_KEY, PERMUTED_EMBEDS
-from edgeq.pipeline import Pipeline, PipelineOptions
-from edgeq.registry import get_pass
+from edgeq.passmanager.pipeline import Pipeline, PipelineOptions
+from edgeq.passmanager.registry import get_pass
 
 
 def _aifs(model: onnx.ModelProto):

@@ -8,10 +8,10 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
-from edgeq import ir
-from edgeq.passbase import PassContext, Reason
-from edgeq.pipeline import Pipeline, PipelineOptions
-from edgeq.registry import _PASSES, all_passes
+from edgeq.graph import ir
+from edgeq.passmanager.passbase import PassContext, Reason
+from edgeq.passmanager.pipeline import Pipeline, PipelineOptions
+from edgeq.passmanager.registry import _PASSES, all_passes
 
 DOC = Path(__file__).resolve().parents[1] / "ARCHITECTURE.md"
 
@@ -58,7 +58,7 @@ def test_the_documented_example_pass_works():
 def test_lifecycle_is_declared_in_the_class_line_only():
     import pytest
 
-    from edgeq.passbase import Exactness, Pass
+    from edgeq.passmanager.passbase import Exactness, Pass
     from edgeq.passes.methods.gptq_rewrite import GptqRewrite
     from edgeq.passes.methods.side_branch import SideBranchPass
     from edgeq.passes.methods.static_qdq import StaticQDQ
@@ -103,7 +103,7 @@ def test_requires_reads_this_runs_outcomes(tiny_models):
     import pytest
 
     from edgeq.errors import UserInputError
-    from edgeq.registry import get_pass
+    from edgeq.passmanager.registry import get_pass
 
     model = _tiny(tiny_models, "llama")
     with pytest.raises(UserInputError, match=r"rotate: put fuse-norms, ln-to-rms before rotate \(fuse-norms did not "
@@ -127,10 +127,10 @@ def test_resq_hand_off_is_the_framework_s(tiny_models):
     in the same run and in a later one."""
     import json
 
-    from edgeq import facts
+    from edgeq.graph import facts
     from edgeq.passes.resq import ResqConfig
     from edgeq.passes.resq_qdq import ResqQDQConfig
-    from edgeq.registry import get_pass
+    from edgeq.passmanager.registry import get_pass
 
     chain = [get_pass("fuse-norms")(), get_pass("ln-to-rms")(), get_pass("resq")(ResqConfig(basis="hadamard")),
              get_pass("resq-qdq")(ResqQDQConfig(weights="rtn"))]

@@ -24,7 +24,7 @@ import pytest
 from onnx import TensorProto, helper
 from toy import toy_model_dir, write_text
 
-from edgeq import ir
+from edgeq.graph import ir
 from edgeq.cli import main
 from edgeq.errors import UserInputError
 
@@ -182,9 +182,9 @@ def test_extent_check_stats_each_file_once(tmp_path, monkeypatch):
 
 @pytest.fixture
 def small_reads(monkeypatch):
-    """``edgeq.loadcheck`` reading 64 bytes and judging 8 values at a time: every tensor below spans
+    """``edgeq.graph.loadcheck`` reading 64 bytes and judging 8 values at a time: every tensor below spans
     many reads and slices."""
-    from edgeq import loadcheck
+    from edgeq.graph import loadcheck
 
     monkeypatch.setattr(loadcheck, "_READ_BYTES", 64)
     monkeypatch.setattr(loadcheck, "_SLICE_ELEMENTS", 8)

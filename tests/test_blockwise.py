@@ -14,7 +14,8 @@ import onnx
 import onnxruntime as ort
 import pytest
 
-from edgeq import blockwise, ir
+from edgeq import blockwise
+from edgeq.graph import ir
 from edgeq.blockwise import assemble, block  # noqa: F401  (the modules whose limits the tests lower)
 from edgeq.cli import main
 
@@ -140,7 +141,7 @@ def test_merge_records_sums_numbers_and_joins_lists():
 def test_column_blocks_give_the_same_numbers(monkeypatch):
     """The per-channel work that runs in column blocks for vocabulary-sized tables (pair-bounded
     int8 grid, rotation, norm folding) gives bitwise the numbers of the one-piece computation."""
-    from edgeq import quant
+    from edgeq.quantize import quant
     from edgeq.passes.methods.rotation import rotate_columns, rotate_rows
     from edgeq.passes.methods.weights import scale_rows
 

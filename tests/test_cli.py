@@ -9,10 +9,10 @@ import onnx
 import pytest
 from toy import VOCAB, toy_model_dir, write_text
 
-from edgeq import ir
+from edgeq.graph import ir
 from edgeq.cli import main
-from edgeq.passbase import Exactness, Pass, PassConfig
-from edgeq.registry import _PASSES
+from edgeq.passmanager.passbase import Exactness, Pass, PassConfig
+from edgeq.passmanager.registry import _PASSES
 
 
 @pytest.fixture

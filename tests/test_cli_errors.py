@@ -340,7 +340,7 @@ def test_export_keeps_torch_cache_out_of_tmpdir(monkeypatch, tmp_path):
 
 def test_every_edgeq_session_logs_fatal_only():
     """Level 3 lets onnxruntime's own [E:onnxruntime:...] line through before edgeq's one line."""
-    from edgeq import ir
+    from edgeq.graph import ir
 
     assert ir.session_options().log_severity_level == 4
     assert ir.session_options(optimize=True, threads=2).log_severity_level == 4

@@ -281,7 +281,7 @@ def test_composed_vlm_interface_and_files(composed_vlm_dir):
 
 @pytest.mark.slow
 def test_composed_vlm_npz_layout(composed_vlm_dir):
-    from edgeq import ir
+    from edgeq.graph import ir
     from edgeq.textdata import load_npz_samples
 
     manifest = json.loads((composed_vlm_dir / "composed.json").read_text())

@@ -5,7 +5,7 @@ import inspect
 import re
 from pathlib import Path
 
-from edgeq.registry import all_passes
+from edgeq.passmanager.registry import all_passes
 
 ROOT = Path(__file__).resolve().parents[1]
 LAYOUT = ROOT / "docs" / "layout.md"

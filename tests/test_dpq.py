@@ -9,18 +9,18 @@ import onnx
 import pytest
 from toy import random_feeds
 
-from edgeq import ir
+from edgeq.graph import ir
 from edgeq.calib.session import CalibrationSet, Calibrator
 from edgeq.passes.methods.dpq import DpqColumns, gptq_then_fp8
 from edgeq.errors import UserInputError
 from edgeq.passes.methods.fp8 import DPQ_FP8_RANGE, power_of_two_scale, round_fp8
 from edgeq.passes.methods.gptq import column_order, gptq_quantize
 from references import dpq_dequantize, layer_error
-from edgeq.passbase import PassContext
-from edgeq.pipeline import Pipeline
-from edgeq.quant import QuantSpec
-from edgeq.registry import get_pass
-from edgeq.sqnr import sqnr_db
+from edgeq.passmanager.passbase import PassContext
+from edgeq.passmanager.pipeline import Pipeline
+from edgeq.quantize.quant import QuantSpec
+from edgeq.passmanager.registry import get_pass
+from edgeq.quantize.sqnr import sqnr_db
 
 
 @pytest.fixture(scope="module")

@@ -17,17 +17,17 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 from toy import random_feeds, toy_lm
 
-from edgeq import ir
+from edgeq.graph import ir
 from edgeq.calib.session import CalibrationSet, Calibrator
 from edgeq.artifacts.aimet import aimet_offsets, aimet_unsupported, export_aimet, write_aimet
 from edgeq.errors import UserInputError
-from edgeq.passbase import PassContext
+from edgeq.passmanager.passbase import PassContext
 from edgeq.passes.qdq import QDQConfig, QDQPass
-from edgeq.pipeline import Pipeline
-from edgeq.qdq_encodings import collect_encodings
-from edgeq.quant import QuantSpec, quantize_weight
+from edgeq.passmanager.pipeline import Pipeline
+from edgeq.quantize.qdq_encodings import collect_encodings
+from edgeq.quantize.quant import QuantSpec, quantize_weight
 from edgeq.recipes import load_recipe
-from edgeq.registry import get_pass
+from edgeq.passmanager.registry import get_pass
 
 _RANGES = {TensorProto.INT8: (-128, 127), TensorProto.UINT8: (0, 255), TensorProto.INT16: (-32768, 32767),
            TensorProto.UINT16: (0, 65535), TensorProto.INT4: (-8, 7), TensorProto.UINT4: (0, 15)}

@@ -16,7 +16,7 @@ from onnx import TensorProto, helper, numpy_helper
 from edgeq.errors import UserInputError
 from edgeq.evaluate import compare, perplexity
 from edgeq.evaluate.cli import register
-from edgeq.nll import window_nll
+from edgeq.runtime.nll import window_nll
 
 pytest.importorskip("tokenizers")
 cmpmod = importlib.import_module("edgeq.evaluate.compare")  # the module (the package attr is the function)

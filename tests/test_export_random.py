@@ -191,7 +191,7 @@ def test_cli_exports_a_preset_with_fewer_layers(tmp_path, capsys):
     assert config["architectures"] == ["Qwen2ForCausalLM"] and config["num_hidden_layers"] == 2
     assert config["vocab_size"] == 151936 and config["hidden_size"] == 896
 
-    from edgeq import ir
+    from edgeq.graph import ir
 
     model = ir.load_model(out / "model.onnx", load_external=False)  # edgeq's loader accepts the layout
     onnx.checker.check_model(str(out / "model.onnx"))

@@ -31,15 +31,16 @@ import onnx
 import pytest
 from toy import random_feeds
 
-from edgeq import families, ir
+from edgeq import families
+from edgeq.graph import ir
 from edgeq.blockwise.partition import LAYER_NAME, NotPartitionable, partition
 from edgeq.cli import main
-from edgeq.passbase import FLOAT_EQUIV_RTOL, PassContext, PassNotApplicable
+from edgeq.passmanager.passbase import FLOAT_EQUIV_RTOL, PassContext, PassNotApplicable
 from edgeq.passes.methods.stream import analyze_stream
 from edgeq.passes.methods.weights import is_weightless
-from edgeq.pipeline import Pipeline
+from edgeq.passmanager.pipeline import Pipeline
 from edgeq.recipes import load_recipe
-from edgeq.registry import get_pass
+from edgeq.passmanager.registry import get_pass
 from edgeq.structure import analyze
 
 FAMILY = families.BY_NAME

@@ -31,8 +31,8 @@ from edgeq.generation import decoders as decmod
 from edgeq.generation.decoders import PastDecoder, RecomputeDecoder, StaticPairDecoder, open_decoder
 from edgeq.generation.sampling import next_token, nucleus_probs
 from edgeq.generation.teacher_forced import teacher_forced_nll, window_logits
-from edgeq.nll import window_nll
-from edgeq.ort_session import open_session
+from edgeq.runtime.nll import window_nll
+from edgeq.runtime.ort_session import open_session
 
 pytest.importorskip("tokenizers")
 

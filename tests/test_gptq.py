@@ -8,16 +8,16 @@ import numpy as np
 import pytest
 from toy import random_feeds
 
-from edgeq import ir
+from edgeq.graph import ir
 from edgeq.calib.session import CalibrationSet, Calibrator
 from edgeq.errors import UserInputError
 from edgeq.passes.methods.gptq import gptq_quantize
 from references import layer_error
-from edgeq.passbase import PassContext
-from edgeq.pipeline import Pipeline, PipelineOptions
-from edgeq.quant import QuantSpec, dequantize_weight, quantize_weight
-from edgeq.registry import get_pass
-from edgeq.sqnr import sqnr_db
+from edgeq.passmanager.passbase import PassContext
+from edgeq.passmanager.pipeline import Pipeline, PipelineOptions
+from edgeq.quantize.quant import QuantSpec, dequantize_weight, quantize_weight
+from edgeq.passmanager.registry import get_pass
+from edgeq.quantize.sqnr import sqnr_db
 
 
 @pytest.fixture(scope="module")

@@ -1,7 +1,7 @@
 """Bad input the loaders must refuse with exit 2 and one line (issue 30), where it used to pass
 silently or fail deep inside a pass with exit 1: NaN / inf weights, unsupported IR and opset
 versions in ``check``, unknown ``skip_roles``, calibration data that does not fit the model, a graph
-without outputs or with a dangling input, TOML that is not UTF-8; a graph ``edgeq.modelcheck`` finds
+without outputs or with a dangling input, TOML that is not UTF-8; a graph ``edgeq.graph.modelcheck`` finds
 invalid (a cycle, an unknown operator or domain, a wrong input count or type, initializer bytes that
 do not fit its type and dims, a name that is not UTF-8), refused by the one loader every command
 uses; an .npz member that is not a .npy; recipe sections of the wrong type; and what must keep
@@ -28,11 +28,11 @@ from onnx import TensorProto, helper, numpy_helper
 from toy import (VOCAB, run_cli, set_external_location, single_linear, toy_lm, toy_model_dir, toy_with_calib,
                  write_text, write_tokenizer)
 
-from edgeq import ir
+from edgeq.graph import ir
 from edgeq.artifacts.aimet import write_aimet
 from edgeq.artifacts.encodings import strict_json
 from edgeq.errors import UserInputError
-from edgeq.qdq_encodings import collect_encodings
+from edgeq.quantize.qdq_encodings import collect_encodings
 from edgeq.recipes import parse_recipe
 from edgeq.structure.linears import ROLES
 
@@ -81,7 +81,7 @@ def _set_initializer(model: onnx.ModelProto, name: str, value: np.ndarray) -> No
 @pytest.mark.parametrize("bad", [math.nan, math.inf, -math.inf], ids=["nan", "inf", "-inf"])
 @pytest.mark.parametrize("weight", ["w1", "w2"])
 def test_compile_refuses_a_non_finite_weight(toy, tmp_path, capsys, bad, weight):
-    """Refused at load (``edgeq.loadcheck``), before the quantizer's own check would see it."""
+    """Refused at load (``edgeq.graph.loadcheck``), before the quantizer's own check would see it."""
     model_path, calib = toy
     model = ir.load_model(model_path)
     w = numpy_helper.to_array(next(t for t in model.graph.initializer if t.name == weight)).copy()
@@ -99,8 +99,8 @@ def test_quantizing_a_non_finite_weight_is_refused_where_the_scale_is_computed()
     """The backstop every weight-quantizing pass goes through (``insert_weight_dequantize``)."""
     import onnx_graphsurgeon as gs
 
-    from edgeq.qdq_nodes import insert_weight_dequantize
-    from edgeq.quant import QuantSpec
+    from edgeq.quantize.qdq_nodes import insert_weight_dequantize
+    from edgeq.quantize.quant import QuantSpec
 
     graph = gs.Graph()
     w = np.ones((4, 3), np.float32)
@@ -367,7 +367,7 @@ def test_external_location_outside_the_folder_is_still_refused(toy, tmp_path, lo
         ir.load_model(model)
 
 
-# -- 9. the structural check at load (edgeq.modelcheck), one loader for every command ----------------
+# -- 9. the structural check at load (edgeq.graph.modelcheck), one loader for every command ----------------
 
 
 def _embedded(model: onnx.ModelProto, folder: Path) -> Path:
@@ -635,7 +635,7 @@ def test_nan_and_inf_are_counted(tiny_models, tmp_path, capsys):
 def test_minus_inf_masks_are_not_weights(tiny_models, tmp_path):
     """The tiny llama's attention writes two Constant -inf (masking); a mask folded into an
     initializer (0 and -inf only) and a scalar inf are accepted too. NaN is refused anywhere."""
-    from edgeq.loadcheck import nonfinite_tensors
+    from edgeq.graph.loadcheck import nonfinite_tensors
 
     model = ir.load_model(tiny_models["llama"])
     constants = [n for n in model.graph.node if n.op_type == "Constant" and any(
@@ -717,7 +717,7 @@ def test_onnxruntime_check_maps_the_weights_instead_of_copying_them(tmp_path, mo
     optimizations off, one thread."""
     import onnxruntime as ort
 
-    from edgeq.loadcheck import check_onnxruntime
+    from edgeq.graph.loadcheck import check_onnxruntime
 
     model, w = single_linear(256, 256)
     if with_bias:
@@ -748,7 +748,7 @@ def test_onnxruntime_check_maps_the_weights_instead_of_copying_them(tmp_path, mo
 def test_models_with_edgeq_ops_still_compile(tiny_models, tmp_path, capsys):
     """edgeq ops in the input: with their function bodies (ort-cpu), without them (compile adds
     them; the onnxruntime check does too, on a copy), in the kernels' domain (ort-cpu-kernels)."""
-    from edgeq.loadcheck import check_onnxruntime
+    from edgeq.graph.loadcheck import check_onnxruntime
     from edgeq.runtime_ops.schema import used_ops
 
     recipe = tmp_path / "rot.toml"

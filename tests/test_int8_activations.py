@@ -16,17 +16,17 @@ from onnx import TensorProto, helper, numpy_helper
 from lowering_checks import lower_checked, outputs
 from toy import random_feeds, toy_model_dir, write_text
 
-from edgeq import ir
+from edgeq.graph import ir
 from edgeq.calib.session import CalibrationSet, Calibrator
 from edgeq.cli import main
-from edgeq.passbase import Exactness, PassContext
+from edgeq.passmanager.passbase import Exactness, PassContext
 from edgeq.passes.int8_activations import _DATA_SLOTS
 from edgeq.passes.muxq import MuxqConfig, MuxqPass
 from edgeq.passes.qdq import QDQConfig, QDQPass
-from edgeq.pipeline import Pipeline, PipelineOptions
-from edgeq.qdq_encodings import _PASS_THROUGH, collect_encodings
+from edgeq.passmanager.pipeline import Pipeline, PipelineOptions
+from edgeq.quantize.qdq_encodings import _PASS_THROUGH, collect_encodings
 from edgeq.recipes import load_recipe
-from edgeq.registry import get_pass
+from edgeq.passmanager.registry import get_pass
 from edgeq.targets import check_model, load_target
 
 _SHIFT = {"uint8": ("int8", 128), "uint16": ("int16", 32768)}

@@ -15,13 +15,13 @@ from onnx import TensorProto, helper, numpy_helper
 from lowering_checks import lower_checked, outputs
 from toy import random_feeds
 
-from edgeq import ir
+from edgeq.graph import ir
 from edgeq.calib.session import CalibrationSet, Calibrator
-from edgeq.passbase import Exactness, PassContext
+from edgeq.passmanager.passbase import Exactness, PassContext
 from edgeq.passes.qdq import QDQConfig, QDQPass
-from edgeq.pipeline import Pipeline, PipelineOptions
-from edgeq.qdq_encodings import collect_encodings
-from edgeq.registry import get_pass
+from edgeq.passmanager.pipeline import Pipeline, PipelineOptions
+from edgeq.quantize.qdq_encodings import collect_encodings
+from edgeq.passmanager.registry import get_pass
 
 _NARROW = {TensorProto.INT4, TensorProto.UINT4, TensorProto.INT2, TensorProto.UINT2}
 _SHIFT = {"int4": 0, "uint4": 8, "int2": 0, "uint2": 2}

@@ -5,7 +5,8 @@ import onnx
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
-from edgeq import ir
+from edgeq.graph import ir
+from edgeq.files import output_dir
 from edgeq.errors import UserInputError
 
 
@@ -86,7 +87,7 @@ def test_opset_check():
 def test_atomic_output_dir_leaves_nothing_on_failure(tmp_path):
     out = tmp_path / "out"
     with pytest.raises(RuntimeError):
-        with ir.atomic_output_dir(out) as tmp:
+        with output_dir.atomic_output_dir(out) as tmp:
             (tmp / "half.txt").write_text("x")
             raise RuntimeError("boom")
     assert not out.exists()
@@ -97,7 +98,7 @@ def test_atomic_output_dir_replaces_on_success(tmp_path):
     out = tmp_path / "out"
     out.mkdir()
     (out / "old.txt").write_text("old")
-    with ir.atomic_output_dir(out, force=True) as tmp:  # (not edgeq's: replaced only when forced)
+    with output_dir.atomic_output_dir(out, force=True) as tmp:  # (not edgeq's: replaced only when forced)
         (tmp / "new.txt").write_text("new")
     assert sorted(p.name for p in out.iterdir()) == ["new.txt"]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]

@@ -16,14 +16,14 @@ import json
 import numpy as np
 import pytest
 
-from edgeq import ir
+from edgeq.graph import ir
 from edgeq.calib.session import CalibrationSet, Calibrator
 from edgeq.errors import UserInputError
 from edgeq.kv_cache import SCHEMES, VisualCacheSpec, visual_cache_feeds
 from edgeq.models import kv_export as kv
-from edgeq.passbase import PassContext
-from edgeq.pipeline import Pipeline, PipelineOptions
-from edgeq.registry import get_pass
+from edgeq.passmanager.passbase import PassContext
+from edgeq.passmanager.pipeline import Pipeline, PipelineOptions
+from edgeq.passmanager.registry import get_pass
 from edgeq.runtime_ops.visual_kv_codes import dequantize_channelwise as dequantize, quantize_rows
 from edgeq.textdata import empty_cache_feeds
 

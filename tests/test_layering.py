@@ -12,9 +12,9 @@
   counted as an import of the package (its ``__init__`` may be the one importing this module);
 - the engine's subpackages (``edgeq.artifacts``, ``edgeq.targets``, ...: every folder of ``edgeq/``)
   import each other one way only: no two of them import each other, directly or around a longer
-  loop (the shared piece moves down into a module below both, as ``edgeq.qdq_encodings``,
-  ``edgeq.sqnr``, ``edgeq.peak_rss``, ``edgeq.ort_session`` and ``edgeq.nll`` did);
-- the pass manager (``edgeq.pipeline``, ``edgeq.passbase``) does not import the evaluation stack
+  loop (the shared piece moves down into a module below both, as ``edgeq.quantize.qdq_encodings``,
+  ``edgeq.quantize.sqnr``, ``edgeq.runtime.peak_rss``, ``edgeq.runtime.ort_session`` and ``edgeq.runtime.nll`` did);
+- the pass manager (``edgeq.passmanager.pipeline``, ``edgeq.passmanager.passbase``) does not import the evaluation stack
   (``edgeq.evaluate``), not even through another module.
 """
 
@@ -209,11 +209,11 @@ def test_subpackages_import_one_way():
 
 
 def test_pass_manager_does_not_import_evaluation():
-    """``edgeq.pipeline`` and ``edgeq.passbase`` reach no ``edgeq.evaluate`` module through any chain of
-    (lazy) imports: the SQNR and the peak RSS they use live below (``edgeq.sqnr``, ``edgeq.peak_rss``)."""
+    """``edgeq.passmanager.pipeline`` and ``edgeq.passmanager.passbase`` reach no ``edgeq.evaluate`` module through any chain of
+    (lazy) imports: the SQNR and the peak RSS they use live below (``edgeq.quantize.sqnr``, ``edgeq.runtime.peak_rss``)."""
     graph = _graph()
     bad = []
-    for start in ("edgeq.pipeline", "edgeq.passbase"):
+    for start in ("edgeq.passmanager.pipeline", "edgeq.passmanager.passbase"):
         seen, todo, via = {start}, [start], {start: None}
         while todo:
             module = todo.pop()
@@ -232,10 +232,31 @@ def test_pass_manager_does_not_import_evaluation():
 
 def test_passes_are_discovered_not_listed():
     """``passes/__init__.py`` names no pass: the registry finds every module in the folder."""
-    from edgeq.registry import all_passes
+    from edgeq.passmanager.registry import all_passes
 
     init = (REPO / "passes" / "__init__.py").read_text()
     assert "import" not in init.split('"""')[-1]
     files = {p.stem for p in (REPO / "passes").glob("*.py") if not p.name.startswith("_")}
     modules = {cls.__module__.rsplit(".", 1)[-1] for cls in all_passes().values()}
     assert modules == files
+
+
+def test_architecture_table_states_the_subpackage_imports():
+    """ARCHITECTURE.md's subpackage table says, for every subpackage of edgeq/, which subpackages it
+    imports; that column equals what the source imports (so the table is a fact, not a wish)."""
+    import re
+
+    text = (REPO / "ARCHITECTURE.md").read_text()
+    rows = dict(re.findall(r"^\| `(\w+)` \| .* \| ([^|]+) \|$", text, re.M))
+    edges = _subpackage_imports(_graph(type_only=True))
+    problems = []
+    for sub in SUBPACKAGES:
+        short = sub.removeprefix("edgeq.")
+        if short not in rows:
+            problems.append(f"{short}: no row")
+            continue
+        stated = set(re.findall(r"`(\w+)`", rows[short]))
+        actual = {b.removeprefix("edgeq.") for a, b in edges if a == sub}
+        if stated != actual:
+            problems.append(f"{short}: table says {sorted(stated)}, the source imports {sorted(actual)}")
+    assert not problems, "\n".join(problems)

@@ -5,13 +5,13 @@ import numpy as np
 import pytest
 from toy import random_feeds, single_linear
 
-from edgeq import ir
+from edgeq.graph import ir
 from edgeq.calib.session import CalibrationSet, Calibrator
 from edgeq.errors import UserInputError
-from edgeq.passbase import FLOAT_EQUIV_RTOL, Exactness, PassContext
+from edgeq.passmanager.passbase import FLOAT_EQUIV_RTOL, Exactness, PassContext
 from edgeq.passes.massive_split import MassiveSplitConfig, MassiveSplitPass, massive_channels
-from edgeq.pipeline import Pipeline
-from edgeq.registry import get_pass
+from edgeq.passmanager.pipeline import Pipeline
+from edgeq.passmanager.registry import get_pass
 
 CHAIN = ["fuse-norms", "ln-to-rms", "rotate"]
 

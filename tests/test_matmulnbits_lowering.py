@@ -18,14 +18,15 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 from toy import random_feeds
 
-from edgeq import facts, ir
+from edgeq.graph import facts
+from edgeq.graph import ir
 from edgeq.calib.session import CalibrationSet, Calibrator
 from edgeq.errors import UserInputError
 from edgeq.passes.methods.matmulnbits import pack_matmulnbits
-from edgeq.passbase import FLOAT_EQUIV_RTOL, Exactness, PassContext
+from edgeq.passmanager.passbase import FLOAT_EQUIV_RTOL, Exactness, PassContext
 from edgeq.passes.matmulnbits_to_qdq import Refused, unpack_matmulnbits  # importing it registers the pass
-from edgeq.pipeline import Pipeline, PipelineOptions
-from edgeq.registry import get_pass
+from edgeq.passmanager.pipeline import Pipeline, PipelineOptions
+from edgeq.passmanager.registry import get_pass
 
 ort = pytest.importorskip("onnxruntime")
 

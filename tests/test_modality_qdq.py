@@ -8,7 +8,7 @@ import pytest
 from onnx import TensorProto, helper
 from onnx.reference import ReferenceEvaluator
 
-from edgeq import ir
+from edgeq.graph import ir
 from edgeq.runtime_ops.domain import DOMAIN
 from edgeq.runtime_ops.modality_qdq import OP_TYPE, modality_qdq_reference
 from edgeq.runtime_ops.schema import ensure_functions, reference_evaluator_ops

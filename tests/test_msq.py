@@ -10,14 +10,14 @@ import onnx
 import pytest
 from toy import qwen_vl_feeds
 
-from edgeq import ir
+from edgeq.graph import ir
 from edgeq.calib.session import CalibrationSet, Calibrator
 from edgeq.errors import UserInputError
-from edgeq.passbase import PassContext
+from edgeq.passmanager.passbase import PassContext
 from edgeq.passes.msq import MSQ_KEY
-from edgeq.pipeline import Pipeline, PipelineOptions
-from edgeq.registry import get_pass
-from edgeq.sqnr import sqnr_db
+from edgeq.passmanager.pipeline import Pipeline, PipelineOptions
+from edgeq.passmanager.registry import get_pass
+from edgeq.quantize.sqnr import sqnr_db
 from edgeq.structure import find_linears
 
 VISUAL_GAIN = 20.0  # four visual channels 20x wider than text: the case MSQ is for

@@ -6,14 +6,14 @@ import numpy as np
 import pytest
 from toy import random_feeds, single_linear
 
-from edgeq import ir
+from edgeq.graph import ir
 from edgeq.calib.observers import ChannelStatsObserver
 from edgeq.calib.session import CalibrationSet, Calibrator
 from edgeq.errors import UserInputError
-from edgeq.passbase import FLOAT_EQUIV_RTOL, PassContext
+from edgeq.passmanager.passbase import FLOAT_EQUIV_RTOL, PassContext
 from edgeq.passes.muxq import MuxqConfig, MuxqPass, channel_exponents, outlier_channels
-from edgeq.pipeline import Pipeline
-from edgeq.registry import get_pass
+from edgeq.passmanager.pipeline import Pipeline
+from edgeq.passmanager.registry import get_pass
 
 
 def _stats(x):

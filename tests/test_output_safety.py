@@ -6,7 +6,7 @@
   own earlier output (``manifest.json`` of a compile, ``edgeq-export.json`` of an export, each
   listing the files written) are replaced, unless it holds anything else (a file the user saved
   into it, an empty folder: issue 41), which the one line names. All checked before any work, by
-  ``edgeq.ir.check_output_dir``, and again just before the swap.
+  ``edgeq.files.output_dir.check_output_dir``, and again just before the swap.
 - SIGTERM and SIGHUP unwind like Ctrl-C: the ``.OUT.tmp-PID-*`` / ``.OUT.weights-PID-*`` staging
   folders are removed, exit 128 + signal; those a killed process (SIGKILL) left are removed by the
   next run into the same folder once their pid is dead.
@@ -34,7 +34,8 @@ import onnx
 import pytest
 from toy import toy_model_dir, write_text, write_tokenizer
 
-from edgeq import ir
+from edgeq.graph import ir
+from edgeq.files import output_dir
 from edgeq.cli import main
 from edgeq.errors import UserInputError
 
@@ -135,7 +136,7 @@ def test_compile_uses_an_empty_folder_and_replaces_its_own_output(toy, tmp_path,
     out.mkdir()
     code, err, _ = _run(capsys, "compile", model, *COMPILE, "--calib", calib, "-o", out)
     assert code == 0, err
-    assert ir.is_edgeq_output(out)
+    assert output_dir.is_edgeq_output(out)
     first = json.loads((out / "manifest.json").read_text())
     (out / "report.json").write_text("{}")  # edgeq's output, edited: still edgeq's to replace
     code, err, _ = _run(capsys, "compile", model, *COMPILE, "--calib", calib, "-o", out)
@@ -148,7 +149,7 @@ def test_compile_uses_an_empty_folder_and_replaces_its_own_output(toy, tmp_path,
 def _users_file_refused(capsys, root: Path, argv: list, out: Path, force_replaces: bool = True) -> None:
     """Issue 41: ``out`` is edgeq's earlier output; a file the user saved into it, or an empty folder
     of theirs, is named and refused (exit 2, one line, nothing touched); ``--force`` replaces it all."""
-    assert ir.is_edgeq_output(out)
+    assert output_dir.is_edgeq_output(out)
     (out / "notes.txt").write_text("the user's notes")
     needle = f"-o {out} holds notes.txt, which edgeq did not write; move it away or pass --force (everything in it is deleted)"
     assert _refused(capsys, root, [*argv, "-o", out], needle) == f"edgeq: error: {needle}"
@@ -162,7 +163,7 @@ def _users_file_refused(capsys, root: Path, argv: list, out: Path, force_replace
     if force_replaces:
         code, err, _ = _run(capsys, *argv, "-o", out, "--force")
         assert code == 0, err
-        assert ir.is_edgeq_output(out) and not (out / "mine").exists() and not (out / "a.txt").exists()
+        assert output_dir.is_edgeq_output(out) and not (out / "mine").exists() and not (out / "a.txt").exists()
 
 
 def test_compile_refuses_a_users_file_in_its_earlier_output(toy, tmp_path, capsys):
@@ -181,17 +182,17 @@ def test_export_refuses_a_users_file_in_its_earlier_output(tmp_path, capsys):
     out = tmp_path / "tiny"
     code, err, _ = _run(capsys, "export", "tiny", "llama", "-o", out)
     assert code == 0, err
-    marker = json.loads((out / ir.EXPORT_MARKER).read_text())
-    assert marker["files"] == sorted(p.name for p in out.iterdir() if p.name != ir.EXPORT_MARKER)
+    marker = json.loads((out / output_dir.EXPORT_MARKER).read_text())
+    assert marker["files"] == sorted(p.name for p in out.iterdir() if p.name != output_dir.EXPORT_MARKER)
     _users_file_refused(capsys, tmp_path, ["export", "tiny", "llama"], out, force_replaces=False)
     shutil.rmtree(out / "mine")
     (out / "a.txt").unlink()
-    (out / ir.EXPORT_MARKER).write_text(json.dumps({k: v for k, v in marker.items() if k != "files"}))
+    (out / output_dir.EXPORT_MARKER).write_text(json.dumps({k: v for k, v in marker.items() if k != "files"}))
     _refused(capsys, tmp_path, ["export", "tiny", "llama", "-o", out], "not written by edgeq")  # (before issue 41)
-    (out / ir.EXPORT_MARKER).write_text(json.dumps(marker))
+    (out / output_dir.EXPORT_MARKER).write_text(json.dumps(marker))
     code, err, _ = _run(capsys, "export", "tiny", "llama", "-o", out)  # (a clean earlier output: replaced)
     assert code == 0, err
-    assert ir.is_edgeq_output(out) and sorted(p.name for p in tmp_path.iterdir()) == ["tiny"]
+    assert output_dir.is_edgeq_output(out) and sorted(p.name for p in tmp_path.iterdir()) == ["tiny"]
 
 
 @pytest.mark.parametrize("kind", ["blockwise", "static"])
@@ -211,7 +212,7 @@ def test_every_compile_route_replaces_its_own_output(tiny_models, tmp_path, caps
     for _ in range(2):
         code, err, _ = _run(capsys, *argv, "-o", out)
         assert code == 0, err
-        assert ir.is_edgeq_output(out)
+        assert output_dir.is_edgeq_output(out)
     _users_file_refused(capsys, tmp_path, argv, out, force_replaces=False)
 
 
@@ -223,24 +224,24 @@ def test_a_folder_with_a_fake_manifest_is_not_edgeqs(tmp_path):
                  '{"version": "edgeq-manifest/1", "edgeq": "0.1.0", "files": "model.onnx"}',
                  '{"version": "edgeq-manifest/1", "edgeq": "0.1.0", "files": [1]}'):
         (folder / "manifest.json").write_text(text)
-        assert not ir.is_edgeq_output(folder), text
+        assert not output_dir.is_edgeq_output(folder), text
         with pytest.raises(UserInputError, match="not written by edgeq"):
-            ir.check_output_dir(folder)
+            output_dir.check_output_dir(folder)
     (folder / "manifest.json").write_text('{"version": "edgeq-manifest/1", "edgeq": "0.1.0", "files": {}}')
-    assert ir.is_edgeq_output(folder)
+    assert output_dir.is_edgeq_output(folder)
     (folder / "manifest.json").unlink()
-    (folder / ir.EXPORT_MARKER).write_text('{"version": "edgeq-export/1", "edgeq": "0.1.0"}')  # (before issue 41)
-    assert not ir.is_edgeq_output(folder)
+    (folder / output_dir.EXPORT_MARKER).write_text('{"version": "edgeq-export/1", "edgeq": "0.1.0"}')  # (before issue 41)
+    assert not output_dir.is_edgeq_output(folder)
     with pytest.raises(UserInputError, match="not written by edgeq"):
-        ir.check_output_dir(folder)
-    (folder / ir.EXPORT_MARKER).write_text('{"version": "edgeq-export/1", "edgeq": "0.1.0", "files": []}')
-    assert ir.is_edgeq_output(folder)
+        output_dir.check_output_dir(folder)
+    (folder / output_dir.EXPORT_MARKER).write_text('{"version": "edgeq-export/1", "edgeq": "0.1.0", "files": []}')
+    assert output_dir.is_edgeq_output(folder)
 
 
 def test_only_what_the_record_lists_is_edgeqs(tmp_path, monkeypatch):
     """Names only: every file listed (or the record itself), folders only as their parents; the
     first other entry, sorted, is named (an empty folder with a slash, an odd name quoted)."""
-    from edgeq.output_dir import folder_entries, not_written_by_edgeq, written_by_edgeq
+    from edgeq.files.output_dir import folder_entries, not_written_by_edgeq, written_by_edgeq
 
     monkeypatch.chdir(tmp_path)
     out = tmp_path / "out"
@@ -251,43 +252,43 @@ def test_only_what_the_record_lists_is_edgeqs(tmp_path, monkeypatch):
                                                    "files": {"model.onnx": {}, "qnn/a_ctx.onnx": {},
                                                              "gone.data": {}}}))
     assert written_by_edgeq(out) == {"model.onnx", "qnn/a_ctx.onnx", "gone.data", "manifest.json"}
-    assert not_written_by_edgeq(out) == [] and ir.check_output_dir("out") == out.resolve()  # (a listed file missing: fine)
+    assert not_written_by_edgeq(out) == [] and output_dir.check_output_dir("out") == out.resolve()  # (a listed file missing: fine)
     (out / "qnn" / "b").mkdir()
     (out / "z.txt").write_text("mine")
     (out / "qnn" / "notes\nx.txt").write_text("mine")
     assert folder_entries(out) == ["manifest.json", "model.onnx", "qnn/a_ctx.onnx", "qnn/b/", "qnn/notes\nx.txt",
                                    "z.txt"]
     assert not_written_by_edgeq(out) == ["qnn/b/", "qnn/notes\nx.txt", "z.txt"]
-    assert not ir.is_edgeq_output(out)
+    assert not output_dir.is_edgeq_output(out)
     with pytest.raises(UserInputError, match=r"^-o out holds qnn/b/, which edgeq did not write; move it away or pass "
                                              r"--force \(everything in it is deleted\)$"):
-        ir.check_output_dir("out")
+        output_dir.check_output_dir("out")
     (out / "qnn" / "b").rmdir()
     with pytest.raises(UserInputError) as info:
-        ir.check_output_dir("out")
+        output_dir.check_output_dir("out")
     assert "\n" not in str(info.value) and "holds 'qnn/notes\\nx.txt', which" in str(info.value)
-    assert ir.check_output_dir("out", force=True) == out.resolve()
+    assert output_dir.check_output_dir("out", force=True) == out.resolve()
 
 
 def test_atomic_output_dir_rechecks_before_the_swap(tmp_path):
     """A folder that appears (or fills) while the output is written is not replaced."""
     out = tmp_path / "out"
     with pytest.raises(UserInputError, match="not written by edgeq"):
-        with ir.atomic_output_dir(out, marker={"export": "test"}) as tmp:
+        with output_dir.atomic_output_dir(out, marker={"export": "test"}) as tmp:
             (tmp / "a.txt").write_text("new")
             _foreign(out)
     assert (out / "notes" / "todo.txt").read_text() == "keep me"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
-    with ir.atomic_output_dir(out, force=True, marker={"export": "test"}) as tmp:
+    with output_dir.atomic_output_dir(out, force=True, marker={"export": "test"}) as tmp:
         (tmp / "a.txt").write_text("new")
         (tmp / "sub").mkdir()
         (tmp / "sub" / "b.txt").write_text("new")
-    assert sorted(p.name for p in out.iterdir()) == ["a.txt", ir.EXPORT_MARKER, "sub"]
-    assert json.loads((out / ir.EXPORT_MARKER).read_text())["files"] == ["a.txt", "sub/b.txt"]  # (the marker: itself)
+    assert sorted(p.name for p in out.iterdir()) == ["a.txt", output_dir.EXPORT_MARKER, "sub"]
+    assert json.loads((out / output_dir.EXPORT_MARKER).read_text())["files"] == ["a.txt", "sub/b.txt"]  # (the marker: itself)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
     before = _snapshot(out)
     with pytest.raises(UserInputError, match="holds notes.txt, which edgeq did not write"):
-        with ir.atomic_output_dir(out, marker={"export": "test"}) as tmp:  # edgeq's: may be replaced at the start
+        with output_dir.atomic_output_dir(out, marker={"export": "test"}) as tmp:  # edgeq's: may be replaced at the start
             (tmp / "c.txt").write_text("newer")
             (out / "notes.txt").write_text("saved meanwhile")  # but not once the user saved a file into it
     assert _snapshot(out) == {**before, "notes.txt": b"saved meanwhile"}
@@ -335,11 +336,11 @@ def test_export_force_then_replace_its_own_output(tmp_path, capsys):
     out = _foreign(tmp_path / "mine")
     code, err, _ = _run(capsys, "export", "tiny", "llama", "-o", out, "--force")
     assert code == 0, err
-    marker = json.loads((out / ir.EXPORT_MARKER).read_text())
+    marker = json.loads((out / output_dir.EXPORT_MARKER).read_text())
     assert marker["version"].startswith("edgeq-export/") and marker["export"] == "tiny" and marker["arch"] == "llama"
     assert (out / "model.onnx").is_file() and not (out / "notes").exists()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["mine"]
-    assert ir.check_output_dir(out) == out.resolve()  # edgeq's now: the next export may replace it
+    assert output_dir.check_output_dir(out) == out.resolve()  # edgeq's now: the next export may replace it
 
 
 @pytest.mark.parametrize("argv", [["compile"], *[["export", s] for s in
@@ -474,13 +475,13 @@ def test_a_swap_cut_short_is_undone(tmp_path):
     old = tmp_path / f".out.old-{_dead_pid()}"
     old.mkdir()
     (old / "model.onnx").write_text("previous")
-    assert ir.remove_stale_staging(out) == []
+    assert output_dir.remove_stale_staging(out) == []
     assert (out / "model.onnx").read_text() == "previous" and not old.exists()
 
 
 def test_staging_folders_carry_the_pid(tmp_path):
     out = tmp_path / "out"
-    with ir.atomic_output_dir(out) as tmp:
+    with output_dir.atomic_output_dir(out) as tmp:
         assert tmp.name.startswith(f".out.tmp-{os.getpid()}-") and tmp.parent == tmp_path
 
 

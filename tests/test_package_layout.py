@@ -96,3 +96,41 @@ def test_package_dir_maps_exactly_the_roots():
     assert len(set(PACKAGE_DIR.values())) == len(PACKAGE_DIR), "two packages map to one folder"
     roots = {p.parent.name for p in REPO.glob("*/__init__.py")}
     assert roots == set(PACKAGE_DIR.values()), f"root folders with __init__.py vs package-dir: {sorted(roots)}"
+
+
+# -- edgeq/ grouped by layer (ARCHITECTURE.md) -------------------------------------------------------
+
+MAX_TOP_LEVEL_MODULES = 16
+
+
+def _engine_subpackages() -> list[str]:
+    return sorted(p.parent.name for p in (REPO / "edgeq").glob("*/__init__.py"))
+
+
+def test_edgeq_top_level_stays_small():
+    """At most 16 modules directly in edgeq/ (``__init__`` and ``__main__`` counted): the rest live in
+    the subpackages named after the layers ARCHITECTURE.md draws."""
+    modules = sorted(p.name for p in (REPO / "edgeq").glob("*.py"))
+    assert len(modules) <= MAX_TOP_LEVEL_MODULES, f"{len(modules)} modules in edgeq/: {modules}"
+
+
+def test_no_module_re_exports_another_modules_names():
+    """No ``# noqa: F401`` re-export in the package: a name is imported from the module that defines it
+    (a re-export lets callers keep saying ``ir.`` for what moved out of ``ir``)."""
+    found = []
+    for root in PACKAGE_DIR.values():
+        for path in sorted((REPO / root).rglob("*.py")):
+            for i, line in enumerate(path.read_text().splitlines(), 1):
+                if "noqa: F401" in line and "re-export" in line.lower():
+                    found.append(f"{path.relative_to(REPO)}:{i}: {line.strip()}")
+    assert not found, "re-exports:\n" + "\n".join(found)
+
+
+def test_docs_name_every_engine_subpackage():
+    """ARCHITECTURE.md's layer table and docs/layout.md's tree name every subpackage of edgeq/."""
+    arch = (REPO / "ARCHITECTURE.md").read_text()
+    layout = (REPO / "docs" / "layout.md").read_text()
+    missing = [f"{doc}: edgeq/{sub}/" for sub in _engine_subpackages()
+               for doc, text in (("ARCHITECTURE.md", arch), ("docs/layout.md", layout)) if f"`{sub}`" not in text
+               and f"{sub}/" not in text]
+    assert not missing, "subpackages the docs do not name:\n" + "\n".join(missing)

@@ -11,18 +11,18 @@ import numpy as np
 import pytest
 from toy import random_feeds
 
-from edgeq import ir
+from edgeq.graph import ir
 from edgeq.calib.session import CalibrationSet, Calibrator
 from edgeq.errors import UserInputError
 from edgeq.families import FAMILIES
-from edgeq.passbase import FLOAT_EQUIV_RTOL, Exactness, PassContext, Reason
-from edgeq.pipeline import Pipeline, PipelineOptions
+from edgeq.passmanager.passbase import FLOAT_EQUIV_RTOL, Exactness, PassContext, Reason
+from edgeq.passmanager.pipeline import Pipeline, PipelineOptions
 from edgeq.models.tiny import TINY_ARCHS
-from edgeq.registry import all_passes
-from edgeq.sqnr import sqnr_db
+from edgeq.passmanager.registry import all_passes
+from edgeq.quantize.sqnr import sqnr_db
 
 PASSES = sorted(all_passes())
-# The kind of graph a pass needs is its declaration (``needs=``, ``edgeq.passbase.NEEDS``), not a list
+# The kind of graph a pass needs is its declaration (``needs=``, ``edgeq.passmanager.passbase.NEEDS``), not a list
 # here. On the tiny models (text-only, exported without a KV cache) such a pass must refuse with a
 # clear error; its harness checks run in its own tests (msq: tests/test_msq.py on tiny Qwen2-VL;
 # kvquant: tests/test_kvquant.py on a decoder with a cache).
@@ -122,7 +122,7 @@ def test_did_not_apply_is_said_only_by_raising():
     without a reason cannot be made, and the pipeline refuses, as the pass's internal error, a
     ``run`` that returns anything but an applied result (even one carrying a reason)."""
     from edgeq.errors import PassFailure
-    from edgeq.passbase import NotApplicable, Pass, PassNotApplicable, PassResult, _PASSES
+    from edgeq.passmanager.passbase import NotApplicable, Pass, PassNotApplicable, PassResult, _PASSES
 
     with pytest.raises(TypeError, match="raises PassNotApplicable"):
         PassResult(False, {"rewritten": 0})

@@ -11,13 +11,13 @@ import onnxruntime as ort
 import pytest
 from toy import random_feeds, toy_lm
 
-from edgeq import ir
+from edgeq.graph import ir
 from edgeq.calib.session import CalibrationSet, Calibrator
-from edgeq.passbase import PassContext
-from edgeq.pipeline import Pipeline
-from edgeq.qdq_encodings import collect_encodings
-from edgeq.quant import QuantSpec, dequantize_weight
-from edgeq.sqnr import sqnr_db
+from edgeq.passmanager.passbase import PassContext
+from edgeq.passmanager.pipeline import Pipeline
+from edgeq.quantize.qdq_encodings import collect_encodings
+from edgeq.quantize.quant import QuantSpec, dequantize_weight
+from edgeq.quantize.sqnr import sqnr_db
 from references import fake_quant
 from edgeq.structure import find_linears
 from edgeq.passes.qdq import QDQConfig, QDQPass

@@ -25,9 +25,9 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 from edgeq.cli import main
-from edgeq.passbase import PassContext
-from edgeq.pipeline import Pipeline
-from edgeq.registry import get_pass
+from edgeq.passmanager.passbase import PassContext
+from edgeq.passmanager.pipeline import Pipeline
+from edgeq.passmanager.registry import get_pass
 from edgeq.targets.qnn_vendor import ask_htp, htp_session_options, vendor_version
 
 if platform.machine() != "x86_64" or sys.version_info < (3, 11) or not sys.platform.startswith("linux"):
@@ -225,12 +225,12 @@ def test_fp16_safe_norms_rescales_exactly(tiny_past):
     """Forced onto the tiny model (limit far below its sums of squares): same outputs in fp32."""
     import onnxruntime as ort
 
-    from edgeq import ir
+    from edgeq.graph import ir
     from edgeq.calib.dataset import build_calibration_set
     from edgeq.calib.session import Calibrator
-    from edgeq.passbase import PassContext
+    from edgeq.passmanager.passbase import PassContext
     from edgeq.passes.fp16_safe_norms import Fp16SafeNormsConfig, Fp16SafeNormsPass
-    from edgeq.pipeline import Pipeline
+    from edgeq.passmanager.pipeline import Pipeline
 
     path = tiny_past / "model" / "model.onnx"
     model = ir.load_model(path)

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 from edgeq.errors import UserInputError
-from edgeq.quant import QuantSpec, dequantize_weight, quantize_weight, scale_zero_point
+from edgeq.quantize.quant import QuantSpec, dequantize_weight, quantize_weight, scale_zero_point
 from references import fake_quant
 
 

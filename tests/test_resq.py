@@ -7,20 +7,21 @@ import onnx
 import pytest
 from toy import random_feeds
 
-from edgeq import facts, ir
+from edgeq.graph import facts
+from edgeq.graph import ir
 from edgeq.calib.dataset import build_calibration_set
 from edgeq.calib.session import CalibrationSet, Calibrator
 from edgeq.errors import UserInputError
 from edgeq.passes.methods.gptq import IntColumns, gptq_quantize
-from edgeq.passbase import FLOAT_EQUIV_RTOL, PassContext
+from edgeq.passmanager.passbase import FLOAT_EQUIV_RTOL, PassContext
 from edgeq.passes.resq import ResqConfig, ResqPass
 from references import layer_error
 from edgeq.passes.resq_qdq import ResqQDQConfig, ResqQDQPass
-from edgeq.pipeline import Pipeline
-from edgeq.quant import QuantSpec, dequantize_weight, quantize_weight
-from edgeq.registry import get_pass
+from edgeq.passmanager.pipeline import Pipeline
+from edgeq.quantize.quant import QuantSpec, dequantize_weight, quantize_weight
+from edgeq.passmanager.registry import get_pass
 from edgeq.passes.methods.resq import linf_basis
-from edgeq.sqnr import sqnr_db
+from edgeq.quantize.sqnr import sqnr_db
 
 DATA = __import__("pathlib").Path(__file__).resolve().parents[1] / "data" / "wikitext-2"
 
@@ -202,7 +203,7 @@ def test_uniform_token_quantizer_matches_the_subspace_reference():
     """down_proj's uniform per-token asymmetric quantizer is SubspaceQDQ's dynamic formula."""
     import onnx_graphsurgeon as gs
 
-    from edgeq.qdq_nodes import insert_token_fake_quant_asymmetric
+    from edgeq.quantize.qdq_nodes import insert_token_fake_quant_asymmetric
     from edgeq.runtime_ops.subspace_qdq import _dynamic_qdq
 
     x = gs.Variable("x", dtype=np.float32, shape=["b", "s", 32])

@@ -7,11 +7,12 @@ import numpy as np
 import pytest
 from toy import random_feeds
 
-from edgeq import facts, ir
+from edgeq.graph import facts
+from edgeq.graph import ir
 from edgeq.models.tiny import TINY_ARCHS
-from edgeq.passbase import FLOAT_EQUIV_RTOL, PassContext
-from edgeq.pipeline import Pipeline
-from edgeq.registry import get_pass
+from edgeq.passmanager.passbase import FLOAT_EQUIV_RTOL, PassContext
+from edgeq.passmanager.pipeline import Pipeline
+from edgeq.passmanager.registry import get_pass
 from edgeq.structure import analyze
 from edgeq.passes.methods.stream import analyze_stream
 from edgeq.passes.methods.weights import is_weightless

@@ -15,7 +15,7 @@ import pytest
 from onnx import TensorProto, helper
 from onnx.reference import ReferenceEvaluator
 
-from edgeq import ir
+from edgeq.graph import ir
 from edgeq.runtime_ops import (
     DOMAIN,
     ONLINE_HADAMARD,

@@ -15,12 +15,12 @@ import onnx_graphsurgeon as gs
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
-from edgeq import ir
+from edgeq.graph import ir
 from edgeq.cli import main
 from edgeq.evaluate.machine import machine_info, saturating_cpu
-from edgeq.passbase import PassContext
-from edgeq.pipeline import Pipeline
-from edgeq.quant import QuantSpec, quantize_weight
+from edgeq.passmanager.passbase import PassContext
+from edgeq.passmanager.pipeline import Pipeline
+from edgeq.quantize.quant import QuantSpec, quantize_weight
 from edgeq.targets import check_model, load_target
 from edgeq.targets.saturation import (PAIR_LIMIT, fix_pairs, is_saturation_free, pair_bounded_scale, quantize_pair_bounded,
                                       simulate_linear, vpmaddubsw_matmul, worst_pair)
@@ -122,14 +122,14 @@ def test_simulate_linear_rates():
 
 def test_simulate_linear_in_column_blocks_counts_the_same(monkeypatch):
     """A vocabulary head is simulated a few columns at a time: the rates do not depend on the split."""
-    import edgeq.quant
+    import edgeq.quantize.quant
 
     rng = np.random.default_rng(2)
     a = rng.integers(0, 256, (8, 40), dtype=np.uint8)
     full = rng.integers(-127, 128, (40, 33))
     w_zero_point = rng.integers(-3, 4, 33)
     whole = simulate_linear(a, 120, full, w_zero_point)
-    monkeypatch.setattr(edgeq.quant, "COLUMN_BLOCK_ELEMENTS", 40 * 4)  # 9 blocks, the last one short
+    monkeypatch.setattr(edgeq.quantize.quant, "COLUMN_BLOCK_ELEMENTS", 40 * 4)  # 9 blocks, the last one short
     split = simulate_linear(a, 120, full, w_zero_point)
     assert whole.pair_rate > 0
     assert split.pair_rate == whole.pair_rate and split.output_rate == whole.output_rate
@@ -181,7 +181,7 @@ def test_check_flags_full_range_weights_for_ort_cpu_only(tiny_compiled, capsys):
 def test_guard_pass_repairs_a_full_range_graph(tiny_compiled):
     model = ir.load_model(tiny_compiled["full"] / "model.onnx")
     assert static_risk(find_u8s8_sites(gs.import_onnx(model)))
-    pipeline = Pipeline([__import__("edgeq.registry", fromlist=["get_pass"]).get_pass("u8s8-safe-weights")()])
+    pipeline = Pipeline([__import__("edgeq.passmanager.registry", fromlist=["get_pass"]).get_pass("u8s8-safe-weights")()])
     out, records = pipeline.run(model, PassContext())
     summary = records[0]["summary"]
     assert records[0]["modified"] and summary["weights_requantized"] == summary["u8s8_linears"] > 0
@@ -200,7 +200,7 @@ def test_pow2_target_keeps_power_of_two_scales_and_is_saturation_free(tiny_compi
 
 
 def test_default_and_exact_qdq_agree_on_the_safe_graph(tiny_compiled):
-    from edgeq.ort_session import open_session, session_options
+    from edgeq.runtime.ort_session import open_session, session_options
     from toy import random_feeds
 
     path = tiny_compiled["safe"] / "model.onnx"

@@ -132,7 +132,7 @@ def test_full_range_weights_fail_where_the_kernel_saturates(smollm2_dir, tmp_pat
 
 
 def _activation_codes(model: onnx.ModelProto, name: str, tokenizer) -> np.ndarray:
-    from edgeq import ir
+    from edgeq.graph import ir
     from edgeq.textdata import feeds_for_windows, token_windows
 
     model.graph.output.extend([onnx.helper.make_tensor_value_info(name, onnx.TensorProto.UINT8, None)])
@@ -145,7 +145,7 @@ def _activation_codes(model: onnx.ModelProto, name: str, tokenizer) -> np.ndarra
 def _machine_matmul_integer(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     from onnx import TensorProto, helper, numpy_helper
 
-    from edgeq import ir
+    from edgeq.graph import ir
 
     node = helper.make_node("MatMulInteger", ["a", "b"], ["y"])
     graph = helper.make_graph([node], "g", [helper.make_tensor_value_info("a", TensorProto.UINT8, list(a.shape))],
@@ -162,8 +162,8 @@ def test_vlm_recipe_integer_kernels_match_exact_qdq(recipe, composed_vlm_dir, tm
     are as close to the exact-QDQ logits as float summation order alone puts them (no text labels
     here, so the check is on the logits of two evaluation samples, not perplexity). Measured on
     AVX2: 27.6-28.8 dB either way, the rounding flips of the module docstring."""
-    from edgeq.ort_session import open_session, session_options
-    from edgeq.sqnr import sqnr_db
+    from edgeq.runtime.ort_session import open_session, session_options
+    from edgeq.quantize.sqnr import sqnr_db
     from edgeq.textdata import load_npz_samples
 
     out = tmp_path / recipe

@@ -5,14 +5,14 @@ optimizations off), on real outliers found from 2 calibration windows of valid."
 import numpy as np
 import pytest
 
-from edgeq import ir
+from edgeq.graph import ir
 from edgeq.calib.dataset import build_calibration_set
 from edgeq.calib.session import Calibrator
-from edgeq.passbase import FLOAT_EQUIV_RTOL, PassContext
+from edgeq.passmanager.passbase import FLOAT_EQUIV_RTOL, PassContext
 from edgeq.passes.massive_split import MassiveSplitConfig, MassiveSplitPass
 from edgeq.passes.muxq import MuxqConfig, MuxqPass
-from edgeq.pipeline import Pipeline
-from edgeq.registry import get_pass
+from edgeq.passmanager.pipeline import Pipeline
+from edgeq.passmanager.registry import get_pass
 
 DATA = __import__("pathlib").Path(__file__).resolve().parents[1] / "data" / "wikitext-2"
 

@@ -120,7 +120,7 @@ def test_both_graphs_carry_the_same_quantization(pairs):
     folder = pairs["mquant-w8a8"]
     encodings = json.loads((folder / "encodings.json").read_text())
     assert encodings["weights"] and encodings["activations"]
-    from edgeq.qdq_encodings import collect_encodings
+    from edgeq.quantize.qdq_encodings import collect_encodings
 
     for role in ROLES:
         model = onnx.load(str(folder / f"{role}.onnx"))

@@ -7,10 +7,10 @@ import numpy as np
 import pytest
 from test_composed_vlm import _tiny_feeds
 
-from edgeq import ir
-from edgeq.passbase import FLOAT_EQUIV_RTOL, PassContext
-from edgeq.pipeline import Pipeline
-from edgeq.registry import get_pass
+from edgeq.graph import ir
+from edgeq.passmanager.passbase import FLOAT_EQUIV_RTOL, PassContext
+from edgeq.passmanager.pipeline import Pipeline
+from edgeq.passmanager.registry import get_pass
 
 CHAIN = ["fuse-norms", "ln-to-rms", "rotate"]
 HIDDEN = 64  # the tiny GPT-2 width (edgeq.models.tiny)

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
-from edgeq.ir import load_model, to_graph
+from edgeq.graph.ir import load_model, to_graph
 from edgeq.structure import analyze, find_blocks, find_linears, find_norms, find_residual_adds, format_structure
 
 F = TensorProto.FLOAT

@@ -19,7 +19,7 @@ import pytest
 from onnx import TensorProto, helper
 from onnx.reference import ReferenceEvaluator
 
-from edgeq.quant import QuantSpec, scale_zero_point
+from edgeq.quantize.quant import QuantSpec, scale_zero_point
 from edgeq.runtime_ops import (
     DOMAIN,
     SCHEMAS,
@@ -50,7 +50,7 @@ def _x(shape, rank, seed=0) -> np.ndarray:
 
 
 def _static_params(x, rank, symmetric: bool) -> dict:
-    """Calibrated the way the qdq pass would (``edgeq.quant.scale_zero_point``), on 70% of the
+    """Calibrated the way the qdq pass would (``edgeq.quantize.quant.scale_zero_point``), on 70% of the
     observed range so that the extremes saturate."""
     split = x.shape[-1] - rank
     params = {}

@@ -12,15 +12,15 @@ from onnx import helper, numpy_helper
 from lowering_checks import lower_checked, outputs
 from toy import random_feeds
 
-from edgeq import ir
+from edgeq.graph import ir
 from edgeq.calib.session import CalibrationSet, Calibrator
-from edgeq.passbase import PassContext
+from edgeq.passmanager.passbase import PassContext
 from edgeq.passes.qdq import QDQConfig, QDQPass
 from edgeq.passes.resq_qdq import ResqQDQConfig, ResqQDQPass
-from edgeq.pipeline import Pipeline, PipelineOptions
-from edgeq.qdq_encodings import collect_encodings
-from edgeq.registry import get_pass
-from edgeq.sqnr import sqnr_db
+from edgeq.passmanager.pipeline import Pipeline, PipelineOptions
+from edgeq.quantize.qdq_encodings import collect_encodings
+from edgeq.passmanager.registry import get_pass
+from edgeq.quantize.sqnr import sqnr_db
 from edgeq.targets import check_model, load_target
 from edgeq.targets.check import is_power_of_two
 

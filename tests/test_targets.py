@@ -12,15 +12,15 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 from toy import random_feeds, toy_model_dir, write_text
 
-from edgeq import ir
+from edgeq.graph import ir
 from edgeq.calib.session import CalibrationSet, Calibrator
 from edgeq.cli import main
 from edgeq.errors import UserInputError
-from edgeq.passbase import PassContext
+from edgeq.passmanager.passbase import PassContext
 from edgeq.passes.qdq import QDQConfig, QDQPass
-from edgeq.pipeline import Pipeline
+from edgeq.passmanager.pipeline import Pipeline
 from edgeq.recipes import load_recipe
-from edgeq.registry import get_pass
+from edgeq.passmanager.registry import get_pass
 from edgeq.targets import builtin_target_names, check_model, load_target, parse_target
 
 BUILTINS = ["generic-qdq", "ort-cpu", "ort-cpu-kernels", "ort-cpu-vnni", "ort-genai", "pow2-int", "qnn-htp"]

@@ -7,13 +7,13 @@ from __future__ import annotations
 import pytest
 from toy import random_feeds
 
-from edgeq import ir
+from edgeq.graph import ir
 from edgeq.calib.session import CalibrationSet, Calibrator
-from edgeq.passbase import PassContext
-from edgeq.pipeline import Pipeline
+from edgeq.passmanager.passbase import PassContext
+from edgeq.passmanager.pipeline import Pipeline
 from edgeq.recipes import load_recipe
-from edgeq.registry import get_pass
-from edgeq.sqnr import sqnr_db
+from edgeq.passmanager.registry import get_pass
+from edgeq.quantize.sqnr import sqnr_db
 
 
 @pytest.mark.parametrize("recipe,min_db,needle", [

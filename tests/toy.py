@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 from onnx import TensorProto, helper, numpy_helper
 
-from edgeq import ir
+from edgeq.graph import ir
 
 VOCAB = 64
 WORDS = [f"w{i}" for i in range(VOCAB - 1)]

@@ -52,7 +52,7 @@ def ensure_hf_folder(hf_dir: Path = HF_DIR) -> Path:
     """Write the SmolLM2 HF folder from the packaged GGUF unless it is already there."""
     if (hf_dir / "config.json").exists() and any(hf_dir.glob("*.safetensors")):
         return hf_dir
-    from edgeq.ir import atomic_output_dir
+    from edgeq.files.output_dir import atomic_output_dir
     from edgeq.models.smollm2 import save_hf_folder
 
     print(f"[ort-genai] writing the SmolLM2 HF folder to {hf_dir}", file=sys.stderr)

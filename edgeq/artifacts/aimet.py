@@ -35,7 +35,7 @@ Semantics (both versions): the integer ``u`` is unsigned, ``0 <= u <= 2**bw - 1`
 writes the offset in this unsigned convention (``-2**(bw - 1)``).
 
 Conversion from ONNX ``real = (q - zp) * scale``, ``qmin <= q <= qmax`` (``qmin``/``qmax`` the
-usable range from ``edgeq.qdq_encodings``, ``2**bw = qmax - qmin + 1``): ``u = q - qmin`` and
+usable range from ``edgeq.quantize.qdq_encodings``, ``2**bw = qmax - qmin + 1``): ``u = q - qmin`` and
 
     offset = qmin - zp
 
@@ -71,10 +71,10 @@ from pathlib import Path
 import numpy as np
 import onnx
 
-from edgeq import ir
+from edgeq.graph import ir
 from edgeq.artifacts.encodings import strict_json
 from edgeq.errors import UserInputError
-from edgeq.qdq_encodings import ENCODINGS_VERSION, STORAGE_RANGES, collect_encodings
+from edgeq.quantize.qdq_encodings import ENCODINGS_VERSION, STORAGE_RANGES, collect_encodings
 
 AIMET_VERSIONS = ("1.0.0", "0.6.1")
 

@@ -1,7 +1,7 @@
 """The JSON of an output folder: ``strict_json`` (the one writer of its files, which refuses a
 non-finite quantization parameter of ``encodings.json``) and ``json_safe`` (the floats JSON cannot
 hold as strings). The encodings themselves, and the layout of ``encodings.json``, are
-``edgeq.qdq_encodings``'s: they are read back from the graph there."""
+``edgeq.quantize.qdq_encodings``'s: they are read back from the graph there."""
 
 from __future__ import annotations
 

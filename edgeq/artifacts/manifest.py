@@ -16,7 +16,7 @@ Layout, version ``edgeq-manifest/1``::
 ``input_model.sha256`` is the sha256 of the sorted ``name sha256`` lines of the model file and its
 external data files (one digest for the whole model). ``files`` lists every file under the output
 folder except ``manifest.json`` itself; its names are also what a later run may replace without
-``--force`` (``edgeq.output_dir.written_by_edgeq``: a file the user saved into the folder is not
+``--force`` (``edgeq.files.output_dir.written_by_edgeq``: a file the user saved into the folder is not
 listed, so it is never deleted silently). ``created`` honours ``SOURCE_DATE_EPOCH`` (reproducible
 builds). The recipe hash is the sha256 of the recipe's TOML text, or of the canonical JSON of a
 recipe given as a dict.
@@ -35,9 +35,9 @@ from typing import Mapping
 import onnx
 
 import edgeq
-from edgeq import ir
+from edgeq.graph import ir
 from edgeq.errors import UserInputError
-from edgeq.tomlfile import load_named_toml
+from edgeq.files.tomlfile import load_named_toml
 
 MANIFEST_VERSION = "edgeq-manifest/1"
 MANIFEST_NAME = "manifest.json"
@@ -139,7 +139,7 @@ def input_model_record(path: Path, locations: set[str] | None = None) -> dict:
 
 def _recipe(recipe) -> dict:
     """name, origin and sha256 of the recipe: a loaded ``Recipe`` (what compile passes: the text it
-    actually ran), a dict (canonical JSON), or a name / path read through ``edgeq.tomlfile``."""
+    actually ran), a dict (canonical JSON), or a name / path read through ``edgeq.files.tomlfile``."""
     from edgeq.recipes import Recipe
 
     if isinstance(recipe, Recipe):

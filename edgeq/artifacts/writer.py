@@ -6,7 +6,7 @@ as a small per-kind writer (``ModelGraphs``, ``StaticGraphs``, ``edgeq.genai.wri
 that puts them into the folder. ``write`` does the rest, the same for all of them.
 
 Everything lands in a temporary folder next to the destination, renamed over it only when all of
-it is written (``ir.atomic_output_dir``), in this order: the graphs (for one model ``model.onnx`` +
+it is written (``output_dir.atomic_output_dir``), in this order: the graphs (for one model ``model.onnx`` +
 ``model.onnx.data``; an onnxruntime session on the saved model: the output must load; the same
 session measures the uint8 x int8 kernels' saturation risk for ``report.json``; after a
 block-wise compile the weights file is moved in as it is, and the session only proves that the
@@ -25,12 +25,13 @@ from typing import Protocol
 
 import onnx
 
-from edgeq import ir
+from edgeq.graph import ir
+from edgeq.files import output_dir
 from edgeq.artifacts.aimet import aimet_unsupported, write_aimet
 from edgeq.artifacts.encodings import json_safe, strict_json
 from edgeq.artifacts.manifest import write_manifest
 from edgeq.artifacts.report import CompileReport, OutputRecord
-from edgeq.peak_rss import peak_rss_mb
+from edgeq.runtime.peak_rss import peak_rss_mb
 
 
 class Graphs(Protocol):
@@ -53,12 +54,12 @@ class CompileResult:
     target: str | None
     started: float
     force: bool = False
-    inputs: tuple = ()  # what must not be replaced (ir.check_output_dir)
+    inputs: tuple = ()  # what must not be replaced (output_dir.check_output_dir)
 
 
 def write(result: CompileResult) -> CompileReport:
     """Write ``result``'s output folder atomically; returns the completed report."""
-    with ir.atomic_output_dir(result.out_dir, force=result.force, inputs=result.inputs) as tmp:
+    with output_dir.atomic_output_dir(result.out_dir, force=result.force, inputs=result.inputs) as tmp:
         output_bytes = result.graphs.write_into(tmp, result.report)
         write_records(tmp, result.report, result.encodings, result.recipe, result.input_model, result.target,
                       result.started, output_bytes)
@@ -83,7 +84,7 @@ class ModelGraphs:
         if self.external_data is not None and any(True for _ in ir.external_data_locations(model)):
             data = tmp / ("model.onnx" + ir.EXTERNAL_DATA_SUFFIX)
             Path(self.external_data).replace(data)
-            ir.honour_umask(data)
+            output_dir.honour_umask(data)
             model_path = tmp / "model.onnx"
             onnx.save_model(model, str(model_path))
         else:

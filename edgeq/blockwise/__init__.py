@@ -73,7 +73,7 @@ def compile_blocks(skeleton: onnx.ModelProto, part: Partition, base_dir: Path, d
     the u8s8 report of its linears (``U8S8Tally``: probed on ``probe_feeds``, else the bound).
 
     ``carry``: the calibrator's ``StreamCarry`` (None without calibration), moved on per block."""
-    from edgeq.peak_rss import peak_rss_mb
+    from edgeq.runtime.peak_rss import peak_rss_mb
 
     last = part.num_layers - 1
     head_side = _head_side(skeleton, part) if last > 0 else set()

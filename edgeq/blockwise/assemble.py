@@ -12,8 +12,8 @@ from typing import Iterable
 import onnx
 from onnx import TensorProto
 
-from edgeq import facts
-from edgeq.protowalk import upstream
+from edgeq.graph import facts
+from edgeq.graph.protowalk import upstream
 
 # initializers at least this large go to the external data file as soon as their block is done
 # (the encodings and target checks read them back from it; shape tensors stay inline, as

@@ -9,10 +9,10 @@ import numpy as np
 import onnx
 from onnx import TensorProto
 
-from edgeq import facts
+from edgeq.graph import facts
 from edgeq.blockwise.partition import Partition
 from edgeq.errors import UserInputError
-from edgeq.protowalk import upstream
+from edgeq.graph.protowalk import upstream
 
 # prologue/epilogue tables at least this large get a stand-in between the first and last blocks
 STUB_ELEMENTS = 1 << 20
@@ -89,7 +89,7 @@ def _tensor_numel(tensor: TensorProto) -> int:
 
 def block_graph(skeleton: onnx.ModelProto, part: Partition, i: int, base_dir: Path):
     """``block_model`` imported into graphsurgeon, each weight read once, into numpy."""
-    from edgeq import ir
+    from edgeq.graph import ir
 
     model, values = block_model(skeleton, part, i, base_dir)
     graph = ir.to_graph(model)

@@ -28,12 +28,12 @@ import numpy as np
 import onnx
 import onnx_graphsurgeon as gs
 
-from edgeq import ir
+from edgeq.graph import ir
 from edgeq.calib.observers import ModalitySplitObserver, Observer, observer_from_state, observer_state
-from edgeq.fingerprint import graph_fingerprint
-from edgeq.npzfile import NumpyFileError, read_npz
-from edgeq.progress import progress
-from edgeq.protowalk import prune_to_outputs
+from edgeq.graph.fingerprint import graph_fingerprint
+from edgeq.files.npzfile import NumpyFileError, read_npz
+from edgeq.runtime.progress import progress
+from edgeq.graph.protowalk import prune_to_outputs
 
 
 @dataclass

@@ -3,8 +3,8 @@ error (``compare``). ``edgeq.evaluate.cli.register`` adds the ``edgeq eval`` sub
 
 ``compare`` here is the function; its module is ``edgeq.evaluate.compare`` (imported eagerly so
 the package attribute is the function, not the submodule). What evaluation shares with the rest of
-edgeq lives below it: the SQNR in ``edgeq.sqnr``, the CPU sessions in ``edgeq.ort_session``, a
-window's NLL in ``edgeq.nll``.
+edgeq lives below it: the SQNR in ``edgeq.quantize.sqnr``, the CPU sessions in ``edgeq.runtime.ort_session``, a
+window's NLL in ``edgeq.runtime.nll``.
 """
 
 from edgeq.evaluate.compare import ErrorStats, compare

@@ -165,7 +165,7 @@ def _ppl_route(args: argparse.Namespace) -> tuple[str | None, str]:
     from pathlib import Path
 
     from edgeq.generation.decoders import resolve_model
-    from edgeq.ir import check_model_file
+    from edgeq.graph.ir import check_model_file
 
     from edgeq.genai import is_genai_folder
 

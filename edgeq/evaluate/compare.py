@@ -29,10 +29,10 @@ import numpy as np
 import onnx
 
 from edgeq.errors import UserInputError
-from edgeq.ir import check_model_file, load_model, model_folder
-from edgeq.ort_session import open_session, session_options
-from edgeq.progress import progress
-from edgeq.sqnr import sqnr_from_energies
+from edgeq.graph.ir import check_model_file, load_model, model_folder
+from edgeq.runtime.ort_session import open_session, session_options
+from edgeq.runtime.progress import progress
+from edgeq.quantize.sqnr import sqnr_from_energies
 from edgeq.textdata import ort_dtype
 
 LAYER_OPS = frozenset(

@@ -17,9 +17,9 @@ from typing import Any
 import numpy as np
 
 from edgeq.errors import UserInputError
-from edgeq.nll import window_nll
-from edgeq.ort_session import open_session, session_options
-from edgeq.progress import progress
+from edgeq.runtime.nll import window_nll
+from edgeq.runtime.ort_session import open_session, session_options
+from edgeq.runtime.progress import progress
 from edgeq.textdata import feeds_for_windows, token_windows, window_convention
 
 

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import onnx_graphsurgeon as gs
 
-from edgeq import ir
+from edgeq.graph import ir
 from edgeq.errors import UserInputError
 from edgeq.structure import analyze
 

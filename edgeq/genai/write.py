@@ -17,7 +17,7 @@ from pathlib import Path
 
 import onnx
 
-from edgeq import ir
+from edgeq.graph import ir
 from edgeq.artifacts.report import CompileReport, GenaiSection
 from edgeq.artifacts.writer import check_loads
 from edgeq.genai import genai_tokenizer, read_config

@@ -278,7 +278,7 @@ def resolve_model(path: str | os.PathLike) -> tuple[str, list[Path]]:
     when the folder holds both graphs, else ``("dynamic", [model.onnx])``; each file passed the
     loader's checks (``ir.check_model_file``)."""
     from edgeq.genai import is_genai_folder
-    from edgeq.ir import check_model_file
+    from edgeq.graph.ir import check_model_file
 
     if is_genai_folder(path):  # genai's graph form (contrib ops in the default domain): genai checks it on opening
         return "genai", [Path(path) / "model.onnx"]
@@ -322,14 +322,14 @@ def open_decoder(path: str | os.PathLike, threads: int | None = None, optimize: 
     """The decoder for ``path`` (a folder or a .onnx file; see the module docstring for the kinds).
 
     ``optimize=False``: onnxruntime graph optimizations off (the graphs as written, for exactness
-    checks); ``exact_qdq``: Q/DQ not fused into integer kernels (``edgeq.ort_session``).
+    checks); ``exact_qdq``: Q/DQ not fused into integer kernels (``edgeq.runtime.ort_session``).
     ``provider="qnn-htp"``: a static pair on Qualcomm's (emulated) HTP through onnxruntime-qnn,
     CPU fallback disabled (``edgeq.targets.qnn_vendor.open_htp_session``): the pair's prepared
     context binaries (``qnn/*_ctx.onnx``) when the folder has them, else its graphs.
     A folder written by ``compile --target ort-genai`` runs through onnxruntime-genai
     (``edgeq.generation.genai_decoder.GenaiDecoder``, ``max_length`` cache slots: default the folder's)."""
     from edgeq.genai import is_genai_folder
-    from edgeq.ort_session import open_session, session_options
+    from edgeq.runtime.ort_session import open_session, session_options
 
     if is_genai_folder(path):
         from edgeq.generation.genai_decoder import GenaiDecoder

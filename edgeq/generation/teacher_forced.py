@@ -2,7 +2,7 @@
 prefill.onnx and decode.onnx), comparable with ``edgeq eval ppl model.onnx``.
 
 The windows and the NLL are those of ``edgeq.evaluate.ppl`` (``edgeq.textdata.token_windows``,
-``edgeq.nll.window_nll``): a window of ``L`` tokens predicts tokens 2..L from the logits at positions
+``edgeq.runtime.nll.window_nll``): a window of ``L`` tokens predicts tokens 2..L from the logits at positions
 1..L-1. Those logits come from feeding the window's own (true) tokens 1..L-1; the last token is never
 fed (nothing reads its logits), so a window needs ``L - 1`` cache slots. Two ways through the decoder:
 
@@ -26,8 +26,8 @@ import numpy as np
 
 from edgeq.errors import UserInputError
 from edgeq.generation.decoders import Decoder, open_decoder
-from edgeq.nll import window_nll
-from edgeq.progress import progress
+from edgeq.runtime.nll import window_nll
+from edgeq.runtime.progress import progress
 from edgeq.textdata import token_windows, window_convention
 
 THROUGH = ("prefill", "decode")

@@ -13,9 +13,9 @@ import json
 
 from pathlib import Path
 
-from edgeq import ir
+from edgeq.graph import ir
 from edgeq.kv_cache import PAST_PREFIX, PRESENT_PREFIX
-from edgeq.qdq_encodings import collect_encodings
+from edgeq.quantize.qdq_encodings import collect_encodings
 
 # the files beside a model that ``edgeq generate`` reads (tokenizer, chat template, stop tokens)
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",

@@ -51,9 +51,9 @@ import onnx
 import onnx_graphsurgeon as gs
 from onnx import shape_inference
 
-from edgeq import ir
+from edgeq.graph import ir
 from edgeq.errors import UserInputError
-from edgeq.facts import STATIC
+from edgeq.graph.facts import STATIC
 from edgeq.static.grouped_attention import group_queries
 from edgeq.kv_cache import PAST_PREFIX, PRESENT_PREFIX
 
@@ -308,7 +308,7 @@ def _with_static_shapes(model: onnx.ModelProto) -> onnx.ModelProto:
 def build_pair(model: onnx.ModelProto, shape: StaticShape,
                kv_scales: dict[str, float] | None = None) -> dict[str, onnx.ModelProto]:
     """``{"prefill.onnx": ..., "decode.onnx": ...}`` from one compiled with-past graph."""
-    from edgeq.progress import progress
+    from edgeq.runtime.progress import progress
 
     return {f"{role}.onnx": specialize(model, shape, role, kv_scales)
             for role in progress(ROLES, desc="static graphs")}

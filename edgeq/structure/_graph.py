@@ -14,7 +14,7 @@ from typing import Any, Callable, Hashable, Iterable, Iterator
 import numpy as np
 import onnx_graphsurgeon as gs
 
-from edgeq.ir import GraphIndex
+from edgeq.graph.ir import GraphIndex
 
 # Ops that move one data tensor (input 0) without mixing it with another activation: a value
 # that reaches a node only through these is still "the same" tensor for pattern purposes.
@@ -112,7 +112,7 @@ class Walker:
         """The real shape of a vocabulary table a block-wise compile replaced with a small stand-in
         (``facts.STAND_INS``); None for any other tensor."""
         if self._stand_ins is None:
-            from edgeq import facts
+            from edgeq.graph import facts
 
             self._stand_ins = facts.STAND_INS.get(self.graph) or {}
         shape = self._stand_ins.get(name)

@@ -1,6 +1,6 @@
 """``edgeq check``: every node and tensor of a model that a target profile does not accept, and why.
 
-The quantization parameters are read back from the graph with ``edgeq.qdq_encodings.collect_encodings``
+The quantization parameters are read back from the graph with ``edgeq.quantize.qdq_encodings.collect_encodings``
 (the same reading ``encodings.json`` gets), so the check judges what the model computes, not what
 a pass meant to write. Rules, one violation line each:
 
@@ -15,7 +15,7 @@ a pass meant to write. Rules, one violation line each:
   whose constant scale or zero point holds NaN or inf;
 - ``finite-initializer``: whatever the profile, any other float initializer the graph reads, or
   float Constant, holding NaN (or inf, but for a single value or an additive mask of 0 and -inf:
-  ``edgeq.loadcheck``), named as ``compile`` names it when it refuses such a model (exit 2);
+  ``edgeq.graph.loadcheck``), named as ``compile`` names it when it refuses such a model (exit 2);
 - ``pow2-scale``: with ``power_of_two_scales``, a Q/DQ (subgraphs included) whose scale is not an
   exact power of two, or is computed at run time so that no power of two can be promised;
 - ``positive-scale``: with ``positive_scales``, a Q/DQ (subgraphs included) whose constant scale
@@ -37,10 +37,10 @@ import numpy as np
 import onnx
 from onnx import numpy_helper
 
-from edgeq import ir
+from edgeq.graph import protowalk
 from edgeq.errors import EdgeqError
-from edgeq.loadcheck import nonfinite_tensors
-from edgeq.qdq_encodings import collect_encodings
+from edgeq.graph.loadcheck import nonfinite_tensors
+from edgeq.quantize.qdq_encodings import collect_encodings
 from edgeq.targets.node_units import broken_units, lookup_tables
 from edgeq.targets.profile import QuantRules, TargetProfile, dtype_bits, dtype_name
 
@@ -157,7 +157,7 @@ def _check_u8s8(model: onnx.ModelProto) -> list[Violation]:
 
 def _check_ops(graph: onnx.GraphProto, profile: TargetProfile) -> list[Violation]:
     out = []
-    for node in ir.proto_nodes(graph.node):
+    for node in protowalk.proto_nodes(graph.node):
         if profile.allows_op(node.domain, node.op_type):
             continue
         if node.domain in ("", "ai.onnx"):
@@ -246,7 +246,7 @@ def _check_dtypes(model: onnx.ModelProto, profile: TargetProfile, integer_side: 
 def _constants(graph: onnx.GraphProto) -> dict[str, onnx.TensorProto]:
     """Initializers and Constant-node values, subgraphs included (Q/DQ parameters live there)."""
     found = {t.name: t for t in graph.initializer}
-    for node in ir.proto_nodes(graph.node):
+    for node in protowalk.proto_nodes(graph.node):
         if node.op_type != "Constant" or not node.attribute:
             continue
         attr = node.attribute[0]
@@ -349,7 +349,7 @@ def _check_finite_params(graph: onnx.GraphProto) -> list[Violation]:
     dequantizes becomes NaN (or saturates), on any target."""
     constants = _constants(graph)
     out = []
-    for node in ir.proto_nodes(graph.node):
+    for node in protowalk.proto_nodes(graph.node):
         if node.op_type not in _QDQ:
             continue
         for what, name in zip(("scale", "zero point"), node.input[1:3]):
@@ -368,9 +368,9 @@ def _check_finite_params(graph: onnx.GraphProto) -> list[Violation]:
 
 
 def _check_finite_weights(model: onnx.ModelProto) -> list[Violation]:
-    """Float weights holding NaN or inf (``edgeq.loadcheck.nonfinite_tensors``); a Q/DQ's scale or
+    """Float weights holding NaN or inf (``edgeq.graph.loadcheck.nonfinite_tensors``); a Q/DQ's scale or
     zero point is left to ``_check_finite_params``, which says which node it breaks."""
-    params = {name for node in ir.proto_nodes(model.graph.node) if node.op_type in _QDQ for name in node.input[1:3]}
+    params = {name for node in protowalk.proto_nodes(model.graph.node) if node.op_type in _QDQ for name in node.input[1:3]}
     return [Violation(found.name, "finite-initializer", f"{found.describe()}: every value computed from it is NaN "
                                                         "or inf, on any target")
             for found in nonfinite_tensors(model) if found.name not in params]
@@ -379,7 +379,7 @@ def _check_finite_weights(model: onnx.ModelProto) -> list[Violation]:
 def _check_positive_scales(graph: onnx.GraphProto, profile: TargetProfile) -> list[Violation]:
     constants = _constants(graph)
     out = []
-    for node in ir.proto_nodes(graph.node):
+    for node in protowalk.proto_nodes(graph.node):
         scale = constants.get(node.input[1]) if node.op_type in _QDQ and len(node.input) > 1 else None
         if scale is None or scale.data_type not in _FLOAT_ELEMS:
             continue
@@ -403,7 +403,7 @@ def is_power_of_two(values: np.ndarray) -> np.ndarray:
 def _check_pow2(graph: onnx.GraphProto, profile: TargetProfile) -> list[Violation]:
     constants = _constants(graph)
     out = []
-    for node in ir.proto_nodes(graph.node):
+    for node in protowalk.proto_nodes(graph.node):
         if node.op_type not in _QDQ or len(node.input) < 2:
             continue
         label = f"{node.op_type} {node.name or node.output[0]}"

@@ -50,7 +50,7 @@ def run_targets(args: argparse.Namespace) -> int:
 
 
 def run_check(args: argparse.Namespace) -> int:
-    from edgeq import ir
+    from edgeq.graph import ir
     from edgeq.targets.check import check_model
     from edgeq.targets.profile import load_target
 

@@ -36,7 +36,7 @@ from dataclasses import dataclass
 import onnx
 
 from edgeq.errors import UserInputError
-from edgeq.tomlfile import builtin_names, load_named_toml, parse_toml
+from edgeq.files.tomlfile import builtin_names, load_named_toml, parse_toml
 
 ANY = "*"
 GRANULARITIES = ("tensor", "channel", "block")
@@ -130,7 +130,7 @@ def builtin_target_names() -> list[str]:
 
 
 def load_target(name_or_path: str) -> TargetProfile:
-    """A built-in profile by name, or a profile file by path (``edgeq.tomlfile``)."""
+    """A built-in profile by name, or a profile file by path (``edgeq.files.tomlfile``)."""
     file = load_named_toml(name_or_path, "edgeq.targets", "profiles", "target")
     return parse_target(file.text, file.name, source=file.where)
 
@@ -141,7 +141,7 @@ def parse_target(text: str, name: str, source: str = "target") -> TargetProfile:
     _require_keys(data, _TOP_KEYS, source)
     description = _typed(data, "description", str, source)
     lowering = tuple(_strings(data, "lowering", source, wildcard=False))
-    from edgeq.registry import get_pass
+    from edgeq.passmanager.registry import get_pass
 
     for pass_name in lowering:
         get_pass(pass_name)  # unknown pass: UserInputError naming the known ones
@@ -189,7 +189,7 @@ def _vendor(optional: dict, source: str) -> str:
 
 
 def _weight_range(optional: dict, source: str) -> str:
-    from edgeq.passbase import INT8_WEIGHT_RANGES
+    from edgeq.passmanager.passbase import INT8_WEIGHT_RANGES
 
     if "int8_weight_range" not in optional:
         return INT8_WEIGHT_RANGES[0]

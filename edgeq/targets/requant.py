@@ -2,7 +2,7 @@
 (``pow2-scales``, ``symmetric-weights``).
 
 Both passes do the same three things: find the integer weights behind DequantizeLinear nodes with
-their layout (per tensor, per channel, per block), dequantize them with ``edgeq.quant``'s numpy
+their layout (per tensor, per channel, per block), dequantize them with ``edgeq.quantize.quant``'s numpy
 reference, and write requantized integers back as new constants (4-bit packing through
 ``qdq_nodes.integer_constant``). Keeping that here means the two passes agree on what a weight is
 and measure their error the same way.
@@ -16,9 +16,9 @@ import numpy as np
 import onnx_graphsurgeon as gs
 from onnx_graphsurgeon.ir.tensor import LazyValues
 
-from edgeq import ir
-from edgeq.qdq_nodes import integer_constant
-from edgeq.quant import QuantSpec, dequantize_weight, expand_blocks
+from edgeq.graph import ir
+from edgeq.quantize.qdq_nodes import integer_constant
+from edgeq.quantize.quant import QuantSpec, dequantize_weight, expand_blocks
 
 QDQ_OPS = ("QuantizeLinear", "DequantizeLinear")
 INTEGER_DTYPES = ("int8", "uint8", "int16", "uint16", "int4", "uint4")

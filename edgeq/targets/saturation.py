@@ -35,8 +35,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-# the pair-bounded grid is quantization math (edgeq.quant); the kernel model is here
-from edgeq.quant import (PAIR_LIMIT, adjacent_pairs, column_blocks, fix_pairs, is_saturation_free, pair_bounded_scale, pair_magnitudes,
+# the pair-bounded grid is quantization math (edgeq.quantize.quant); the kernel model is here
+from edgeq.quantize.quant import (PAIR_LIMIT, adjacent_pairs, column_blocks, fix_pairs, is_saturation_free, pair_bounded_scale, pair_magnitudes,
                          quantize_pair_bounded, worst_pair)
 
 INT16_MIN, INT16_MAX = -32768, 32767
@@ -86,7 +86,7 @@ class SaturationStats:
 def simulate_linear(a_codes: np.ndarray, a_zero_point: int, q_kn: np.ndarray, w_zero_point: np.ndarray | int = 0) -> SaturationStats:
     """Run the model on one linear: activation codes [M, K] (uint8, or int8 which onnxruntime
     shifts to uint8 by +128 on x86), weight codes [K, N] int8. Taken in column blocks
-    (``edgeq.quant.column_blocks``): a vocabulary head's codes widened to int64 at once would be
+    (``edgeq.quantize.quant.column_blocks``): a vocabulary head's codes widened to int64 at once would be
     gigabytes."""
     a = np.asarray(a_codes)
     zp = int(a_zero_point)

@@ -17,7 +17,7 @@ import numpy as np
 import onnx
 import onnx_graphsurgeon as gs
 
-from edgeq import ir
+from edgeq.graph import ir
 from edgeq.targets.requant import WeightDQ, integer_dtype, read_constant, weight_dequantizers
 
 _LINEAR_OPS = ("MatMul", "Gemm")

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import numpy as np
 import onnx_graphsurgeon as gs
 
-from edgeq import ir
+from edgeq.graph import ir
 from edgeq.structure import analyze
 
 _SCALE_OPS = ("Mul", "Div")

@@ -19,7 +19,7 @@ import numpy as np
 
 from edgeq.passes.methods.fp8 import power_of_two_scale, round_fp8, round_significant
 from edgeq.passes.methods.gptq import GptqResult
-from edgeq.quant import QuantSpec
+from edgeq.quantize.quant import QuantSpec
 
 SCALE_BITS = 7
 

@@ -11,10 +11,10 @@ from __future__ import annotations
 import numpy as np
 import onnx_graphsurgeon as gs
 
-from edgeq import ir
+from edgeq.graph import ir
 from edgeq.passes.methods.gptq import GptqResult
-from edgeq.qdq_nodes import integer_constant
-from edgeq.quant import QuantSpec
+from edgeq.quantize.qdq_nodes import integer_constant
+from edgeq.quantize.quant import QuantSpec
 from edgeq.runtime_ops.domain import DOMAIN
 from edgeq.structure.linears import Linear
 

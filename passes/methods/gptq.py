@@ -32,7 +32,7 @@ from typing import Protocol
 
 import numpy as np
 
-from edgeq.quant import QuantSpec, scale_zero_point
+from edgeq.quantize.quant import QuantSpec, scale_zero_point
 
 ORDERS = ("natural", "act_order", "gar")
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import onnx_graphsurgeon as gs
 
-from edgeq import ir
+from edgeq.graph import ir
 from edgeq.passes.methods.gptq import GptqResult
 from edgeq.passes.methods.matmulnbits import insert_matmulnbits
 from edgeq.structure.linears import Linear

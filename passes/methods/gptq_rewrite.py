@@ -26,13 +26,14 @@ from dataclasses import dataclass
 import numpy as np
 import onnx_graphsurgeon as gs
 
-from edgeq import facts, ir
+from edgeq.graph import facts
+from edgeq.graph import ir
 from edgeq.calib.observers import HessianObserver, PlainHessianObserver
 from edgeq.errors import UserInputError
 from edgeq.passes.methods.gptq import ORDERS, ColumnQuantizer, GptqResult, IntColumns, gptq_quantize
-from edgeq.passbase import Pass, PassConfig, PassContext, PassNotApplicable, PassResult, Reason
-from edgeq.qdq_nodes import check_weights_finite, ensure_opset, insert_weight_dequantize
-from edgeq.quant import QuantSpec, dequantize_weight, quantize_weight
+from edgeq.passmanager.passbase import Pass, PassConfig, PassContext, PassNotApplicable, PassResult, Reason
+from edgeq.quantize.qdq_nodes import check_weights_finite, ensure_opset, insert_weight_dequantize
+from edgeq.quantize.quant import QuantSpec, dequantize_weight, quantize_weight
 from edgeq.structure import find_linears
 from edgeq.structure.linears import Linear
 

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import numpy as np
 import onnx_graphsurgeon as gs
 
-from edgeq import ir
+from edgeq.graph import ir
 from edgeq.errors import UserInputError
 
 from edgeq.kv_cache import PAST_PREFIX, PRESENT_PREFIX

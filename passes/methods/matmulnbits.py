@@ -135,7 +135,7 @@ def insert_matmulnbits(graph, x, y, q: np.ndarray, scale: np.ndarray, zero_point
     """graphsurgeon variant: append a MatMulNBits node computing ``y = x @ W`` to ``graph``
     (``x``, ``y`` gs.Variables; constants named ``{base}_...``) and return it. Exporting the graph
     adds the ``com.microsoft`` opset import by itself. Constant names must be unique in the
-    graph; the caller picks ``base`` (e.g. via ``edgeq.ir.unique_name``)."""
+    graph; the caller picks ``base`` (e.g. via ``edgeq.graph.ir.unique_name``)."""
     import onnx_graphsurgeon as gs
 
     b, scales, zp = pack_matmulnbits(q, scale, zero_point, group_size, signed)

@@ -9,10 +9,11 @@ from __future__ import annotations
 import numpy as np
 import onnx_graphsurgeon as gs
 
-from edgeq import facts, ir
+from edgeq.graph import facts
+from edgeq.graph import ir
 from edgeq.passes.methods.stream import transform_stream_input
 from edgeq.passes.methods.weights import LinearEditor
-from edgeq.quant import column_blocks
+from edgeq.quantize.quant import column_blocks
 from edgeq.runtime_ops.hadamard import is_hadamard_size, randomized_hadamard
 from edgeq.runtime_ops.online_hadamard import hadamard_matrix_for_fold, insert_online_hadamard
 
@@ -189,7 +190,7 @@ def _rotate_source(graph: gs.Graph, index: ir.GraphIndex, source: dict, q: np.nd
 
 def rotate_rows(w_kn: np.ndarray, q: np.ndarray) -> np.ndarray:
     """``q^T W`` for a [K, N] weight, in float64, stored in W's dtype; computed in column blocks
-    (``edgeq.quant.column_blocks``) so a vocabulary head never has a whole float64 copy."""
+    (``edgeq.quantize.quant.column_blocks``) so a vocabulary head never has a whole float64 copy."""
     out = np.empty(w_kn.shape, w_kn.dtype)
     for cols in column_blocks(w_kn):
         out[:, cols] = q.T @ np.asarray(w_kn[:, cols], np.float64)

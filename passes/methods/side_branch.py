@@ -12,11 +12,12 @@ from __future__ import annotations
 import numpy as np
 import onnx_graphsurgeon as gs
 
-from edgeq import facts, ir
+from edgeq.graph import facts
+from edgeq.graph import ir
 from edgeq.errors import UserInputError
-from edgeq.passbase import Exactness, Pass
-from edgeq.qdq_nodes import ensure_opset, insert_dequantize, insert_quantize, insert_weight_dequantize
-from edgeq.quant import QuantSpec
+from edgeq.passmanager.passbase import Exactness, Pass
+from edgeq.quantize.qdq_nodes import ensure_opset, insert_dequantize, insert_quantize, insert_weight_dequantize
+from edgeq.quantize.quant import QuantSpec
 
 # branch precision -> (weight dtype, activation dtype); None: float (kept out of the qdq pass)
 BRANCH_PRECISIONS = {

@@ -25,13 +25,14 @@ from dataclasses import dataclass
 import numpy as np
 import onnx_graphsurgeon as gs
 
-from edgeq import facts, ir
+from edgeq.graph import facts
+from edgeq.graph import ir
 from edgeq.calib.observers import HistogramObserver, MinMaxObserver
 from edgeq.errors import UserInputError
-from edgeq.passbase import Pass, PassConfig, PassContext, PassNotApplicable, PassResult, Reason
-from edgeq.qdq_nodes import (QuantizedTensor, check_weights_finite, ensure_opset, insert_dequantize, insert_quantize,
+from edgeq.passmanager.passbase import Pass, PassConfig, PassContext, PassNotApplicable, PassResult, Reason
+from edgeq.quantize.qdq_nodes import (QuantizedTensor, check_weights_finite, ensure_opset, insert_dequantize, insert_quantize,
                               insert_token_fake_quant, insert_weight_dequantize)
-from edgeq.quant import QuantSpec
+from edgeq.quantize.quant import QuantSpec
 from edgeq.structure import Linear, find_linears
 
 _ACT_DTYPES = ("int8", "uint8", "int16", "uint16")

@@ -32,8 +32,8 @@ from dataclasses import dataclass
 import numpy as np
 import onnx_graphsurgeon as gs
 
-from edgeq import ir
-from edgeq.passbase import PassNotApplicable, Reason
+from edgeq.graph import ir
+from edgeq.passmanager.passbase import PassNotApplicable, Reason
 from edgeq.structure import Linear, Norm, analyze
 from edgeq.passes.methods.weights import SHAPE_ONLY as _SHAPE_ONLY
 from edgeq.passes.methods.weights import TRANSPARENT as _TRANSPARENT

@@ -12,8 +12,8 @@ from __future__ import annotations
 import numpy as np
 import onnx_graphsurgeon as gs
 
-from edgeq import ir
-from edgeq.quant import column_blocks
+from edgeq.graph import ir
+from edgeq.quantize.quant import column_blocks
 from edgeq.structure import Linear, Norm
 
 
@@ -75,7 +75,7 @@ class LinearEditor:
 
 def scale_rows(w_kn: np.ndarray, gamma: np.ndarray) -> np.ndarray:
     """``diag(gamma) W`` for a [K, N] weight, in float64, stored in W's dtype; by column blocks
-    (``edgeq.quant.column_blocks``) so a vocabulary head never has a whole float64 copy."""
+    (``edgeq.quantize.quant.column_blocks``) so a vocabulary head never has a whole float64 copy."""
     out = np.empty(w_kn.shape, w_kn.dtype)
     g = np.asarray(gamma, np.float64)[:, None]
     for cols in column_blocks(w_kn):

@@ -1,4 +1,4 @@
-"""The temporary files an onnxruntime session is built from (``edgeq.ir.make_session`` and
+"""The temporary files an onnxruntime session is built from (``edgeq.graph.ir.make_session`` and
 ``graph_session``): a graph's large constants written to an external data file straight from their
 arrays, and a full disk while writing them reported as the environment's problem."""
 

@@ -14,7 +14,7 @@ exception, a ``run`` that returns anything but an applied ``PassResult(True, sum
 output that fails verification, becomes a ``PassFailure`` naming the pass (exit 1); a
 ``UserInputError`` from a pass passes through unchanged (exit 2). The pass lifecycle
 (``Pass.establishes`` markers, ``Pass.requires`` read against the markers and the outcomes this run
-recorded, ``marks_when_not_applicable``) is enforced here: see ``edgeq.passbase``; so is
+recorded, ``marks_when_not_applicable``) is enforced here: see ``edgeq.passmanager.passbase``; so is
 the recipe's ``essential`` mark: an essential pass that does not apply stops the run at once
 (``EssentialPassNotApplied``, exit 4) unless ``allow_partial``, which records it and goes on.
 """
@@ -32,12 +32,12 @@ import numpy as np
 import onnx
 import onnx_graphsurgeon as gs
 
-from edgeq import ir
+from edgeq.graph import ir
 from edgeq.errors import EdgeqError, EssentialPassNotApplied, PassFailure, UserInputError
-from edgeq.passbase import Pass, PassContext, PassNotApplicable, PassResult, Reason
-from edgeq.peak_rss import peak_rss_mb
-from edgeq.registry import get_pass
-from edgeq.sqnr import sqnr_db
+from edgeq.passmanager.passbase import Pass, PassContext, PassNotApplicable, PassResult, Reason
+from edgeq.runtime.peak_rss import peak_rss_mb
+from edgeq.passmanager.registry import get_pass
+from edgeq.quantize.sqnr import sqnr_db
 
 
 @dataclass(frozen=True)
@@ -185,7 +185,7 @@ class Pipeline:
     @staticmethod
     def _unmet(p: Pass, graph, outcomes: dict[str, PassResult]) -> PassResult | None:
         """None when every pass ``p`` requires is satisfied; a skip when one did not apply; raises
-        ``UserInputError`` when one never ran (rules: ``edgeq.passbase``). Recipes list them earlier
+        ``UserInputError`` when one never ran (rules: ``edgeq.passmanager.passbase``). Recipes list them earlier
         (checked when parsed)."""
         never_ran, skip = [], None
         for name in p.requires:

@@ -1,5 +1,5 @@
 """The one walker over a ModelProto's nodes, subgraph bodies included (a leaf module: the engine
-and ``edgeq.runtime_ops`` both use it, and ``edgeq.ir`` itself imports ``runtime_ops``)."""
+and ``edgeq.runtime_ops`` both use it, and ``edgeq.graph.ir`` itself imports ``runtime_ops``)."""
 
 from __future__ import annotations
 

@@ -2,7 +2,7 @@
 folders a compile writes into, and the rename that puts a whole output in place at the end.
 
 Why its own module: every writer (compile, export, the static pair, the genai folder) goes through
-these, and none of it is graph code; ``edgeq.ir`` re-exports the names for older imports.
+these, and none of it is graph code; ``edgeq.graph.ir`` re-exports the names for older imports.
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """onnxruntime CPU sessions on model files, as evaluation and generation open them: ``session_options``
-(``edgeq.ir.session_options`` plus the exact-QDQ switch) and ``open_session`` (a model onnxruntime
+(``edgeq.graph.ir.session_options`` plus the exact-QDQ switch) and ``open_session`` (a model onnxruntime
 cannot load is the user's problem, one line). Below both ``edgeq.evaluate`` (perplexity, compare) and
 ``edgeq.generation`` (the decoders), which share it."""
 
@@ -19,10 +19,10 @@ EXACT_QDQ_CONFIG = {"session.disable_quant_qdq": "1"}
 
 
 def session_options(threads: int | None = None, optimize: bool = True, exact_qdq: bool = False) -> Any:
-    """onnxruntime SessionOptions (``edgeq.ir.session_options``, the one base: log level fatal
+    """onnxruntime SessionOptions (``edgeq.graph.ir.session_options``, the one base: log level fatal
     only): default graph optimizations (or none), ``threads`` intra-op; ``exact_qdq``: Q/DQ
     evaluated as written, not fused into integer kernels."""
-    from edgeq.ir import session_options as base_options
+    from edgeq.graph.ir import session_options as base_options
 
     if threads is not None and threads < 1:
         raise UserInputError(f"threads must be >= 1, got {threads}")

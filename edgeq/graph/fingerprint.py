@@ -16,7 +16,7 @@ import numpy as np
 import onnx
 import onnx_graphsurgeon as gs
 
-from edgeq.ir import external_bytes, nodes_with_graphs
+from edgeq.graph.ir import external_bytes, nodes_with_graphs
 
 
 def model_fingerprint(model: onnx.ModelProto, base_dir: str | os.PathLike | None = None) -> str:

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import onnx_graphsurgeon as gs
 
-from edgeq import ir
+from edgeq.graph import ir
 
 
 @dataclass(frozen=True)

@@ -1,4 +1,4 @@
-"""What ``compile`` checks of a model beyond its structure (``edgeq.modelcheck``), before any work:
+"""What ``compile`` checks of a model beyond its structure (``edgeq.graph.modelcheck``), before any work:
 its weights are finite, and onnxruntime can build a session on it. Both are one-line
 ``UserInputError``s (exit 2) naming the model; ``edgeq check`` reports the first as the
 ``finite-initializer`` rule (``edgeq.targets.check``, exit 3).
@@ -8,10 +8,10 @@ float64, bfloat16) the graph reads, subgraphs included, and every ``Constant`` n
 may hold no NaN, and no inf either unless it is a single value or an additive mask (every value 0
 or -inf): exporters write ``-inf`` constants for attention masking (``edgeq export tiny llama``
 has two), and a mask folded into an initializer keeps them. A weight with NaN or inf makes every
-value computed from it NaN or inf; the quantizer refuses such a tensor (``edgeq.quant``), but a
+value computed from it NaN or inf; the quantizer refuses such a tensor (``edgeq.quantize.quant``), but a
 tensor the recipe leaves in float (the embedding table under ``w8a8``) would be written as it is.
 Vectorized numpy over the raw little-endian bytes, in slices (no full-size temporary): bytes read
-from an external data file are judged as they are read (``edgeq.ir.load_model_and_locations``
+from an external data file are judged as they are read (``edgeq.graph.ir.load_model_and_locations``
 with ``finite=True``), those of a model read without its weights (block-wise compile) are
 streamed from their files in 16 MiB reads, so the block-wise memory bound holds.
 
@@ -38,8 +38,8 @@ import numpy as np
 import onnx
 
 from edgeq.errors import UserInputError
-from edgeq.modelcheck import tensor_bytes
-from edgeq.protowalk import proto_nodes
+from edgeq.graph.modelcheck import tensor_bytes
+from edgeq.graph.protowalk import proto_nodes
 
 # element type -> the numpy type of its little-endian bytes (bfloat16: its bits, widened to float32)
 _FLOAT_TYPES = {onnx.TensorProto.FLOAT: np.dtype("<f4"), onnx.TensorProto.FLOAT16: np.dtype("<f2"),
@@ -137,7 +137,7 @@ def _file_slices(path: Path, offset: int, length: int, dtype: np.dtype) -> Itera
             got = 0
             while got < n:
                 k = f.readinto(buffer[got:n])
-                if not k:  # the file shrank since edgeq.ir checked it
+                if not k:  # the file shrank since edgeq.graph.ir checked it
                     raise UserInputError(f"external data file {path.name} is truncated: it ends inside bytes "
                                          f"{offset}..{offset + length}")
                 got += k
@@ -217,7 +217,7 @@ def refusal(found: NonFinite, path: str | os.PathLike) -> UserInputError:
 
 
 class FiniteScan:
-    """The finite-weights check of a model as ``edgeq.ir`` reads it: ``read(tensor, data)`` judges
+    """The finite-weights check of a model as ``edgeq.graph.ir`` reads it: ``read(tensor, data)`` judges
     an external tensor's bytes as they come off the file (before they are copied into the
     proto), ``finish(model, base_dir)`` every weight not judged so far (in memory, or streamed
     from its file when the weights were not read). Raises at the first bad weight."""
@@ -263,7 +263,7 @@ def check_onnxruntime(model: onnx.ModelProto, path: str | os.PathLike) -> None:
     ``UserInputError("MODEL: onnxruntime cannot load this model: <its first line>")``."""
     import onnxruntime as ort
 
-    so = ort.SessionOptions()  # (edgeq.ir.session_options' settings; ir imports this module)
+    so = ort.SessionOptions()  # (edgeq.graph.ir.session_options' settings; ir imports this module)
     so.log_severity_level = 4  # fatal only: the refusal is edgeq's one line, not onnxruntime's own
     so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
     so.intra_op_num_threads = so.inter_op_num_threads = 1
@@ -277,7 +277,7 @@ def check_onnxruntime(model: onnx.ModelProto, path: str | os.PathLike) -> None:
 
         if has_ort_kernels():
             ort_kernel_session_options(so)
-    folder = Path(path).parent.resolve()  # (edgeq.ir.model_folder)
+    folder = Path(path).parent.resolve()  # (edgeq.graph.ir.model_folder)
     source = _session_source(model, path, folder, any(n.domain == "edgeq" for n in nodes))
     if isinstance(source, bytes):  # the external data locations resolve against the model's folder
         so.add_session_config_entry("session.model_external_initializers_file_folder_path", str(folder))
@@ -293,7 +293,7 @@ def check_onnxruntime(model: onnx.ModelProto, path: str | os.PathLike) -> None:
 def _session_source(model: onnx.ModelProto, path, folder: Path, has_edgeq_ops: bool) -> str | bytes:
     """What the session is built on: the file at ``path``, or a copy of ``model`` serialized with
     (a) the function body of every edgeq op it uses that the model lacks (compile adds them:
-    ``edgeq.ir.to_model``), and (b) its small external tensors (up to ``_INLINE_BYTES``) read in:
+    ``edgeq.graph.ir.to_model``), and (b) its small external tensors (up to ``_INLINE_BYTES``) read in:
     onnxruntime's type inference refuses to read a constant input (a ReduceMean's ``axes``) from
     external data ("Cannot parse data from external tensors"), where compile reads them. The large
     ones stay external (mapped by onnxruntime). ``model`` itself is not changed; the copy costs
@@ -326,7 +326,7 @@ def _session_source(model: onnx.ModelProto, path, folder: Path, has_edgeq_ops: b
     for tensor in _get_all_tensors(copy):
         if small_external(tensor):
             info = {e.key: e.value for e in tensor.external_data}
-            with open(folder / info["location"], "rb") as f:  # (edgeq.ir checked the extent)
+            with open(folder / info["location"], "rb") as f:  # (edgeq.graph.ir checked the extent)
                 f.seek(int(info.get("offset") or 0))
                 tensor.raw_data = f.read(tensor_bytes(tensor))
             tensor.data_location = onnx.TensorProto.DEFAULT

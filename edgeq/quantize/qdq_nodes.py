@@ -13,9 +13,9 @@ import numpy as np
 import onnx
 import onnx_graphsurgeon as gs
 
-from edgeq import ir
+from edgeq.graph import ir
 from edgeq.errors import UserInputError
-from edgeq.quant import QuantSpec, quantize_weight, require_finite, scale_zero_point
+from edgeq.quantize.quant import QuantSpec, quantize_weight, require_finite, scale_zero_point
 
 
 def integer_constant(name: str, values: np.ndarray, spec: QuantSpec) -> gs.Constant:

@@ -1,6 +1,6 @@
-"""This process's peak resident memory, as edgeq reports it: after every pass (``edgeq.pipeline``),
+"""This process's peak resident memory, as edgeq reports it: after every pass (``edgeq.passmanager.pipeline``),
 every block of a block-wise compile (``edgeq.blockwise``) and in ``report.json``
-(``edgeq.artifacts.writer``). Beside ``edgeq.progress``, below all of them."""
+(``edgeq.artifacts.writer``). Beside ``edgeq.runtime.progress``, below all of them."""
 
 from __future__ import annotations
 

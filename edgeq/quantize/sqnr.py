@@ -1,6 +1,6 @@
 """Signal-to-quantization-noise ratio in dB: the one SQNR of edgeq, 10 log10(sum ref^2 / sum (out -
-ref)^2). Beside ``edgeq.quant``, below everything that reports it: the pass manager's numerics
-check (``edgeq.pipeline``), model comparison (``edgeq.evaluate.compare``, from streamed energies)
+ref)^2). Beside ``edgeq.quantize.quant``, below everything that reports it: the pass manager's numerics
+check (``edgeq.passmanager.pipeline``), model comparison (``edgeq.evaluate.compare``, from streamed energies)
 and the tests."""
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """The one registry of passes. A ``Pass`` subclass that declares a name registers itself when it is
-created (``Pass.__init_subclass__``; ``edgeq.passbase.register_pass`` is the explicit form) in the
+created (``Pass.__init_subclass__``; ``edgeq.passmanager.passbase.register_pass`` is the explicit form) in the
 table this module looks names up in; the first lookup imports every module in ``passes/`` (found by
 listing the folder, not by a hand-kept list: a new pass is a new file). ``passes/methods/`` holds
 method code, not passes, and is not scanned."""
@@ -10,7 +10,7 @@ import importlib
 import pkgutil
 
 from edgeq.errors import UserInputError
-from edgeq.passbase import _PASSES, Pass
+from edgeq.passmanager.passbase import _PASSES, Pass
 
 _loaded = False
 

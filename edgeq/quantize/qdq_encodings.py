@@ -37,7 +37,7 @@ Layout history: ``qmin``, ``qmax``, ``scale_shape``, ``shape``, ``float_name`` a
 ``unrepresented`` were added without changing the earlier keys; ``bits`` now reports the
 narrowed width where a Clip narrows an activation (it was the storage width before).
 
-Beside ``edgeq.qdq_nodes`` (which writes the Q/DQ) so that every reader imports it from below: the
+Beside ``edgeq.quantize.qdq_nodes`` (which writes the Q/DQ) so that every reader imports it from below: the
 compiler (``edgeq.artifacts`` writes the file and AIMET's layout of it), the target checks
 (``edgeq.targets.check``) and the static pair (``edgeq.static.compile``).
 """

@@ -1,9 +1,9 @@
-"""The structural check of a model at load (``edgeq.ir.load_model``): what makes a graph invalid
+"""The structural check of a model at load (``edgeq.graph.ir.load_model``): what makes a graph invalid
 before any pass or onnxruntime sees it, refused with one ``UserInputError`` line naming the model
 and the node or tensor, instead of an internal error deep inside a pass (exit 1).
 
 Cheap, one pass over the protobuf, no weights read (those stored as external data are checked
-against their files by ``edgeq.ir``):
+against their files by ``edgeq.graph.ir``):
 
 - text: every name and string field is valid UTF-8 (a flipped byte that still parses leaves one
   that protobuf hands back as ``bytes``);
@@ -33,7 +33,7 @@ import onnx
 from google.protobuf.descriptor import FieldDescriptor
 
 from edgeq.errors import UserInputError
-from edgeq.protowalk import proto_nodes
+from edgeq.graph.protowalk import proto_nodes
 
 # domains whose operators are not in onnx's schema registry but that onnxruntime (its contrib and
 # internal layouts, onnxruntime-extensions) or edgeq (its kernels' domain) runs
@@ -250,7 +250,7 @@ def _check_initializers(graph: onnx.GraphProto, path) -> None:
         if any(d < 0 for d in dims):
             raise UserInputError(f"{path}: initializer '{t.name}' has a negative dim: {dims}")
         if t.data_location == onnx.TensorProto.EXTERNAL:
-            continue  # its bytes are checked against its file (edgeq.ir)
+            continue  # its bytes are checked against its file (edgeq.graph.ir)
         count = math.prod(dims)
         kind = _type_name(t.data_type)
         if t.HasField("raw_data"):

@@ -14,7 +14,7 @@ every registered pass.
 The lifecycle belongs to the framework, not to each pass, and every pass declares its part in its
 class line (``Pass.__init_subclass__`` refuses the same names set as plain class attributes):
 
-- ``establishes``: the marker (an ``edgeq.facts`` fact) a pass leaves on the graph. When it is
+- ``establishes``: the marker (an ``edgeq.graph.facts`` fact) a pass leaves on the graph. When it is
   already there, the pipeline does not run the pass and records ``already-applied``.
 - ``requires``: passes that must come earlier. Recipes are checked against it when parsed. The
   pipeline records the outcome of every pass it runs and checks each required pass against its
@@ -49,7 +49,7 @@ import onnx_graphsurgeon as gs
 
 if TYPE_CHECKING:
     from edgeq.calib.session import Calibrator
-    from edgeq.facts import Fact
+    from edgeq.graph.facts import Fact
 
 
 class Exactness(enum.Enum):
@@ -171,7 +171,7 @@ _LIFECYCLE = {**{attr: key for key, attr in _DECLARATIONS.items()}, "needs_calib
 
 def _check_declared(cls: type, declared: dict[str, Any]) -> None:
     """Each declared value has the type its keyword takes (a typo fails when the class is created)."""
-    from edgeq.facts import Fact, JsonFact
+    from edgeq.graph.facts import Fact, JsonFact
 
     def fail(key: str, expected: str) -> None:
         raise TypeError(f"{cls.__name__}: {key}= must be {expected}, got {declared[key]!r}")
@@ -181,7 +181,7 @@ def _check_declared(cls: type, declared: dict[str, Any]) -> None:
               "config": (lambda v: isinstance(v, type) and issubclass(v, PassConfig), "a PassConfig subclass"),
               "requires": (lambda v: isinstance(v, tuple) and all(isinstance(r, str) for r in v),
                            "a tuple of pass names"),
-              "establishes": (lambda v: v is None or isinstance(v, Fact), "an edgeq.facts fact"),
+              "establishes": (lambda v: v is None or isinstance(v, Fact), "an edgeq.graph.facts fact"),
               "calibrates": (lambda v: isinstance(v, bool) or callable(v), "a bool or a function of the config"),
               "summary": (lambda v: isinstance(v, str), "a string"),
               "marks_when_not_applicable": (lambda v: isinstance(v, bool), "a bool"),
@@ -199,7 +199,7 @@ def _check_declared(cls: type, declared: dict[str, Any]) -> None:
 
 
 # The registry's table, pass name -> class: every class that declares a name is added when it is
-# created. ``edgeq.registry`` looks names up in it, after importing every module in ``passes/``;
+# created. ``edgeq.passmanager.registry`` looks names up in it, after importing every module in ``passes/``;
 # it lives here, below the registry, so that registering needs no import of the registry.
 _PASSES: dict[str, type[Pass]] = {}
 
@@ -222,14 +222,14 @@ class Pass(abc.ABC):
             def run(self, graph, ctx): ...
 
     Keywords: ``name``, ``exactness``, ``config`` (a frozen ``PassConfig`` subclass), ``requires``,
-    ``establishes`` (an ``edgeq.facts`` marker), ``calibrates`` (needs calibration data: a bool,
+    ``establishes`` (an ``edgeq.graph.facts`` marker), ``calibrates`` (needs calibration data: a bool,
     or a function of the config for passes where that depends on it), ``marks_when_not_applicable``,
     ``per_block`` (block-wise compiles may run it), ``needs`` (kinds of graph, ``NEEDS``), ``summary``
     (the line ``edgeq passes`` prints). The class line is the only place for them: a class that sets
     one of their attributes (``name``, ``exactness``, ``Config``, ``requires``, ``establishes``,
     ``needs_calibration``, ``calibrates``, ``per_block``, ``summary_line``,
     ``marks_when_not_applicable``, ``needs``) in its body is refused (``TypeError``). A class that
-    declares a ``name`` is registered (``register_pass``; ``edgeq.registry`` looks it up) when it is
+    declares a ``name`` is registered (``register_pass``; ``edgeq.passmanager.registry`` looks it up) when it is
     created; abstract bases that share code between passes (``StaticQDQ``, ``GptqRewrite``,
     ``SideBranchPass``) declare nothing, so each registered pass states its whole declaration (a
     registered pass subclassing another inherits what it does not restate).
@@ -244,7 +244,7 @@ class Pass(abc.ABC):
     # Passes that must have run before this one (MLIR-style declared requirements): recipes are
     # checked against it, the pipeline against markers and this run's outcomes, the harness runs them first.
     requires: ClassVar[tuple[str, ...]] = ()
-    # The marker this pass leaves (an edgeq.facts fact); present -> the pipeline skips the pass.
+    # The marker this pass leaves (an edgeq.graph.facts fact); present -> the pipeline skips the pass.
     establishes: ClassVar["Fact | None"] = None
     # True when the marker is left even where the pass does not apply (the pipeline writes it, with
     # the reason), so its absence means the pass never ran: passes requiring it are refused instead

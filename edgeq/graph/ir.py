@@ -1,17 +1,15 @@
 """IR helpers: onnx-graphsurgeon is the graph API; this module adds what it lacks.
 
 - ``load_model``: validated load (missing file, not ONNX, truncated protobuf, missing or escaping
-  external data, and a graph ``edgeq.modelcheck`` finds invalid: a cycle, an unknown operator or
+  external data, and a graph ``edgeq.graph.modelcheck`` finds invalid: a cycle, an unknown operator or
   domain, initializer bytes that do not fit its dims, text that is not UTF-8, all become
   one-line ``UserInputError``s), external data read in; the one loader every command uses. With
-  ``finite=True`` (compile) also a weight holding NaN or inf (``edgeq.loadcheck``), judged as its
+  ``finite=True`` (compile) also a weight holding NaN or inf (``edgeq.graph.loadcheck``), judged as its
   bytes are read; ``check_finite`` is that check on a model already read (with or without weights).
 - ``to_graph`` / ``to_model``: graphsurgeon round trip that keeps opset imports, IR version,
   producer and metadata of the original model (graphsurgeon drops metadata_props).
 - ``save_model``: always writes weights as external data next to the model, so models over 2 GB
   save; never mutates the caller's proto.
-- ``check_output_dir``, ``atomic_output_dir`` (re-exported from ``edgeq.output_dir``): the one check of an output
-  folder before any work, and the whole folder written under a temporary name, renamed at the end.
 - ``GraphIndex``: name -> tensor, producer and consumer lookups in O(1) after one O(N) build.
 """
 
@@ -29,14 +27,10 @@ import onnx_graphsurgeon as gs
 from google.protobuf.message import DecodeError
 
 from edgeq.errors import UserInputError
-from edgeq.loadcheck import FiniteScan
-from edgeq.modelcheck import check_structure, tensor_bytes
-from edgeq.session_files import constants_as_external_data, temporary_files
-from edgeq.protowalk import proto_nodes  # noqa: F401  (re-exported: ir is where graph code looks)
-from edgeq.output_dir import (  # noqa: F401  (re-exported: the output-folder rules, edgeq.output_dir)
-    EXPORT_MARKER, STAGING_KINDS, atomic_output_dir, check_output_dir, check_writable_parent, honour_umask,
-    is_edgeq_output, remove_stale_staging, staging_dir,
-)
+from edgeq.graph.loadcheck import FiniteScan
+from edgeq.graph.modelcheck import check_structure, tensor_bytes
+from edgeq.graph.session_files import constants_as_external_data, temporary_files
+from edgeq.files.output_dir import honour_umask
 
 EXTERNAL_DATA_SUFFIX = ".data"
 # Opsets of the default domain the passes are written for. Older graphs lack per-channel QDQ
@@ -65,7 +59,7 @@ def load_model_and_locations(path: str | os.PathLike, load_external: bool = True
     """``load_model`` plus the external data file names it validated (inside the model's folder,
     present), so that hashing the input (``manifest.json``) needs no second read of the model.
 
-    ``finite``: also refuse a float weight holding NaN or inf (``edgeq.loadcheck``): external
+    ``finite``: also refuse a float weight holding NaN or inf (``edgeq.graph.loadcheck``): external
     bytes judged as they are read (no copy), the rest in memory; without ``load_external`` the
     external weights are streamed from their files (a bounded buffer) instead."""
     path = Path(path)

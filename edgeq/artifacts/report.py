@@ -133,22 +133,12 @@ class CompileReport:
         out = {"edgeq_version": self.edgeq_version, "input_model": self.input_model,
                "input_fingerprint": self.input_fingerprint, "compile_path": self.compile_path.to_json(),
                "recipe": self.recipe.to_json(), "passes": self.passes, "calibration": self.calibration}
-        if self.partial:
-            out["partial"] = self.partial
-        if self.target is not None:
-            out["target"] = self.target.to_json()
-        if self.measured_accuracy is not None:
-            out["measured_accuracy"] = self.measured_accuracy
-        if self.accuracy_warning is not None:
-            out["accuracy_warning"] = self.accuracy_warning
-        if self.static is not None:
-            out["static"] = self.static
-        if self.genai is not None:
-            out["genai"] = self.genai.to_json()
-        if self.u8s8 is not None:
-            out["u8s8"] = self.u8s8
-        if self.qnn_context is not None:
-            out["qnn_context"] = self.qnn_context
+        optional = {"partial": self.partial or None, "target": self.target, "measured_accuracy": self.measured_accuracy,
+                    "accuracy_warning": self.accuracy_warning, "static": self.static, "genai": self.genai,
+                    "u8s8": self.u8s8, "qnn_context": self.qnn_context}
+        for key, value in optional.items():
+            if value is not None:
+                out[key] = value.to_json() if hasattr(value, "to_json") else value
         if self.output is not None:
             out.update(self.output.to_json())
         return out

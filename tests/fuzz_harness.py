@@ -31,7 +31,6 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 EXIT_CODES = {0, 2, 3, 4}
 FAST = ["--recipe", "w8a8", "--calib-windows", "1", "--seq-len", "16", "--no-cache"]
 OUTPUT_FLAGS = {"-o", "--out", "--output", "--dump-each"}
-EDGEQ_MARKERS = {"model.onnx", "prefill.onnx", "manifest.json", "report.json"}  # an edgeq-written folder
 
 
 LOG = os.environ.get("EDGEQ_FUZZ_LOG")  # a file: one JSON line per case (argv, exit code, stderr, breaches)
@@ -263,12 +262,38 @@ def _under(rel: str, prefixes: list[str]) -> bool:
     return any(rel == p or rel.startswith(p + "/") for p in prefixes)
 
 
-def _foreign(before: dict, rel: str) -> bool:
-    """An existing non-empty folder with nothing edgeq writes in it (rel "" is the fuzz root)."""
+def _edgeq_listed(folder: Path) -> set[str] | None:
+    """What edgeq's records in ``folder`` say it wrote (read before the case runs; independent of
+    edgeq.files.output_dir): the keys of manifest.json's "files", the items of edgeq-export.json's
+    "files", and each record itself; None when neither has a file list."""
+    known = None
+    for name, version in (("manifest.json", "edgeq-manifest/"), ("edgeq-export.json", "edgeq-export/")):
+        path = folder / name
+        try:
+            data = json.loads(path.read_bytes()) if path.is_file() and not path.is_symlink() else None
+        except (OSError, ValueError):
+            continue
+        if not isinstance(data, dict) or not str(data.get("version", "")).startswith(version):
+            continue
+        files = data.get("files")
+        if isinstance(files, (dict, list)) and all(isinstance(f, str) for f in files):
+            known = (known or set()) | set(files) | {name}
+    return known
+
+
+def _foreign(before: dict, rel: str, listed: set[str] | None) -> bool:
+    """An existing non-empty folder holding anything edgeq's records there (``listed``, read before
+    the run) do not list: a file, or a folder that is no parent of a listed file (rel "" is the
+    fuzz root)."""
     if rel and before.get(rel) != ("dir",):
         return False
-    children = {k.rsplit("/", 1)[-1] for k in before if k.startswith(rel + "/") and "/" not in k[len(rel) + 1:]}
-    return bool(children) and not (children & EDGEQ_MARKERS)
+    inside = {k[len(rel) + 1:]: v for k, v in before.items() if k.startswith(rel + "/")}
+    if not inside:
+        return False
+    if listed is None:
+        return True
+    parents = {str(parent) for f in listed if f in inside for parent in Path(f).parents}
+    return any(k not in listed if v != ("dir",) else k not in parents for k, v in inside.items())
 
 
 def _edgeq_roots() -> list[Path]:
@@ -328,7 +353,7 @@ def _signal_line(signum: int) -> str:
     return "edgeq: interrupted" if signum == signal.SIGINT else f"edgeq: terminated by {signal.Signals(signum).name}"
 
 
-def _check(case: Case, res: Outcome, before: dict, after: dict, fz: Fuzz) -> list[str]:
+def _check(case: Case, res: Outcome, before: dict, after: dict, fz: Fuzz, listed: dict | None = None) -> list[str]:
     problems = []
     sig = case.signal_after[0] if case.signal_after else None
     # a signal sent: 128 + its number and one line (edgeq's handler ran), the finished command's own
@@ -389,7 +414,7 @@ def _check(case: Case, res: Outcome, before: dict, after: dict, fz: Fuzz) -> lis
         for rel in outs:
             if rel in before and before[rel][0] == "file":
                 problems.append("replaced an existing file given as -o")
-            elif _foreign(before, rel) and {k: v for k, v in before.items() if _under(k, [rel])} != \
+            elif _foreign(before, rel, (listed or {}).get(rel)) and {k: v for k, v in before.items() if _under(k, [rel])} != \
                     {k: v for k, v in after.items() if _under(k, [rel])}:
                 problems.append("replaced a non-empty foreign folder given as -o without --force")
     return problems
@@ -414,9 +439,19 @@ def _signature(case: Case, res: Outcome, problems: list[str]) -> str:
 def run_case(fz: Fuzz, case: Case, capfd=None) -> None:
     """Run one case (in-process with capfd, else as a subprocess) and record whether it kept the contract."""
     before = fz.snapshot()
+    listed = {}  # -o folder (rel) -> what edgeq's records in it list, read before the run
+    for p in _outputs(case, fz):
+        try:
+            rel = str(p.relative_to(fz.root)) if p != fz.root else ""
+        except ValueError:
+            continue
+        try:
+            listed[rel] = _edgeq_listed(p) if p.is_dir() else None
+        except OSError:  # (a name too long, a loop of links: not a folder edgeq could replace)
+            listed[rel] = None
     res = _run_subprocess(case, fz) if capfd is None else _run_inprocess(case, capfd)
     after = fz.snapshot()
-    problems = _check(case, res, before, after, fz)
+    problems = _check(case, res, before, after, fz, listed)
     if LOG:
         with open(LOG, "a") as f:
             f.write(json.dumps({"group": case.group, "kind": case.kind, "setup": fz.rel(case.setup),

@@ -1,5 +1,6 @@
 """docs/layout.md lists every pass: one line per file in ``passes/``, naming the file and the pass
-it registers ("- `fuse_norms.py` (`fuse-norms`): ..."), and nothing that is not there."""
+it registers ("- `fuse_norms.py` (`fuse-norms`): ..."), and nothing that is not there; ARCHITECTURE.md's
+"The passes" section names every registered pass and nothing else."""
 
 import inspect
 import re
@@ -36,3 +37,11 @@ def test_layout_md_lists_only_pass_files():
     listed = _listed()
     assert set(listed) == files, (f"docs/layout.md lists {sorted(set(listed) - files)} (no such file in passes/) "
                                   f"and misses {sorted(files - set(listed))}")
+
+
+def test_architecture_md_names_every_pass():
+    text = (ROOT / "ARCHITECTURE.md").read_text()
+    section = text.split("## The passes", 1)[1].split("\n## ", 1)[0]
+    named = set(re.findall(r"`([a-z0-9]+(?:-[a-z0-9]+)*)`", section))
+    assert named == set(all_passes()), (f"ARCHITECTURE.md 'The passes' misses {sorted(set(all_passes()) - named)} "
+                                        f"and names {sorted(named - set(all_passes()))}")

@@ -86,12 +86,23 @@ def private_torch_cache() -> Iterator[None]:
     if "TORCHINDUCTOR_CACHE_DIR" in os.environ:
         yield
         return
+    import getpass
+    import shutil
+
+    # torch's default, which a torch._dynamo import interrupted by a signal (and retried after the
+    # block) could still create: removed on the way out if it was not there before the block
+    default = Path(tempfile.gettempdir()) / f"torchinductor_{getpass.getuser()}"
+    existed = default.exists()
     with tempfile.TemporaryDirectory(prefix="edgeq-torch-") as tmp:
         os.environ["TORCHINDUCTOR_CACHE_DIR"] = tmp
         try:
+            import torch._dynamo  # noqa: F401  (imported here, where its cache folder is ours)
+
             yield
         finally:
             os.environ.pop("TORCHINDUCTOR_CACHE_DIR", None)
+            if not existed and default.is_dir() and not default.is_symlink():
+                shutil.rmtree(default, ignore_errors=True)
 
 
 def export_hf(hf_dir: str | os.PathLike, out_dir: str | os.PathLike, task: str = "auto", force: bool = False) -> Path:

@@ -216,3 +216,18 @@ def tiny_past(tmp_path_factory) -> Path:
     write_text(folder / "calib.txt", 600)
     return folder
 
+
+
+@pytest.fixture
+def foreground_signals():
+    """The dispositions of a terminal's foreground job, whatever the test runner inherited (under
+    nohup SIGHUP is ignored, in a background job SIGINT is, and edgeq leaves an ignored signal alone)."""
+    import signal
+
+    saved = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    signal.signal(signal.SIGHUP, signal.SIG_DFL)
+    yield
+    for sig, handler in saved.items():
+        signal.signal(sig, handler)

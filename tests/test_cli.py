@@ -347,20 +347,6 @@ def test_report_records_peak_memory_per_pass(toy, tmp_path, capsys):
 # -- signals (the rest: test_cli_errors.py, test_output_safety.py, test_fuzz.py) ------------------
 
 
-@pytest.fixture
-def foreground_signals():
-    """A terminal's foreground job's dispositions, whatever the runner inherited (nohup, background)."""
-    import signal
-
-    saved = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
-    signal.signal(signal.SIGINT, signal.default_int_handler)
-    signal.signal(signal.SIGTERM, signal.SIG_DFL)
-    signal.signal(signal.SIGHUP, signal.SIG_DFL)
-    yield
-    for sig, handler in saved.items():
-        signal.signal(sig, handler)
-
-
 @pytest.mark.parametrize("name, code", [("SIGINT", 130), ("SIGTERM", 143)])
 def test_a_signal_swallowed_by_a_weakref_callback_still_ends_the_run(monkeypatch, capfd, foreground_signals,
                                                                      name, code):

@@ -277,19 +277,6 @@ def test_a_file_name_too_long_is_one_line(command, long_name, tmp_path, capfd):
     assert not (tmp_path / "out").exists()
 
 
-@pytest.fixture
-def foreground_signals():
-    """The dispositions of a terminal's foreground job, whatever the test runner inherited (under
-    nohup SIGHUP is ignored, in a background job SIGINT is, and edgeq leaves an ignored signal alone)."""
-    saved = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
-    signal.signal(signal.SIGINT, signal.default_int_handler)
-    signal.signal(signal.SIGTERM, signal.SIG_DFL)
-    signal.signal(signal.SIGHUP, signal.SIG_DFL)
-    yield
-    for sig, handler in saved.items():
-        signal.signal(sig, handler)
-
-
 @pytest.mark.parametrize("signum, code", [(signal.SIGTERM, 143), (signal.SIGHUP, 129), (signal.SIGINT, 130)])
 def test_a_signal_while_the_modules_load_is_one_line(monkeypatch, capfd, signum, code, foreground_signals):
     """main handles signals from its first line on: one that comes while the command line's modules

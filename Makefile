@@ -34,10 +34,11 @@ demo: install $(ART)/smollm2/model.onnx
 	@printf "fp32      : "; $(EDGEQ) eval ppl $(ART)/smollm2/model.onnx --text $(DATA)/test.txt --tokenizer $(ART)/smollm2 --windows $(WINDOWS)
 	@printf "$(RECIPE)  : "; $(EDGEQ) eval ppl $(ART)/smollm2-$(RECIPE)/model.onnx --text $(DATA)/test.txt --tokenizer $(ART)/smollm2 --windows $(WINDOWS)
 
-# two pytest-xdist workers, whole test files each (their module fixtures built once): the suite is
-# as much Python and subprocess start-up as onnxruntime, so two workers use both cores of a 2-core
-# machine; the session exports are cached on disk and built once (a lock in tests/conftest.py)
-TEST_WORKERS ?= 2
+# TEST_WORKERS=2 runs two pytest-xdist workers (whole test files each; the cached exports are built
+# once, under a lock in tests/conftest.py). Default 0: one process. Measured on a fresh clone of a
+# 2-core AVX2 machine, two workers were still running after 55 min (the real-model files form a long
+# tail on one worker each, and onnxruntime/torch already use both cores), against 54 min serial in CI.
+TEST_WORKERS ?= 0
 test: install
 	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile
 

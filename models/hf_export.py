@@ -87,7 +87,6 @@ def private_torch_cache() -> Iterator[None]:
         yield
         return
     import getpass
-    import shutil
 
     # torch's default, which a torch._dynamo import interrupted by a signal (and retried after the
     # block) could still create: removed on the way out if it was not there before the block
@@ -102,7 +101,17 @@ def private_torch_cache() -> Iterator[None]:
         finally:
             os.environ.pop("TORCHINDUCTOR_CACHE_DIR", None)
             if not existed and default.is_dir() and not default.is_symlink():
-                shutil.rmtree(default, ignore_errors=True)
+                _remove_empty_folders(default)
+
+
+def _remove_empty_folders(root: Path) -> None:
+    """Remove ``root`` and the folders below it that hold no file, deepest first: an export compiles
+    nothing, so torch only made empty folders there; a file (another process's) keeps its folders."""
+    for folder, _, _ in sorted(os.walk(root), key=lambda entry: -len(entry[0])):
+        try:
+            os.rmdir(folder)
+        except OSError:
+            pass
 
 
 def export_hf(hf_dir: str | os.PathLike, out_dir: str | os.PathLike, task: str = "auto", force: bool = False) -> Path:

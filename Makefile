@@ -38,9 +38,9 @@ demo: install $(ART)/smollm2/model.onnx
 # once, under a lock in tests/conftest.py). Default 0: one process. Measured on a fresh clone of a
 # 2-core AVX2 machine, two workers were still running after 55 min (the real-model files form a long
 # tail on one worker each, and onnxruntime/torch already use both cores), against 54 min serial in CI.
-TEST_WORKERS ?= 0
+TEST_WORKERS ?= 2
 test: install
-	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadgroup --no-loadscope-reorder
 
 bench: install $(ART)/smollm2/model.onnx
 	$(PY) benchmarks/foundation.py --model-dir $(ART)/smollm2 --out $(ART)/bench-foundation.json

@@ -38,6 +38,20 @@ def _ppl(model: Path, tokenizer: Path, windows: int, exact: bool) -> dict:
     return {"ppl": r["ppl"], "windows": r["windows"], "window_convention": r["window_convention"]}
 
 
+def weight_bytes(model: Path) -> int:
+    """Bytes of every initializer the compiled graph stores (int4 packed two to a byte, scales and
+    zero points included), read from the graph's tensor records without loading external data."""
+    import onnx
+
+    proto = onnx.load(str(model), load_external_data=False)
+    total = 0
+    for graph in [proto.graph, *(a.g for n in proto.graph.node for a in n.attribute if a.g.node)]:
+        for t in graph.initializer:
+            location = {e.key: e.value for e in t.external_data}
+            total += int(location["length"]) if "length" in location else len(t.raw_data) or onnx.numpy_helper.to_array(t).nbytes
+    return total
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model-dir", type=Path, default=REPO / "artifacts" / "gemma3")
@@ -61,20 +75,21 @@ def main() -> None:
         results["commands"].append(command)
     model = args.model_dir / "model.onnx"
     if "fp32" not in results:
-        results["fp32"] = _ppl(model, args.model_dir, args.windows, exact=False)
+        results["fp32"] = {**_ppl(model, args.model_dir, args.windows, exact=False), "weight_bytes": weight_bytes(model)}
         save_results(args.out, results)
-    for recipe in args.recipes.split(","):
+    for recipe_arg in args.recipes.split(","):
+        recipe = Path(recipe_arg).stem if recipe_arg.endswith(".toml") else recipe_arg  # a recipe file: its name
         if recipe in results["recipes"]:
             continue
         out = args.work / recipe
         started = time.perf_counter()
         try:
-            _edgeq("compile", str(model), "--recipe", recipe, "--calib", str(DATA / "valid.txt"), "-o", str(out), "--force")
+            _edgeq("compile", str(model), "--recipe", recipe_arg, "--calib", str(DATA / "valid.txt"), "-o", str(out), "--force")
         except subprocess.CalledProcessError as exc:
             results["recipes"][recipe] = {"exit": exc.returncode, "error": (exc.stderr or "").strip().splitlines()[-1:]}
             save_results(args.out, results)
             continue
-        row = {"compile_seconds": round(time.perf_counter() - started, 1)}
+        row = {"compile_seconds": round(time.perf_counter() - started, 1), "weight_bytes": weight_bytes(out / "model.onnx")}
         for mode, exact in (("default", False), ("exact_qdq", True)):
             row[mode] = _ppl(out / "model.onnx", args.model_dir, args.windows, exact)
             row[f"{mode}_x_fp32"] = row[mode]["ppl"] / results["fp32"]["ppl"]

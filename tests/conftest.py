@@ -231,3 +231,38 @@ def foreground_signals():
     yield
     for sig, handler in saved.items():
         signal.signal(sig, handler)
+
+
+# ---------------------------------------------------------------------------------------------
+# How ``make test`` spreads the suite over pytest-xdist workers (``--dist loadgroup``)
+# ---------------------------------------------------------------------------------------------
+
+_SHARED_SCOPES = ("module", "class", "package")
+
+
+def _shares_a_fixture(item: pytest.Item) -> bool:
+    """The test uses a fixture built once per module/class/package: it must run in the process that
+    built it, or a second worker would build it again (a SmolLM2 compile, a trained model)."""
+    info = getattr(item, "_fixtureinfo", None)
+    if info is None:
+        return False
+    return any(defs[-1].scope in _SHARED_SCOPES for name in item.fixturenames
+               if (defs := info.name2fixturedefs.get(name)))
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(config, items):
+    """Balance two workers on two cores (issue 41 item 5).
+
+    With whole files per worker (``--dist loadfile``) the real-model files ran last, one per worker,
+    and the suite was still running after 65 min. Here every test is its own unit of work except
+    those that share a module/class fixture, which stay together per file (``xdist_group``), and the
+    ``slow`` tests (real models: minutes each) go first, so the long ones start while the short ones
+    fill the gaps instead of forming a tail. xdist keeps this order with ``--no-loadscope-reorder``.
+    Without xdist the order changes and nothing else does."""
+    for item in items:
+        if _shares_a_fixture(item):
+            item.add_marker(pytest.mark.xdist_group(item.nodeid.split("::")[0]))
+    slow = [item for item in items if item.get_closest_marker("slow")]
+    rest = [item for item in items if not item.get_closest_marker("slow")]
+    items[:] = slow + rest

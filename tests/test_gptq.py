@@ -107,6 +107,47 @@ def test_gptq_bad_config(kwargs, needle):
         get_pass("gptq").Config(**kwargs)
 
 
+def _weight_dqs(model) -> list[tuple[int, int, int]]:
+    """(K, block_size, scale count) of every constant int4 weight DequantizeLinear, K along axis 0."""
+    import onnx
+
+    inits = {t.name: t for t in model.graph.initializer}
+    out = []
+    for node in model.graph.node:
+        if node.op_type == "DequantizeLinear" and inits.get(node.input[0]) is not None \
+                and inits[node.input[0]].data_type == onnx.TensorProto.INT4:
+            attrs = {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
+            scale = np.prod(inits[node.input[1]].dims)
+            out.append((inits[node.input[0]].dims[0], attrs.get("block_size", 0), int(scale)))
+    return out
+
+
+def test_gptq_whole_blocks_quantizes_a_k_blocks_do_not_divide_per_channel(tiny_models, tmp_path):
+    """whole_blocks (mquant-w4a16, for Qualcomm's HTP, which computes a partial last block wrongly):
+    blocks of 128 divide the tiny llama's K = 128 (down_proj) but not K = 64 (every other linear),
+    which get one scale per output channel instead; without it they end in a partial block, which
+    ``edgeq check --target qnn-htp`` reports."""
+    from edgeq.targets.check import check_model
+    from edgeq.targets.profile import load_target
+
+    model = ir.load_model(tiny_models["llama"])
+    ctx = _ctx(model, tmp_path)
+    whole, records = Pipeline([_gptq(group_size=128, whole_blocks=True)], PipelineOptions(verify=True)).run(model, ctx)
+    dqs = _weight_dqs(whole)
+    assert {k for k, _, _ in dqs} == {64, 128}
+    assert all(block == 128 for k, block, _ in dqs if k == 128)
+    assert all(block == 0 for k, block, _ in dqs if k == 64)
+    assert len(records[0]["summary"]["per_channel_partial_k"]) == sum(k == 64 for k, _, _ in dqs)
+    partial, _ = Pipeline([_gptq(group_size=128)]).run(model, ctx)
+    assert all(block == 128 for _, block, _ in _weight_dqs(partial))
+    rule = lambda m: [v for v in check_model(m, load_target("qnn-htp")).violations if v.rule == "partial-block"]
+    assert len(rule(partial)) == sum(k == 64 for k, _, _ in _weight_dqs(partial)) and not rule(whole)
+    for bad in ({"whole_blocks": True, "weight_granularity": "channel"},
+                {"whole_blocks": True, "lowering": "matmulnbits"}):
+        with pytest.raises(UserInputError, match="whole_blocks"):
+            get_pass("gptq").Config(**bad)
+
+
 def test_gptq_full_range_uses_all_int4_levels(layer):
     """full_range: the largest-magnitude value of every group sits exactly on -8 (signed scale),
     the dequantized weight is what DequantizeLinear computes, and the layer error is lower than

@@ -177,7 +177,8 @@ def test_check_flags_ops_and_domains():
     assert htp["op"] == ["node shape: op Shape is not in qnn-htp's op set"]
     assert "activation-bits" not in htp  # 16-bit activations are fine on HTP
     assert "activation-dtype" not in htp  # int8 activations too (onnxruntime-qnn 2.7.0 takes them: tests/test_qnn_vendor.py)
-    assert htp["weight-symmetric"] and htp["weight-granularity"] and "pow2-scale" not in htp
+    assert htp["weight-symmetric"] and "pow2-scale" not in htp
+    assert "weight-granularity" not in htp and "partial-block" not in htp  # W2: int4 in whole blocks (K 4, blocks of 2)
     model.graph.node.append(helper.make_node("Gelu", ["y"], ["g"], name="contrib", domain="com.microsoft"))
     model.graph.node.append(helper.make_node("OnlineHadamard", ["y", "k", "p"], ["z"], name="had", domain="edgeq"))
     generic = _rules(check_model(model, load_target("generic-qdq")))

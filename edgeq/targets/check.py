@@ -20,6 +20,8 @@ a pass meant to write. Rules, one violation line each:
   exact power of two, or is computed at run time so that no power of two can be promised;
 - ``positive-scale``: with ``positive_scales``, a Q/DQ (subgraphs included) whose constant scale
   has an entry <= 0 (full-range symmetric weights give negative ones; the HTP computes them wrongly);
+- ``partial-block``: with ``whole_blocks``, a block-quantized constant DequantizeLinear whose
+  blocked axis its ``block_size`` does not divide (the HTP computes the partial last block wrongly);
 - ``u8s8-saturation``: unless the profile has ``int8_weight_range = "full-vnni-only"``, a linear
   onnxruntime runs as uint8 x int8 whose int8 weight codes have an adjacent K pair that can
   saturate VPMADDUBSW on CPUs without VNNI (``edgeq.targets.saturation``).
@@ -111,6 +113,8 @@ def check_model(model: onnx.ModelProto, profile: TargetProfile, encodings: dict 
         violations += _check_u8s8(model)
     if profile.static_shapes:
         violations += _check_static_shapes(model)
+    if profile.whole_blocks:
+        violations += _check_whole_blocks(graph, profile)
     if profile.node_units:
         violations += [Violation(dq, "node-unit", f"{why} ({profile.name} takes a per-channel weight only inside a "
                                  "whole QDQ unit)") for dq, why in broken_units(graph, _constants(graph))]
@@ -390,6 +394,28 @@ def _check_positive_scales(graph: onnx.GraphProto, profile: TargetProfile) -> li
             out.append(Violation(node.name or node.output[0], "positive-scale",
                                  f"{node.op_type} {node.name or node.output[0]} scale {float(bad[0]):.6g} is not positive{extra} "
                                  f"({profile.name} computes such a node wrongly; lowering: positive-weight-scales)"))
+    return out
+
+
+def _check_whole_blocks(graph: onnx.GraphProto, profile: TargetProfile) -> list[Violation]:
+    """A block-quantized constant DequantizeLinear whose blocked axis is not a multiple of its
+    ``block_size`` (the last block partial)."""
+    constants = _constants(graph)
+    out = []
+    for node in protowalk.proto_nodes(graph.node):
+        if node.op_type != "DequantizeLinear" or node.input[0] not in constants:
+            continue
+        attrs = {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
+        block = int(attrs.get("block_size", 0))
+        dims = list(constants[node.input[0]].dims)
+        if not block or not dims:
+            continue
+        length = dims[int(attrs.get("axis", 1)) % len(dims)]
+        if length % block:
+            name = node.name or node.output[0]
+            out.append(Violation(name, "partial-block",
+                                 f"DequantizeLinear {name}: axis of {length} in blocks of {block} leaves a partial last block "
+                                 f"({profile.name} computes it wrongly; gptq: whole_blocks = true)"))
     return out
 
 

@@ -15,6 +15,7 @@ and which lowering passes ``--target`` runs to get there. Adding a target is add
     int8_weight_range = "u8s8-safe"   # optional: or "full-vnni-only" (CPUs whose uint8 x int8
                                       # kernel cannot saturate: AVX-512 VNNI, AVX-VNNI, AMX, ARM64)
     positive_scales = false           # optional: every constant Q/DQ scale > 0 (Qualcomm's HTP)
+    whole_blocks = false              # optional: block-quantized weights in whole blocks only (the HTP)
     [activations]                     # QuantizeLinear, and DequantizeLinear not reading a weight
     dtypes = ["int8", "uint8"]
     symmetric = false                 # true: zero point 0 (signed) or the midpoint (unsigned)
@@ -105,6 +106,9 @@ class TargetProfile:
     # every constant Q/DQ scale > 0: onnxruntime's CPU kernels compute negative ones (full-range
     # symmetric weights) exactly; Qualcomm's HTP accepts them and computes unrelated results
     positive_scales: bool = False
+    # block-quantized weights only in whole blocks: the blocked axis a multiple of block_size
+    # (Qualcomm's HTP takes a partial last block and computes it wrongly, onnxruntime-qnn 2.7.0)
+    whole_blocks: bool = False
 
     def allows_op(self, domain: str, op_type: str) -> bool:
         if domain in ("", "ai.onnx"):
@@ -122,7 +126,8 @@ _TOP_KEYS = {"description", "lowering", "ops", "edgeq_ops", "domains", "dtypes",
 _QUANT_KEYS = {"dtypes", "symmetric", "granularity"}
 # optional keys: they never allow anything, so leaving them out cannot silently widen a profile
 # (static_shapes restricts; a profile opts into it)
-_OPTIONAL_KEYS = {"ort_kernels", "int8_weight_range", "static_shapes", "node_units", "vendor", "positive_scales"}
+_OPTIONAL_KEYS = {"ort_kernels", "int8_weight_range", "static_shapes", "node_units", "vendor", "positive_scales",
+                  "whole_blocks"}
 
 
 def builtin_target_names() -> list[str]:
@@ -175,6 +180,7 @@ def parse_target(text: str, name: str, source: str = "target") -> TargetProfile:
         node_units=_typed(optional, "node_units", bool, source) if "node_units" in optional else False,
         vendor=_vendor(optional, source),
         positive_scales=_typed(optional, "positive_scales", bool, source) if "positive_scales" in optional else False,
+        whole_blocks=_typed(optional, "whole_blocks", bool, source) if "whole_blocks" in optional else False,
     )
 
 

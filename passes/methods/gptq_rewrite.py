@@ -57,6 +57,11 @@ class GptqConfig(PassConfig):
     # with full_range: keep every scale positive (scale = max(-min / 2^(b-1), max / (2^(b-1) - 1))):
     # Qualcomm's HTP computes negative weight scales wrongly (passes/positive_weight_scales.py)
     positive_scales: bool = False
+    # with weight_granularity "group": a linear whose K is not a multiple of group_size is quantized
+    # per output channel instead of ending in a partial block. Qualcomm's HTP takes a partial last
+    # block and computes it wrongly (onnxruntime-qnn 2.7.0: relative error ~180 at K = 1535 in
+    # blocks of 64, exact at K = 1536); RMS's Eq. 9 split leaves K = 1535 on 4 of SmolLM2's linears.
+    whole_blocks: bool = False
     sink_weight: float = 1.0  # times each sequence's first token counts in the Hessian
     sink_roles: tuple[str, ...] = ATTENTION_ROLES  # linears whose Hessians weight the sink
     skip_roles: tuple[str, ...] = ()
@@ -77,6 +82,9 @@ class GptqConfig(PassConfig):
             raise UserInputError(f"{self.pass_name}: order 'gar' reorders groups; it needs weight_granularity = 'group'")
         if self.full_range and (not self.weight_symmetric or self.weight_dtype.startswith("u")):
             raise UserInputError(f"{self.pass_name}: full_range needs symmetric signed weights")
+        if self.whole_blocks and (self.weight_granularity != "group" or self.lowering != "qdq" or self.pass_name != "gptq"):
+            raise UserInputError(f"{self.pass_name}: whole_blocks refines weight_granularity = 'group' with lowering 'qdq' "
+                                 "(gptq only: its per-channel fallback is a DequantizeLinear)")
         if self.positive_scales and not self.full_range:
             raise UserInputError(f"{self.pass_name}: positive_scales refines full_range (without it every scale is positive already)")
         if not 0.0 <= self.damp < 1.0:
@@ -96,17 +104,24 @@ class GptqRewrite(Pass):
     """Not registered and declares nothing: ``edgeq.passes.gptq`` (``gptq``) and ``edgeq.passes.dpq``
     (``dpq``) subclass it, each declaring itself in its class line (config: a ``GptqConfig``)."""
 
-    def spec(self, stored_nk: bool) -> QuantSpec:
+    def spec(self, stored_nk: bool, k: int | None = None) -> QuantSpec:
+        """The weight's quantization; ``k`` (its K) decides the per-channel fallback of
+        ``whole_blocks`` (None: the pass's own form)."""
         cfg: GptqConfig = self.config
         n_axis, k_axis = (0, 1) if stored_nk else (1, 0)
-        if cfg.weight_granularity == "group":
+        if cfg.weight_granularity == "group" and not self.partial_block(k):
             return QuantSpec(cfg.weight_dtype, cfg.weight_symmetric, axis=k_axis, block_size=cfg.group_size)
         return QuantSpec(cfg.weight_dtype, cfg.weight_symmetric, axis=n_axis)
+
+    def partial_block(self, k: int | None) -> bool:
+        """``whole_blocks`` and a K that blocks of ``group_size`` do not divide: per channel instead."""
+        cfg: GptqConfig = self.config
+        return bool(k and cfg.whole_blocks and cfg.weight_granularity == "group" and k % cfg.group_size)
 
     # -- hooks the dpq pass overrides -------------------------------------------------------
     def columns(self, w_kn: np.ndarray) -> ColumnQuantizer:
         cfg: GptqConfig = self.config
-        return IntColumns(self.spec(False), cfg.mse, cfg.full_range, cfg.positive_scales)
+        return IntColumns(self.spec(False, w_kn.shape[0]), cfg.mse, cfg.full_range, cfg.positive_scales)
 
     def write_weight(self, graph: gs.Graph, index: ir.GraphIndex, lin: Linear, w_kn: np.ndarray,
                      res: GptqResult, stored_nk: bool) -> gs.Variable:
@@ -115,7 +130,7 @@ class GptqRewrite(Pass):
         if stored_nk:
             q, scale, zp = q.T, scale.T if scale.ndim == 2 else scale, zp.T if zp.ndim == 2 else zp
         stored = w_kn.T if stored_nk else w_kn
-        return insert_weight_dequantize(graph, index, stored, self.spec(stored_nk), lin.weight, (q, scale, zp))
+        return insert_weight_dequantize(graph, index, stored, self.spec(stored_nk, w_kn.shape[0]), lin.weight, (q, scale, zp))
 
     def finish(self, graph: gs.Graph, index: ir.GraphIndex, linears: list[Linear], ctx: PassContext) -> dict:
         """After every weight is written (dpq: activation FP8 Q/DQ); returns summary entries."""
@@ -147,7 +162,7 @@ class GptqRewrite(Pass):
         start = time.perf_counter()
         done: dict[tuple[str, bool], gs.Variable] = {}
         results: dict[str, GptqResult] = {}
-        ratios = []
+        ratios, per_channel = [], []
         for lin in linears:
             key = (lin.weight, lin.weight_transposed)
             if key not in done:
@@ -155,9 +170,15 @@ class GptqRewrite(Pass):
                 stored_nk = lin.op == "Gemm" and lin.weight_transposed
                 w_kn = w.T if lin.weight_transposed else w  # the math's [K, N]
                 h = hessians[lin.input].hessian_with_sink(cfg.sink_weight if lin.role in cfg.sink_roles else 1.0)
-                res = gptq_quantize(w_kn, h, self.spec(False), group, cfg.block_size, cfg.damp,
-                                    order=cfg.order, columns=self.columns(w_kn))
-                ratios.append(_output_error(w_kn, res.dequantized, h) / max(_output_error(w_kn, _rtn(w_kn, self.spec(False)), h), 1e-30))
+                spec = self.spec(False, w_kn.shape[0])
+                if self.partial_block(w_kn.shape[0]):  # per channel: any column order is free at run time
+                    per_channel.append(lin.node)
+                    res = gptq_quantize(w_kn, h, spec, 0, cfg.block_size, cfg.damp,
+                                        order="natural" if cfg.order == "natural" else "act_order", columns=self.columns(w_kn))
+                else:
+                    res = gptq_quantize(w_kn, h, spec, group, cfg.block_size, cfg.damp,
+                                        order=cfg.order, columns=self.columns(w_kn))
+                ratios.append(_output_error(w_kn, res.dequantized, h) / max(_output_error(w_kn, _rtn(w_kn, spec), h), 1e-30))
                 del h
                 done[key] = self.write_weight(graph, index, lin, w_kn, res, stored_nk)
                 if cfg.lowering == "matmulnbits":  # (the integers, small; not the float weight)
@@ -187,6 +208,7 @@ class GptqRewrite(Pass):
             "sink_weight": cfg.sink_weight,
             "seconds": round(seconds, 1),
             "output_error_vs_rtn": {"median": float(np.median(ratios)), "max": float(np.max(ratios))},
+            **({"per_channel_partial_k": per_channel} if cfg.whole_blocks else {}),
             **extra,
         })
 

@@ -34,10 +34,10 @@ demo: install $(ART)/smollm2/model.onnx
 	@printf "fp32      : "; $(EDGEQ) eval ppl $(ART)/smollm2/model.onnx --text $(DATA)/test.txt --tokenizer $(ART)/smollm2 --windows $(WINDOWS)
 	@printf "$(RECIPE)  : "; $(EDGEQ) eval ppl $(ART)/smollm2-$(RECIPE)/model.onnx --text $(DATA)/test.txt --tokenizer $(ART)/smollm2 --windows $(WINDOWS)
 
-# TEST_WORKERS=2 runs two pytest-xdist workers (whole test files each; the cached exports are built
-# once, under a lock in tests/conftest.py). Default 0: one process. Measured on a fresh clone of a
-# 2-core AVX2 machine, two workers were still running after 55 min (the real-model files form a long
-# tail on one worker each, and onnxruntime/torch already use both cores), against 54 min serial in CI.
+# Two pytest-xdist workers by default (TEST_WORKERS=0: one process). tests/conftest.py decides the
+# units of work: a test sharing a module/class fixture stays with its file, every other test is its
+# own unit, and the slow real-model tests come first (--no-loadscope-reorder keeps that order), so
+# they do not form a tail on one worker as whole files did (--dist loadfile: still running at 65 min).
 TEST_WORKERS ?= 2
 test: install
 	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadgroup --no-loadscope-reorder

@@ -4,16 +4,19 @@ The same fp32 ONNX model (``artifacts/smollm2/model.onnx``), the same calibratio
 WikiText-2 valid (the first 16 for every tool and setting; the first 64 as well for edgeq's GPTQ,
 whose recipe asks for them) and the same 40 evaluation windows of test (512 tokens each, the project
 protocol), for every tool in two categories: static W8A8 with per-tensor activations (the NPU
-form) and 4-bit weights with float activations. Each peer runs its own recommended settings
-(cited in ``benchmarks/peers/pins.toml`` and in each adapter's ``settings``) inside its own
+form) and 4-bit weights with float activations, and for the HTP path (Qualcomm's NPU) two more:
+static W8A16 and W4A16 (16-bit per-tensor activations), where AIMET-ONNX, Qualcomm's own quantizer,
+runs its LLM flows beside edgeq's ``w8a16`` and ``mquant-w4a16``. Each peer runs its own
+recommended settings (cited in ``benchmarks/peers/pins.toml`` and in each adapter's ``settings``) inside its own
 virtual environment (``benchmarks/peers/venvs.py``, versions pinned in ``pins.toml``), through an
 adapter with one contract (``benchmarks/peers/adapters/<peer>.py``: ``settings``, ``quantize``,
 and ``evaluate`` for OpenVINO outputs). onnxruntime-genai's model builder is the fourth peer
 (int4 only), rebuilt in every run by ``benchmarks/peers/build_ortgenai.py``.
 
 Equal terms: every row states ``calib_windows``, ``group_size``, ``lm_head_bits`` and
-``embedding_bits`` (32 = float) and ``accuracy_level`` (None where they do not apply); for ONNX
-outputs the last four are read off the written graph. W4 is compared at group 128 (NNCF: 64, since
+``embedding_bits`` (32 = float), ``accuracy_level`` and ``htp_ppl`` (perplexity with the graph run
+on the HTP), None where they do not apply or were not measured; for ONNX outputs group size,
+lm_head / embedding bits and accuracy level are read off the written graph. W4 is compared at group 128 (NNCF: 64, since
 128 does not divide 576); group-32 rows carry a ``caveat``: SmolLM2's weights come from a Q4_1
 GGUF, whose blocks of 32 a block-32 grid partly recovers. Where a tool allows it, lm_head is
 quantized and kept float in two rows; edgeq's W4 compiles are evaluated at accuracy level 0 and 4.
@@ -22,14 +25,16 @@ Per row: the quantize or compile step in its own process, wall time and peak RSS
 (GNU time, which starts the step); then, here in edgeq's venv, perplexity on the 40 windows with onnxruntime's
 defaults and with exact QDQ (no integer-kernel fusion: ``session.disable_quant_qdq``), and CPU
 latency of one 512-token forward pass at batch 1, as interleaved medians over all ONNX models
-(every model timed once per round). The exact-QDQ perplexity is measured for the W8A8 rows, where
-onnxruntime's integer kernels replace the Q/DQ arithmetic (4-bit rows run MatMulNBits either way).
+(every model timed once per round). The exact-QDQ perplexity is measured for the rows with static
+activation quantization (W8A8, W8A16, W4A16), where onnxruntime's integer kernels replace the Q/DQ
+arithmetic (4-bit weight-only rows run MatMulNBits either way).
 OpenVINO outputs are evaluated by their adapter with the
 OpenVINO runtime (perplexity and latency; no exact-QDQ figure exists there). A peer that cannot be
 installed or fails on a setting is a row with its error, never a missing row; a machine where no
 peer installs still gets the edgeq rows and exit 0.
 
     python benchmarks/peers.py --out benchmarks/results/peers-DATE.json     (or: make peers)
+    python benchmarks/peers.py --peers aimet-onnx edgeq      (only these tools; --only TOOL/SETTING narrows further)
 """
 
 from __future__ import annotations
@@ -55,8 +60,11 @@ sys.path.insert(0, str(REPO / "benchmarks"))
 from edgeq.evaluate.machine import isa_label, machine_info  # noqa: E402
 from measure import run_measured as _run  # noqa: E402
 
-ADAPTER_PEERS = ("ort-quant", "quark", "nncf")
-ADAPTER_FILES = {"ort-quant": "ort_quant.py", "quark": "quark.py", "nncf": "nncf.py"}
+ADAPTER_PEERS = ("ort-quant", "quark", "nncf", "aimet-onnx")
+ADAPTER_FILES = {"ort-quant": "ort_quant.py", "quark": "quark.py", "nncf": "nncf.py", "aimet-onnx": "aimet_onnx.py"}
+# categories whose activations are quantized statically in the graph: there onnxruntime's default
+# session fuses Q/DQ into integer kernels, so the exact-QDQ perplexity is measured beside it
+STATIC_ACTIVATION_CATEGORIES = ("w8a8", "w8a16", "w4a16")
 # edgeq's closest recipes per category (mquant-w8a8 is the default recipe). The W4 recipe runs on 64
 # windows (its own setting) and on 16 (the peers'), with lm_head in float (the recipe) and in 4 bits
 # (the peers' default); each W4 compile is evaluated at MatMulNBits accuracy level 0 (the recipe) and
@@ -66,6 +74,11 @@ EDGEQ_SETTINGS = [
     {"setting": "mquant-w8a8", "recipe": "mquant-w8a8", "category": "w8a8", "weight_bits": 8, "activation_bits": 8,
      "calib_windows": 16},
     {"setting": "w8a8", "recipe": "w8a8", "category": "w8a8", "weight_bits": 8, "activation_bits": 8, "calib_windows": 16},
+    # the HTP forms, beside AIMET-ONNX's W8A16 / W4A16 rows
+    {"setting": "w8a16", "recipe": "w8a16", "category": "w8a16", "weight_bits": 8, "activation_bits": 16,
+     "calib_windows": 16},
+    {"setting": "mquant-w4a16", "recipe": "mquant-w4a16", "category": "w4a16", "weight_bits": 4, "activation_bits": 16,
+     "calib_windows": 16},
     *[{"setting": f"gptq-w4a16{head}-c{n}", "recipe": "gptq-w4a16", "category": "w4", "weight_bits": 4,
        "activation_bits": 32, "calib_windows": n, "lm_head_4bit": bool(head), "accuracy_levels": (0, 4)}
       for n in (64, 16) for head in ("", "-head4")],
@@ -78,7 +91,8 @@ CALIB_WINDOWS = (16, 64)
 # what every row states so that rows compare like for like (None where it does not apply):
 # calibration windows (None: data-free), W4 group size, lm_head / embedding bits (32: float),
 # MatMulNBits accuracy level (0: float activations, 4: int8 activations inside the kernel)
-ROW_TERMS = ("calib_windows", "group_size", "lm_head_bits", "embedding_bits", "accuracy_level")
+# htp_ppl: perplexity with the graph run on the HTP (None unless the row was run there)
+ROW_TERMS = ("calib_windows", "group_size", "lm_head_bits", "embedding_bits", "accuracy_level", "htp_ppl")
 DATA = REPO / "data" / "wikitext-2"
 
 
@@ -299,7 +313,8 @@ def edgeq_rows(model: Path, work: Path) -> list[dict]:
     return rows
 
 
-_ELEMENT_BITS = {1: 32, 10: 16, 16: 16, 2: 8, 3: 8, 21: 4, 22: 4}  # onnx TensorProto: float, f16, bf16, (u)int8, (u)int4
+# onnx TensorProto: float, f16, bf16, (u)int16 (AIMET's 16-bit embedding tables), (u)int8, (u)int4
+_ELEMENT_BITS = {1: 32, 10: 16, 16: 16, 4: 16, 5: 16, 2: 8, 3: 8, 21: 4, 22: 4}
 _PASS_THROUGH = {"Transpose", "Reshape", "Cast", "Identity", "Squeeze", "Unsqueeze", "Flatten"}
 
 
@@ -333,9 +348,14 @@ def weight_policy(folder: Path) -> dict:
             name = node.input[0]
         return _ELEMENT_BITS.get(inits[name].data_type)
 
+    def activation_qdq(node) -> bool:
+        """A Q or DQ on an activation (not a weight's DequantizeLinear): QDQ exports such as
+        AIMET's quantize the logits too, so the walk to lm_head steps over them."""
+        return node.op_type in ("QuantizeLinear", "DequantizeLinear") and node.input[0] not in inits
+
     logits = next((o.name for o in graph.output if o.name == "logits"), graph.output[0].name)
     node = producer.get(logits)
-    while node is not None and node.op_type in _PASS_THROUGH | {"Add"}:
+    while node is not None and (node.op_type in _PASS_THROUGH | {"Add"} or activation_qdq(node)):
         node = producer.get(node.input[0])
     head = None
     if node is not None and node.op_type == "MatMulNBits":
@@ -349,8 +369,12 @@ def weight_policy(folder: Path) -> dict:
         elif n.op_type == "Gather" and len(n.input) > 1 and n.input[1] == "input_ids":
             embedding = tensor_bits(n.input[0])
     nbits = [n for n in graph.node if n.op_type == "MatMulNBits"]
-    return {"lm_head_bits": head, "embedding_bits": embedding,
-            "group_size": Counter(int(attr(n, "block_size", 0)) for n in nbits).most_common(1)[0][0] if nbits else None,
+    # QDQ graphs with block-quantized weights (AIMET's LPBQ, blocked DequantizeLinear): their block size
+    blocked = [int(attr(n, "block_size", 0)) for n in graph.node
+               if n.op_type == "DequantizeLinear" and n.input[0] in inits and int(attr(n, "block_size", 0)) > 0]
+    group = (Counter(int(attr(n, "block_size", 0)) for n in nbits).most_common(1)[0][0] if nbits else
+             Counter(blocked).most_common(1)[0][0] if blocked else None)
+    return {"lm_head_bits": head, "embedding_bits": embedding, "group_size": group,
             "accuracy_level": Counter(int(attr(n, "accuracy_level", 0)) for n in nbits).most_common(1)[0][0] if nbits else None}
 
 
@@ -410,7 +434,7 @@ def add_perplexities(rows: list[dict], windows: np.ndarray) -> None:
         print(f"[peers] perplexity: {row['tool']} {row['setting']}", file=sys.stderr)
         try:
             row["ppl"] = onnx_perplexity(Path(row["path"]), windows, exact_qdq=False)
-            if row["category"] == "w8a8":  # where onnxruntime fuses Q/DQ into integer kernels
+            if row["category"] in STATIC_ACTIVATION_CATEGORIES:  # where onnxruntime fuses Q/DQ into integer kernels
                 row["ppl_exact"] = onnx_perplexity(Path(row["path"]), windows, exact_qdq=True)
         except Exception as exc:  # noqa: BLE001 (a model that does not run is a row with its error)
             row["error"] = f"evaluation failed: {type(exc).__name__}: {str(exc).splitlines()[0][:300]}"
@@ -438,7 +462,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results" / f"peers-{time.strftime('%Y-%m-%d')}.json")
     ap.add_argument("--work", type=Path, default=REPO / "artifacts" / "peers")
     ap.add_argument("--model-dir", type=Path, default=REPO / "artifacts" / "smollm2")
-    ap.add_argument("--peers", nargs="+", default=["edgeq", "ort-genai", "nncf", "quark", "ort-quant"])
+    ap.add_argument("--peers", nargs="+", default=["edgeq", "ort-genai", "nncf", "quark", "ort-quant", "aimet-onnx"],
+                    help="the tools to run, in this order (edgeq, ort-genai and the adapter peers "
+                    + ", ".join(ADAPTER_PEERS) + "); e.g. --peers aimet-onnx runs that peer alone")
     ap.add_argument("--windows", type=int, default=40, help="evaluation windows (of the 40 prepared)")
     ap.add_argument("--latency-repeats", type=int, default=7)
     ap.add_argument("--plot", type=Path, default=None, help="PNG (default: beside --out)")
@@ -497,7 +523,7 @@ def main(argv: list[str] | None = None) -> int:
     latencies(rows, windows[0], args.latency_repeats)
     for row in rows:
         row.setdefault("version", None)
-        for key in ("ppl", "ppl_exact", "compile_s", "peak_rss_mb", "latency_ms", *ROW_TERMS):
+        for key in ("ppl", "ppl_exact", "compile_s", "peak_rss_mb", "latency_ms", *ROW_TERMS):  # htp_ppl: None here
             row.setdefault(key, None)
         row["isa"] = isa_label(info)
         if row.get("ppl") and fp32.get("ppl"):

@@ -16,7 +16,7 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
-MARKERS = {"w8a8": "o", "w4": "s", "fp32": "*"}
+MARKERS = {"w8a8": "o", "w4": "s", "w8a16": "D", "w4a16": "v", "fp32": "*"}
 
 
 def main(results: str, png: str) -> int:

@@ -252,14 +252,16 @@ def _shares_a_fixture(item: pytest.Item) -> bool:
 
 @pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config, items):
-    """Balance two workers on two cores (issue 41 item 5).
+    """Balance pytest-xdist workers (``TEST_WORKERS=2 make test``; issue 41 item 5).
 
     With whole files per worker (``--dist loadfile``) the real-model files ran last, one per worker,
     and the suite was still running after 65 min. Here every test is its own unit of work except
     those that share a module/class fixture, which stay together per file (``xdist_group``), and the
     ``slow`` tests (real models: minutes each) go first, so the long ones start while the short ones
     fill the gaps instead of forming a tail. xdist keeps this order with ``--no-loadscope-reorder``.
-    Without xdist the order changes and nothing else does."""
+    Without xdist (``make test``'s default, one process) the collection is left as it is."""
+    if not os.environ.get("PYTEST_XDIST_WORKER"):
+        return
     for item in items:
         if _shares_a_fixture(item):
             item.add_marker(pytest.mark.xdist_group(item.nodeid.split("::")[0]))

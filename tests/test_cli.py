@@ -344,7 +344,7 @@ def test_report_records_peak_memory_per_pass(toy, tmp_path, capsys):
     assert report["peak_rss_mb"] >= peaks[-1]
 
 
-# -- signals (the rest: test_cli_errors.py, test_output_safety.py, test_fuzz.py) ------------------
+# -- signals (the rest: test_cli_errors.py, test_output_leftovers.py, test_fuzz.py) ------------------
 
 
 @pytest.mark.parametrize("name, code", [("SIGINT", 130), ("SIGTERM", 143)])

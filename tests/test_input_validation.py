@@ -1,13 +1,11 @@
 """Bad input the loaders must refuse with exit 2 and one line (issue 30), where it used to pass
 silently or fail deep inside a pass with exit 1: NaN / inf weights, unsupported IR and opset
 versions in ``check``, unknown ``skip_roles``, calibration data that does not fit the model, a graph
-without outputs or with a dangling input, TOML that is not UTF-8; a graph ``edgeq.graph.modelcheck`` finds
-invalid (a cycle, an unknown operator or domain, a wrong input count or type, initializer bytes that
-do not fit its type and dims, a name that is not UTF-8), refused by the one loader every command
-uses; an .npz member that is not a .npy; recipe sections of the wrong type; and what must keep
-working: a damaged calibration-cache entry (or a token-cache entry that is an .npz) is a miss,
-external data behind a symbolic link (a Hugging Face hub snapshot) loads, the domains edgeq knows
-load, report.json is strict JSON.
+without outputs or with a dangling input, TOML that is not UTF-8; an .npz member that is not a .npy;
+recipe sections of the wrong type; and what must keep working: a damaged calibration-cache entry (or
+a token-cache entry that is an .npz) is a miss, external data behind a symbolic link (a Hugging Face
+hub snapshot) loads, report.json is strict JSON. The structural check at load:
+tests/test_model_load_checks.py.
 
 Everything runs on the hand-built toy models of ``tests/toy.py`` and the ``w8a8`` recipe on one
 16-token window, well under a second per compile.
@@ -25,8 +23,7 @@ import numpy as np
 import onnx
 import pytest
 from onnx import TensorProto, helper, numpy_helper
-from toy import (VOCAB, run_cli, set_external_location, single_linear, toy_lm, toy_model_dir, toy_with_calib,
-                 write_text, write_tokenizer)
+from toy import (VOCAB, set_external_location, single_linear, toy_lm, toy_model_dir, write_text)
 
 from edgeq.graph import ir
 from edgeq.artifacts.aimet import write_aimet
@@ -35,46 +32,7 @@ from edgeq.errors import UserInputError
 from edgeq.quantize.qdq_encodings import collect_encodings
 from edgeq.recipes import parse_recipe
 from edgeq.structure.linears import ROLES
-
-COMPILE = ["--recipe", "w8a8", "--calib-windows", "1", "--seq-len", "16", "--no-cache"]
-
-
-@pytest.fixture(autouse=True)
-def _quiet(monkeypatch, tmp_path):
-    monkeypatch.setenv("EDGEQ_PROGRESS", "0")  # stderr must hold the error line only
-    monkeypatch.setenv("EDGEQ_CACHE_DIR", str(tmp_path / "cache"))
-
-
-@pytest.fixture
-def toy(tmp_path):
-    """(model.onnx with its weights in model.onnx.data, calibration text)."""
-    return toy_with_calib(tmp_path)
-
-
-_run = run_cli
-
-
-def _refused(capsys, *argv, match: str = "") -> str:
-    """Run the CLI; it must exit 2 with exactly one 'edgeq: error:' line containing ``match``."""
-    code, err, _ = _run(capsys, *argv)
-    assert code == 2, err
-    assert len(err.splitlines()) == 1 and err.startswith("edgeq: error: "), err
-    assert match in err, err
-    return err
-
-
-def _save(model: onnx.ModelProto, folder: Path) -> Path:
-    """``model`` saved as ``edgeq export`` would (weights external, the toy's tokenizer beside it)."""
-    ir.save_model(model, folder / "model.onnx", size_threshold=0)
-    write_tokenizer(folder)
-    return folder / "model.onnx"
-
-
-def _set_initializer(model: onnx.ModelProto, name: str, value: np.ndarray) -> None:
-    init = next(t for t in model.graph.initializer if t.name == name)
-    init.CopyFrom(numpy_helper.from_array(value, name))
-
-
+from input_cases import COMPILE, _quiet, _refused, _run, _save, _set_initializer, _embedded, _node, toy  # noqa: F401 (fixtures used by name)
 # -- 1. NaN / inf in a weight, in a scale -----------------------------------------------------------
 
 
@@ -365,148 +323,6 @@ def test_external_location_outside_the_folder_is_still_refused(toy, tmp_path, lo
     (tmp_path / "outside.data").write_bytes((model.parent / "model.onnx.data").read_bytes())
     with pytest.raises(UserInputError, match=f"points outside the model's folder: {location}"):
         ir.load_model(model)
-
-
-# -- 9. the structural check at load (edgeq.graph.modelcheck), one loader for every command ----------------
-
-
-def _embedded(model: onnx.ModelProto, folder: Path) -> Path:
-    """``model`` saved with its weights inside the protobuf (raw_data), the toy's tokenizer beside it."""
-    folder.mkdir(parents=True, exist_ok=True)
-    onnx.save_model(model, str(folder / "model.onnx"))
-    write_tokenizer(folder)
-    return folder / "model.onnx"
-
-
-def _node(proto: onnx.ModelProto, name: str) -> onnx.NodeProto:
-    return next(n for n in proto.graph.node if n.name == name)
-
-
-def _self_loop(m):
-    _node(m, "act").input[0] = "h2"
-
-
-def _two_node_cycle(m):
-    _node(m, "fc1").input[0] = "h2"
-
-
-def _two_writers(m):
-    _node(m, "fc1").output[0] = "h0"
-
-
-def _unknown_op(m):
-    _node(m, "act").op_type = "Nope"
-
-
-def _unknown_domain(m):
-    m.opset_import.append(helper.make_opsetid("com.example.nope", 1))
-    _node(m, "fc1").domain = "com.example.nope"
-
-
-def _one_input_quantize(m):
-    _node(m, "act").op_type = "QuantizeLinear"
-
-
-def _type_error(m):  # fc1 -> QuantizeLinear(h0, w1): uint8 into Relu
-    _node(m, "fc1").op_type = "QuantizeLinear"
-
-
-def _output_type(m):  # lm_head -> QuantizeLinear: uint8 where the graph declares float logits
-    _node(m, "lm_head").op_type = "QuantizeLinear"
-
-
-def _init_type(value):
-    def mutate(m):
-        next(t for t in m.graph.initializer if t.name == "w1").data_type = value
-    return mutate
-
-
-def _init_dims(m):
-    t = next(t for t in m.graph.initializer if t.name == "embed")
-    del t.dims[:]
-    t.dims.extend([1, 2, 3])
-
-
-@pytest.mark.parametrize("mutate, match", [
-    (_self_loop, "node 'act' reads its own output 'h2'"),
-    (_two_node_cycle, "the graph has a cycle through node"),
-    (_two_writers, "tensor 'h0' is written by two nodes ('embed_gather' and 'fc1')"),
-    (_unknown_op, "node 'act' has op_type 'Nope', which is not an operator of the default ONNX domain at opset 18"),
-    (_unknown_domain, "node 'fc1' (MatMul) is in domain 'com.example.nope', which neither onnxruntime nor edgeq knows"),
-    (_one_input_quantize, "node 'act' (QuantizeLinear) has 1 inputs; QuantizeLinear-13 takes 2 to 3"),
-    (_type_error, "the graph does not type-check:"),
-    (_output_type, "the graph does not type-check:"),
-    (_init_type(99), "initializer 'w1' has data type 99, which is not an ONNX tensor type"),
-    (_init_type(0), "initializer 'w1' has data type 0, which is not an ONNX tensor type"),
-    (_init_type(TensorProto.DOUBLE), "initializer 'w1' holds 1024 bytes, but DOUBLE [16, 16] needs 2048"),
-    (_init_type(TensorProto.STRING), "initializer 'w1' of type STRING has raw_data"),
-    (_init_dims, "initializer 'embed' holds 4096 bytes, but FLOAT [1, 2, 3] needs 24"),
-], ids=["self-loop", "cycle", "two-writers", "unknown-op", "unknown-domain", "input-count", "input-type",
-        "output-type", "dtype-99", "dtype-0", "dtype-bytes", "string-raw", "dims-bytes"])
-def test_an_invalid_graph_is_refused_at_load(toy, tmp_path, capsys, mutate, match):
-    """What used to get past loading and fail inside a pass or onnxruntime with exit 1."""
-    model, calib = toy
-    proto = ir.load_model(model)
-    mutate(proto)
-    path = _embedded(proto, tmp_path / "bad")
-    _refused(capsys, "inspect", path, match=match)
-    _refused(capsys, "compile", path, *COMPILE, "--calib", calib, "-o", tmp_path / "out", match=match)
-    assert not (tmp_path / "out").exists()
-
-
-def test_external_data_of_the_wrong_length_is_refused(toy, capsys):
-    model, _ = toy
-    proto = onnx.load_model(str(model), load_external_data=False)
-    w1 = next(t for t in proto.graph.initializer if t.name == "w1")
-    next(e for e in w1.external_data if e.key == "length").value = "512"  # 16 x 16 floats are 1024 bytes
-    onnx.save_model(proto, str(model))
-    _refused(capsys, "inspect", model, match="external data of 'w1' in model.onnx.data is 512 bytes long, but its "
-                                             "dims [16, 16] and data type need 1024")
-
-
-def test_a_name_that_is_not_utf8_is_refused(toy, tmp_path, capsys):
-    """A flipped byte that still parses: protobuf hands the name back as bytes, not a str."""
-    model, calib = toy
-    proto = ir.load_model(model)
-    _node(proto, "fc1").name = "NAMEX"
-    data = proto.SerializeToString().replace(b"NAMEX", b"\xe8AMEX")
-    (tmp_path / "bad").mkdir()
-    path = tmp_path / "bad" / "model.onnx"
-    path.write_bytes(data)
-    match = "a NodeProto.name is not valid UTF-8 (b'\\xe8AMEX'): the file is damaged"
-    _refused(capsys, "inspect", path, match=match)
-    _refused(capsys, "compile", path, *COMPILE, "--calib", calib, "--tokenizer", model.parent, "-o", tmp_path / "out",
-             match=match)
-
-
-def test_every_command_loads_through_the_checked_loader(toy, tmp_path, capsys):
-    """eval ppl / compare and generate hand the file to onnxruntime: it is checked first (a graph
-    without outputs was an IndexError in eval ppl)."""
-    model, calib = toy
-    proto = ir.load_model(model)
-    del proto.graph.output[:]
-    path = _embedded(proto, tmp_path / "no_out")
-    match = "the graph has no outputs"
-    text = ["--text", calib, "--tokenizer", model.parent, "--seq-len", "16", "--windows", "1"]
-    _refused(capsys, "eval", "ppl", path, *text, match=match)
-    _refused(capsys, "eval", "ppl", path.parent, *text, match=match)
-    _refused(capsys, "eval", "compare", model, path, "--random", "1", match=match)
-    _refused(capsys, "eval", "compare", path, model, "--random", "1", "--layers", match=match)
-    _refused(capsys, "generate", path.parent, "--prompt", "w1 w2", "--max-new-tokens", "1", match=match)
-    _refused(capsys, "check", path, "--target", "generic-qdq", match=match)
-
-
-def test_domains_edgeq_knows_stay_accepted(tmp_path):
-    """com.microsoft (onnxruntime's contrib ops) and edgeq's own ops pass the load check."""
-    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 8])
-    y = helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 8])
-    graph = helper.make_graph([helper.make_node("FastGelu", ["x"], ["y"], domain="com.microsoft", name="gelu")],
-                              "ms", [x], [y])
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18), helper.make_opsetid("com.microsoft", 1)],
-                              ir_version=9)
-    (tmp_path / "ms").mkdir()
-    onnx.save_model(model, str(tmp_path / "ms" / "model.onnx"))
-    assert ir.load_model(tmp_path / "ms" / "model.onnx").graph.node[0].op_type == "FastGelu"
 
 
 # -- 10. an .npz that is not one: one loader, one line --------------------------------------------------

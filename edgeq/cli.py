@@ -104,6 +104,19 @@ def _add_compile(sub) -> None:
                         "OUT/qnn/decode_ctx.onnx, EPContext models with their HTP context binaries beside them, each "
                         "loaded back with CPU fallback disabled before anything is written (exit 3 if the HTP refuses). "
                         "Minutes for a 135M model")
+    p.add_argument("--max-context-mb", type=float, metavar="MB",
+                   help="with --context-binary: cut each static graph into consecutive parts (embedding and first "
+                        "blocks ... last blocks and head) whose weights each fit MB megabytes, cut where one hidden "
+                        "state carries the residual stream; written as OUT/<role>_part{i}of{n}.onnx over the same "
+                        "weights file and prepared as OUT/qnn/<role>_part{i}of{n}_ctx.onnx. `edgeq eval ppl` and "
+                        "`edgeq generate` with --provider qnn-htp run the parts in sequence. A block larger than MB "
+                        "exits 2 naming it")
+    p.add_argument("--share-weights", action="store_true",
+                   help="with --context-binary: prepare the prefill and decode graphs (or each pair of parts) into "
+                        "one QNN context binary that holds the weights once, as devices load them. No onnxruntime-qnn "
+                        "release loads such a binary on x86-64 (\"Shared weights buffer isn't supported on this "
+                        "platform\"), so it is written without being loaded back; without this flag each graph "
+                        "gets its own binary (two copies of the weights), which loads here")
     p.add_argument("--htp-arch", type=int, metavar="N",
                    help="the HTP generation the context binaries are prepared for: 73 (Snapdragon 8 Gen 2), "
                         "75 (8 Gen 3), 79 (8 Elite, default)")
@@ -129,8 +142,8 @@ def _run_compile(args) -> int:
         dump_each=args.dump_each, verify=args.verify, check_numerics=args.check_numerics,
         use_cache=not args.no_cache, target=args.target, allow_partial=args.allow_partial,
         blockwise=args.blockwise, static=parse_static(args.static) if args.static is not None else None,
-        context_binary=args.context_binary, htp_arch=args.htp_arch,
-        accuracy_level=args.accuracy_level, lm_head_bits=args.lm_head_bits, force=args.force,
+        context_binary=args.context_binary, htp_arch=args.htp_arch, max_context_mb=args.max_context_mb,
+        share_weights=args.share_weights, accuracy_level=args.accuracy_level, lm_head_bits=args.lm_head_bits, force=args.force,
     )
     try:
         report = compile_model(req)
@@ -153,8 +166,14 @@ def _run_compile(args) -> int:
         print(f"  target {report.target.name}: {len(report.target.lowering)} lowering pass(es), clean{graphs}")
     qnn = report.qnn_context or {}
     for graph, rec in qnn.get("graphs", {}).items():
+        if rec.get("load_seconds") is None:
+            print(f"  qnn context {rec['files'][-1]} over the shared {rec['binary']}, prepared in "
+                  f"{rec['prepare_seconds']:.1f} s (HTP v{qnn['htp_arch']}; not loadable on x86-64, not loaded back)")
+            continue
         print(f"  qnn context binary {rec['files'][-1]}: {rec['bytes'] / 2**20:.1f} MB, prepared in "
               f"{rec['prepare_seconds']:.1f} s, loads back in {rec['load_seconds']:.1f} s (HTP v{qnn['htp_arch']})")
+    for binary, size in qnn.get("binaries", {}).items():
+        print(f"  qnn shared binary {binary}: {size / 2**20:.1f} MB")
     written = "prefill.onnx + decode.onnx + weights.data" if report.static is not None else "model.onnx"
     out = report.output
     print(f"wrote {args.out}/{written} in {out.seconds_total:.1f} s (peak RSS {out.peak_rss_mb:.0f} MB, "

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import math
 import errno
 import os
 import re
@@ -87,6 +88,8 @@ class CompileRequest:
     force: bool = False  # replace a non-empty out_dir that edgeq did not write (output_dir.check_output_dir)
     context_binary: bool = False  # with --static and a QNN target: OUT/qnn/*_ctx.onnx prepared by the vendor's HTP
     htp_arch: int | None = None  # the HTP generation the context binaries are prepared for
+    max_context_mb: float | None = None  # with --context-binary: each graph cut into parts whose weights fit MB
+    share_weights: bool = False  # with --context-binary: prefill and decode (part i) in one binary, weights once
     accuracy_level: int | None = None  # --target ort-genai: MatMulNBits accuracy_level (default 4, genai's for the CPU)
     lm_head_bits: int | None = None  # --target ort-genai: a float lm_head as int8 MatMulNBits (8, default) or kept (32)
 
@@ -339,7 +342,8 @@ def compile_static(plan: CompilePlan, model: onnx.ModelProto) -> CompileResult:
     report, u8s8 = build_report(plan, stages, target)
     report.static = static_report(shape, pair, scales)
     graphs = StaticGraphs(pair, u8s8, extra_files=tokenizer_files(plan.req.model),
-                          context_binary=plan.req.context_binary, htp_arch=plan.req.htp_arch)
+                          context_binary=plan.req.context_binary, htp_arch=plan.req.htp_arch,
+                          max_context_mb=plan.req.max_context_mb, share_weights=plan.req.share_weights)
     return _result(plan, graphs, report, encodings)
 
 
@@ -379,9 +383,13 @@ def compile_genai(plan: CompilePlan, model: onnx.ModelProto) -> CompileResult:
 def _check_context_binary(req: CompileRequest, profile: TargetProfile | None) -> None:
     """--context-binary / --htp-arch: only for a static pair on a QNN target, with the vendor installed."""
     if not req.context_binary:
-        if req.htp_arch is not None:
-            raise UserInputError("--htp-arch is a setting of --context-binary")
+        for given, flag in ((req.htp_arch is not None, "--htp-arch"), (req.max_context_mb is not None, "--max-context-mb"),
+                            (req.share_weights, "--share-weights")):
+            if given:
+                raise UserInputError(f"{flag} is a setting of --context-binary (with --static ... --target qnn-htp)")
         return
+    if req.max_context_mb is not None and not (req.max_context_mb > 0 and math.isfinite(req.max_context_mb)):
+        raise UserInputError(f"--max-context-mb must be a positive number of megabytes, got {req.max_context_mb:g}")
     from edgeq.targets.qnn_vendor import HTP_SOCS, vendor_version
 
     if req.static is None or profile is None or profile.vendor != "qnn-htp":

@@ -103,13 +103,19 @@ class StaticGraphs:
     ``weights.data`` (``edgeq.static.shared_weights``), each proven to load; the tokenizer files
     (``extra_files``) so that ``edgeq generate`` runs on the folder alone. ``context_binary``
     (``--context-binary``, for HTP generation ``htp_arch`` or the default): QNN context binaries
-    prepared from the written graphs into ``qnn/``, before the report and the manifest list them."""
+    prepared from the written graphs into ``qnn/``, before the report and the manifest list them.
+    ``max_context_mb`` (``--max-context-mb``): each graph also cut into parts whose weights fit
+    (``edgeq.static.split``; ``<role>_part{i}of{n}.onnx`` over the same ``weights.data``), and the
+    parts prepared instead of the whole graphs. ``share_weights``: prefill and decode (or their
+    parts i) prepared into one binary each (not loaded back here: ``edgeq.targets.qnn_context``)."""
 
     models: dict[str, onnx.ModelProto]
     u8s8: dict
     extra_files: list[Path] = field(default_factory=list)
     context_binary: bool = False
     htp_arch: int | None = None
+    max_context_mb: float | None = None
+    share_weights: bool = False
 
     def write_into(self, tmp: Path, report: CompileReport) -> int:
         from edgeq.static.shared_weights import save_sharing_weights
@@ -122,12 +128,41 @@ class StaticGraphs:
             check_loads(tmp / name)
         for file in self.extra_files:
             (tmp / file.name).write_bytes(file.read_bytes())
+        prepared = [list(self.models)]  # per role, the files prepared for the HTP (the parts when split)
+        if self.max_context_mb is not None:
+            prepared = self._write_parts(tmp, report)
         graphs = sum(f.stat().st_size for f in tmp.iterdir() if f.suffix in (".onnx", ".data"))
         if self.context_binary:
             from edgeq.targets.qnn_context import write_context_binaries
 
-            report.qnn_context = write_context_binaries(tmp, list(self.models), self.htp_arch)
+            roles = prepared if self.max_context_mb is not None else [[name] for name in self.models]
+            groups = [list(group) for group in zip(*roles)] if self.share_weights else None
+            report.qnn_context = write_context_binaries(tmp, [f for files in roles for f in files], self.htp_arch, groups)
+            if self.max_context_mb is not None:
+                report.qnn_context["max_context_mb"] = self.max_context_mb
         return graphs
+
+    def _write_parts(self, tmp: Path, report: CompileReport) -> list[list[str]]:
+        """Each graph cut into parts (the decode graph at the prefill graph's cuts), saved beside
+        it over the same weights file and proven to load; their records go into ``static.parts``."""
+        from edgeq.static.split import boundaries_of, split_graph
+
+        budget = int(self.max_context_mb * 2**20)
+        files, records, cuts = [], {}, None
+        for name, model in self.models.items():
+            role = Path(name).stem
+            parts = split_graph(model, budget, role, cuts)
+            cuts = boundaries_of(parts)
+            names = [p.file_name(role, k + 1, len(parts)) for k, p in enumerate(parts)]
+            for part, file in zip(parts, names):
+                onnx.save_model(part.model, str(tmp / file))
+                check_loads(tmp / file)
+            files.append(names)
+            records[role] = [{"file": f, "weight_bytes": p.weight_bytes, "blocks": p.blocks, "inputs": p.inputs,
+                              "outputs": p.outputs} for f, p in zip(names, parts)]
+        report.static = {**(report.static or {}), "parts": {"max_context_mb": self.max_context_mb, "boundaries": cuts,
+                                                            **records}}
+        return files
 
 
 def write_records(tmp: Path, report: CompileReport, encodings: dict, recipe, input_model: dict, target: str | None,

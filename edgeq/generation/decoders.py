@@ -265,6 +265,35 @@ class StaticPairDecoder(Decoder):
         return self._chunk("decode", np.array([int(token)], np.int64))[-1]
 
 
+def _htp_sessions(files: list[Path], open_one) -> tuple[list[Any], tuple[str, ...]]:
+    """The pair's sessions on the HTP: its prepared context binaries (``qnn/<role>_ctx.onnx``), or
+    its prepared parts run in sequence (``qnn/<role>_part{i}of{n}_ctx.onnx``, ``PartChain``), else
+    the graphs themselves. A shared-weights folder is refused on x86-64, where QNN cannot load it."""
+    import platform
+
+    from edgeq.generation.part_chain import open_chain, part_files
+
+    qnn = files[0].parent / "qnn"
+    report = files[0].parent / "report.json"
+    if qnn.is_dir() and report.is_file() and platform.machine() in ("x86_64", "AMD64"):
+        try:
+            shared = (json.loads(report.read_text()).get("qnn_context") or {}).get("weights_shared")
+        except (OSError, ValueError):
+            shared = None
+        if shared:
+            raise UserInputError(f"{qnn} holds shared-weights context binaries (compile --share-weights), which QNN "
+                                 "loads on devices only (on x86-64: \"Shared weights buffer isn't supported on this "
+                                 "platform\"): run them on the device, or compile without --share-weights to run here")
+    contexts = [qnn / f"{f.stem}_ctx.onnx" for f in files]
+    if all(c.is_file() for c in contexts):
+        return [open_one(c) for c in contexts], tuple(str(c) for c in contexts)
+    chains = [part_files(qnn, f.stem, contexts=True) if qnn.is_dir() else [] for f in files]
+    if all(chains):
+        return [open_chain(c, open_one) for c in chains], tuple(f"{c[0].parent}/{f.stem}_part*_ctx.onnx"
+                                                                  for c, f in zip(chains, files))
+    return [open_one(f) for f in files], tuple(str(f) for f in files)
+
+
 def _vocab(session: Any) -> int:
     out = next(o for o in session.get_outputs() if o.name == "logits")
     dims = list(out.shape or [])
@@ -350,11 +379,9 @@ def open_decoder(path: str | os.PathLike, threads: int | None = None, optimize: 
         if family != "static-pair":
             raise UserInputError("--provider qnn-htp runs a static pair: compile with --static prefill=S,context=C "
                                  "--target qnn-htp")
-        contexts = [f.parent / "qnn" / f"{f.stem}_ctx.onnx" for f in files]
-        if all(c.is_file() for c in contexts):
-            files = contexts
-        sessions = [open_htp_session(f, htp_arch or DEFAULT_HTP_ARCH) for f in files]
-        return StaticPairDecoder(*sessions, labels=tuple(str(f) for f in files))
+        arch = htp_arch or DEFAULT_HTP_ARCH
+        sessions, labels = _htp_sessions(files, lambda f: open_htp_session(f, arch))
+        return StaticPairDecoder(*sessions, labels=labels)
     sessions = [open_session(f, options=session_options(threads, optimize=optimize, exact_qdq=exact_qdq))
                 for f in files]
     if family == "static-pair":

@@ -263,6 +263,41 @@ def prepare_context(model: str | os.PathLike, ctx_model: str | os.PathLike, htp_
     return _child(["--context", str(model), str(ctx_model), str(htp_arch)], timeout)
 
 
+def _prepare_shared(models: list[str], ctx_models: list[str], htp_arch: int) -> dict:
+    """The child's side of ``prepare_shared_context``: every graph prepared in this one process
+    with ``ep.share_ep_contexts`` (the last with ``ep.stop_share_ep_contexts``), so QNN writes one
+    binary holding the weights once. Not loaded back: no x86-64 release loads it (module docstring
+    of ``edgeq.targets.qnn_context``)."""
+    import onnxruntime as ort
+
+    started = time.perf_counter()
+    folder = Path(ctx_models[0]).parent
+    before = {p.name for p in folder.glob("*.bin")}
+    sessions = []
+    for i, (model, ctx_model) in enumerate(zip(models, ctx_models)):
+        config = {"ep.context_enable": "1", "ep.context_file_path": ctx_model, "ep.context_embed_mode": "0",
+                  "ep.share_ep_contexts": "1"}
+        if i == len(models) - 1:
+            config["ep.stop_share_ep_contexts"] = "1"
+        try:
+            sessions.append(ort.InferenceSession(model, htp_session_options(htp_arch, config)))
+        except Exception as exc:  # noqa: BLE001
+            return {"ok": False, "error": f"{Path(model).name}: " + " ".join(str(exc).split())[:400]}
+    binaries = sorted({p.name for p in folder.glob("*.bin")} - before)
+    if len(binaries) != 1:
+        return {"ok": False, "error": f"expected one shared binary, QNN wrote {binaries or 'none'}"}
+    return {"ok": True, "error": "", "prepare_seconds": time.perf_counter() - started, "binary": binaries[0]}
+
+
+def prepare_shared_context(models: list, ctx_models: list, htp_arch: int = DEFAULT_HTP_ARCH,
+                           timeout: float = 3600) -> dict:
+    """Prepare ``models`` into one QNN context binary that holds their weights once (QNN weight
+    sharing), an EPContext model per graph at ``ctx_models``; in a memory-capped child process.
+    Returns ``ok``, ``error``, ``prepare_seconds`` and the ``binary`` file name."""
+    return _child(["--shared", json.dumps([str(m) for m in models]), json.dumps([str(c) for c in ctx_models]),
+                   str(htp_arch)], timeout)
+
+
 def _child(args: list[str], timeout: float) -> dict:
     try:
         done = subprocess.run([sys.executable, "-m", "edgeq.targets.qnn_vendor", *args], stdout=subprocess.PIPE,
@@ -278,6 +313,8 @@ def _child(args: list[str], timeout: float) -> dict:
 if __name__ == "__main__":
     if sys.argv[1] == "--context":
         answer = _prepare_context(sys.argv[2], sys.argv[3], int(sys.argv[4]))
+    elif sys.argv[1] == "--shared":
+        answer = _prepare_shared(json.loads(sys.argv[2]), json.loads(sys.argv[3]), int(sys.argv[4]))
     else:
         answer = _open_on_htp(sys.argv[1], int(sys.argv[2]))
     print(json.dumps(answer), flush=True)

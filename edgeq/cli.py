@@ -175,6 +175,9 @@ def _run_compile(args) -> int:
     for binary, size in qnn.get("binaries", {}).items():
         print(f"  qnn shared binary {binary}: {size / 2**20:.1f} MB")
     written = "prefill.onnx + decode.onnx + weights.data" if report.static is not None else "model.onnx"
+    parts = (report.static or {}).get("parts")
+    if parts:
+        written += f" + {len(parts['prefill'])} parts of each graph"
     out = report.output
     print(f"wrote {args.out}/{written} in {out.seconds_total:.1f} s (peak RSS {out.peak_rss_mb:.0f} MB, "
           f"model {out.input_size_mb:.0f} MB -> {out.output_size_mb:.0f} MB)")

@@ -140,7 +140,22 @@ class StaticGraphs:
             report.qnn_context = write_context_binaries(tmp, [f for files in roles for f in files], self.htp_arch, groups)
             if self.max_context_mb is not None:
                 report.qnn_context["max_context_mb"] = self.max_context_mb
+            report.qnn_context["genai"] = self._write_genai(tmp, report)
         return graphs
+
+    def _write_genai(self, tmp: Path, report: CompileReport) -> dict:
+        """``qnn/genai_config.json`` and its CPU stages (``edgeq.genai.qnn_config``): onnxruntime-genai
+        opens ``OUT/qnn`` and runs the binaries. Written for one binary per graph and a float cache;
+        otherwise the record says why not."""
+        from edgeq.genai.qnn_config import write_genai_qnn_config
+
+        why = ("the parts (--max-context-mb) are not wired into a genai pipeline" if self.max_context_mb is not None
+               else "a shared-weights binary (--share-weights) does not load on x86-64, where the pipeline is tested"
+               if self.share_weights else "the genai pipeline's kv-writer stage takes a float32 cache"
+               if (report.static or {}).get("cache_dtype", "float32") != "float32" else "")
+        if why:
+            return {"written": False, "why": why}
+        return {"written": True, **write_genai_qnn_config(tmp, report.static, report.qnn_context)}
 
     def _write_parts(self, tmp: Path, report: CompileReport) -> list[list[str]]:
         """Each graph cut into parts (the decode graph at the prefill graph's cuts), saved beside

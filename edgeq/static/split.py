@@ -91,6 +91,7 @@ class _Stream:
     """The residual-stream view of a graph: its relevant nodes in order and where it may be cut."""
 
     order: list[int]  # indices (into graph.node) of nodes on input_ids -> logits paths
+    relevant: set[str]  # the tensors on those paths
     cuts: list[int]  # positions in ``order`` whose single relevant output dominates the head
     tensor: dict[int, str]  # position -> that output's name
 
@@ -117,7 +118,7 @@ def _stream(graph: onnx.GraphProto) -> _Stream:
         if covered[pos] == 0 and len(outs) == 1 and outs[0] != _SINK:
             cuts.append(pos)
             tensor[pos] = outs[0]
-    return _Stream(order, cuts, tensor)
+    return _Stream(order=order, relevant=relevant, cuts=cuts, tensor=tensor)
 
 
 def _segment_of_nodes(graph: onnx.GraphProto, stream: _Stream) -> dict[int, int]:
@@ -237,7 +238,7 @@ def split_graph(model: onnx.ModelProto, budget_bytes: int, role: str,
     for k in range(len(plan)):
         inputs = ([boundaries[k - 1]] if k else []) + graph_inputs
         outputs = outputs_by_part[k] + ([boundaries[k]] if k < len(plan) - 1 else [])
-        parts.append(_extract(model, inputs, outputs, role, k, len(plan)))
+        parts.append(_extract(model, inputs, outputs, role, k, len(plan), stream.relevant))
     return parts
 
 
@@ -271,9 +272,11 @@ def _outputs_by_part(graph: onnx.GraphProto, stream: _Stream, plan) -> list[list
     return result
 
 
-def _extract(model: onnx.ModelProto, inputs: list[str], outputs: list[str], role: str, index: int, count: int) -> Part:
+def _extract(model: onnx.ModelProto, inputs: list[str], outputs: list[str], role: str, index: int, count: int,
+             relevant: set[str]) -> Part:
     """The sub-graph computing ``outputs`` from ``inputs`` (graph inputs it does not read dropped),
-    with the whole graph's metadata and its own ``edgeq.part`` record."""
+    with the whole graph's metadata and its own ``edgeq.part`` record (its blocks: those of its
+    residual-stream nodes; the mask and rotary nodes it recomputes may carry block 0's name)."""
     import json
 
     graph = model.graph
@@ -305,7 +308,8 @@ def _extract(model: onnx.ModelProto, inputs: list[str], outputs: list[str], role
     part.functions.extend(model.functions)
     for prop in model.metadata_props:
         part.metadata_props.add(key=prop.key, value=prop.value)
-    blocks = sorted({int(m.group(1)) for n in nodes for m in [_LAYER.search(n.name)] if m})
+    blocks = sorted({int(m.group(1)) for n in nodes if any(o in relevant for o in n.output)
+                     for m in [_LAYER.search(n.name)] if m})
     span = f"{blocks[0]}-{blocks[-1]}" if blocks else ""
     record = {"role": role, "index": index + 1, "count": count, "blocks": span,
               "inputs": [vi.name for vi in part_inputs], "outputs": outputs}

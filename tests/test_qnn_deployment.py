@@ -96,3 +96,17 @@ def test_bad_deployment_options_exit_2_and_write_nothing(tiny_past, tmp_path, ca
     err = capsys.readouterr().err
     assert code == 2 and err.count("\n") == 1 and message in err, (code, err)
     assert not out.exists()
+
+
+def test_json_output_stays_clean_of_the_vendors_banner(tiny_past, tmp_path):
+    """QNN's backend prints a banner on the process's stdout when it loads; ``--json`` must still be
+    one JSON document on stdout, for edgeq's own HTP loop and for onnxruntime-genai's pipeline."""
+    import subprocess
+
+    out = tmp_path / "pair"
+    assert _compile(tiny_past, out, "--context-binary") == 0
+    for argv in ([str(out), "--provider", "qnn-htp"], [str(out / "qnn")]):
+        done = subprocess.run([sys.executable, "-m", "edgeq", "generate", *argv, "--prompt", "w5 w17 w99",
+                               "--max-new-tokens", "2", "--json"], capture_output=True, text=True, timeout=600)
+        assert done.returncode == 0, done.stderr[-2000:]
+        assert len(json.loads(done.stdout)["tokens"]) == 2, done.stdout

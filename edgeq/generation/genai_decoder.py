@@ -47,6 +47,11 @@ def open_genai_model(folder: str | os.PathLike, threads: int | None = None):
     if threads:
         config.overlay(json.dumps({"model": {"decoder": {"session_options": {"intra_op_num_threads": int(threads)}}}}))
     try:
+        if (written.get("model") or {}).get("type") == "decoder-pipeline":
+            from edgeq.targets.qnn_vendor import vendor_stdout_to_stderr
+
+            with vendor_stdout_to_stderr():  # QNN's banner on stdout would corrupt --json
+                return og.Model(config)
         return og.Model(config)
     except Exception as exc:  # onnxruntime-genai's own error types
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__

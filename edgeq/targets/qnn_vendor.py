@@ -13,6 +13,7 @@ it can be read from, and a crash of the vendor library cannot take edgeq down wi
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -110,6 +111,27 @@ def htp_session_options(htp_arch: int = DEFAULT_HTP_ARCH, config: dict[str, str]
     return so
 
 
+@contextlib.contextmanager
+def vendor_stdout_to_stderr():
+    """QNN's backend prints a banner on the process's own stdout when it loads (" # LIBNATIVE: No
+    alternate configuration present ..."), which would corrupt ``--json`` output: while the block
+    runs, file descriptor 1 points at stderr (C-level buffers flushed before it is put back)."""
+    import ctypes
+
+    sys.stdout.flush()
+    saved = os.dup(1)
+    os.dup2(2, 1)
+    try:
+        yield
+    finally:
+        try:
+            ctypes.CDLL(None).fflush(None)
+        except (OSError, AttributeError):  # no libc to flush: nothing was buffered there either
+            pass
+        os.dup2(saved, 1)
+        os.close(saved)
+
+
 def open_htp_session(model: str | os.PathLike, htp_arch: int = DEFAULT_HTP_ARCH):
     """An onnxruntime session of ``model`` wholly on the (emulated) HTP, for running it: one line
     and exit 3 when the HTP refuses any of it (``edgeq check --target qnn-htp`` lists what), exit 2
@@ -124,7 +146,8 @@ def open_htp_session(model: str | os.PathLike, htp_arch: int = DEFAULT_HTP_ARCH)
 
     ort.set_default_logger_severity(4)  # the EP's own warnings and errors: the one line below says it
     try:
-        return ort.InferenceSession(str(model), htp_session_options(htp_arch, log_severity=4))
+        with vendor_stdout_to_stderr():
+            return ort.InferenceSession(str(model), htp_session_options(htp_arch, log_severity=4))
     except Exception as exc:  # noqa: BLE001 (onnxruntime's pybind errors)
         first = " ".join(str(exc).split())[:300]
         raise VendorRefused(f"QNN HTP v{htp_arch} does not run {model} whole: {first} "

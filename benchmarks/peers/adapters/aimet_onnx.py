@@ -60,7 +60,6 @@ What this export needs (recorded in the quantize notes):
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import sys
@@ -68,6 +67,8 @@ import tempfile
 import time
 from collections import Counter
 from pathlib import Path
+
+from _peer_contract import fail, model_inputs, quantize_inputs, subcommands  # (before the folder leaves sys.path)
 
 # This file is named aimet_onnx.py: drop its own folder from sys.path so that "import aimet_onnx"
 # finds the package of the venv, not this adapter.
@@ -133,23 +134,6 @@ SETTINGS = [
 BY_NAME = {s["setting"]: s for s in SETTINGS}
 CONTRACT_KEYS = ("setting", "category", "weight_bits", "activation_bits", "format", "calib_windows", "group_size",
                  "lm_head_bits", "embedding_bits", "accuracy_level", "htp_ppl", "description", "docs")
-
-
-def fail(msg: str) -> None:
-    """The contract: one line on stderr, exit 1 (PEERS_DEBUG=1 prints the traceback too)."""
-    if os.environ.get("PEERS_DEBUG"):
-        import traceback
-        traceback.print_exc()
-    print(" ".join(str(msg).split()), file=sys.stderr)
-    sys.exit(1)
-
-
-def model_inputs(ids: np.ndarray) -> dict[str, np.ndarray]:
-    """One window -> the model's three int64 inputs, batch 1 (mask all ones, positions arange)."""
-    ids = np.asarray(ids, dtype=np.int64).reshape(1, -1)
-    n = ids.shape[1]
-    return {"input_ids": ids, "attention_mask": np.ones((1, n), dtype=np.int64),
-            "position_ids": np.arange(n, dtype=np.int64).reshape(1, n)}
 
 
 def versions() -> str:
@@ -259,14 +243,7 @@ def _ort_error(path: Path) -> str | None:
 
 
 def cmd_quantize(args) -> int:
-    if args.setting not in BY_NAME:
-        fail(f"unknown setting {args.setting!r}; known: {', '.join(BY_NAME)}")
-    spec = BY_NAME[args.setting]
-    calib = np.load(args.calib_ids)
-    if calib.ndim != 2:
-        fail(f"calibration ids must be [windows, tokens], got shape {calib.shape}")
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
+    spec, calib, out = quantize_inputs(args, BY_NAME)
     try:
         import onnx
         from aimet_onnx import int4, int8
@@ -346,14 +323,7 @@ def cmd_quantize(args) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    sub = ap.add_subparsers(dest="cmd", required=True)
-    sub.add_parser("settings")
-    q = sub.add_parser("quantize")
-    q.add_argument("--setting", required=True)
-    q.add_argument("--model", required=True)
-    q.add_argument("--calib-ids", required=True)
-    q.add_argument("--out", required=True)
+    ap, _, q = subcommands(__doc__)
     q.add_argument("--seqmse-windows", type=int, default=None,
                    help="Sequential MSE on only the first N calibration windows (default: all of them)")
     args = ap.parse_args(argv)

@@ -52,13 +52,14 @@ under "runtime_defaults".
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import statistics
 import sys
 import time
 from pathlib import Path
+
+from _peer_contract import fail, model_inputs, quantize_inputs, subcommands  # (before the folder leaves sys.path)
 
 # This file is named nncf.py: drop its own folder from sys.path so that "import nncf" finds the
 # NNCF package of the venv, not this adapter.
@@ -115,22 +116,6 @@ SETTINGS = [
                     "(INT4_SYM: NNCF's ONNX INT4_ASYM output does not load in onnxruntime)", "docs": DOCS_WC_NNCF},
 ]
 BY_NAME = {s["setting"]: s for s in SETTINGS}
-
-
-def fail(msg: str) -> None:
-    if os.environ.get("PEERS_DEBUG"):  # full traceback for debugging; the contract wants one line
-        import traceback
-        traceback.print_exc()
-    print(" ".join(str(msg).split()), file=sys.stderr)
-    sys.exit(1)
-
-
-def model_inputs(ids: np.ndarray) -> dict[str, np.ndarray]:
-    """One window -> the model's three int64 inputs, batch 1 (mask all ones, positions arange)."""
-    ids = np.asarray(ids, dtype=np.int64).reshape(1, -1)
-    n = ids.shape[1]
-    return {"input_ids": ids, "attention_mask": np.ones((1, n), dtype=np.int64),
-            "position_ids": np.arange(n, dtype=np.int64).reshape(1, n)}
 
 
 def versions() -> str:
@@ -292,14 +277,7 @@ def _save_ov(model, out: Path) -> None:
 
 
 def cmd_quantize(args) -> int:
-    if args.setting not in BY_NAME:
-        fail(f"unknown setting {args.setting!r}; known: {', '.join(BY_NAME)}")
-    spec = BY_NAME[args.setting]
-    calib = np.load(args.calib_ids)
-    if calib.ndim != 2:
-        fail(f"calibration ids must be [windows, tokens], got shape {calib.shape}")
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
+    spec, calib, out = quantize_inputs(args, BY_NAME)
     try:
         import nncf
         import onnx
@@ -448,14 +426,7 @@ def cmd_evaluate(args) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    sub = ap.add_subparsers(dest="cmd", required=True)
-    sub.add_parser("settings")
-    q = sub.add_parser("quantize")
-    q.add_argument("--setting", required=True)
-    q.add_argument("--model", required=True)
-    q.add_argument("--calib-ids", required=True)
-    q.add_argument("--out", required=True)
+    ap, sub, _ = subcommands(__doc__)
     e = sub.add_parser("evaluate")
     e.add_argument("--model", required=True, help="folder with openvino_model.xml")
     e.add_argument("--eval-ids", required=True)

@@ -35,7 +35,6 @@ fly inside the matmul).
 
 from __future__ import annotations
 
-import argparse
 import json
 import logging
 import os
@@ -48,6 +47,7 @@ import traceback
 from pathlib import Path
 
 import numpy as np
+from _peer_contract import subcommands
 
 DOC_GUIDE = "https://onnxruntime.ai/docs/performance/model-optimizations/quantization.html"
 DOC_INT4 = DOC_GUIDE + "#quantize-to-int4uint4"
@@ -418,14 +418,7 @@ def cmd_quantize(args) -> int:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    sub = ap.add_subparsers(dest="cmd", required=True)
-    sub.add_parser("settings")
-    q = sub.add_parser("quantize")
-    q.add_argument("--setting", required=True)
-    q.add_argument("--model", required=True)
-    q.add_argument("--calib-ids", required=True)
-    q.add_argument("--out", required=True)
+    ap, _, _ = subcommands(__doc__)
     args = ap.parse_args(argv)
     if args.cmd == "settings":
         print(json.dumps(SETTINGS))

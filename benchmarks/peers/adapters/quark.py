@@ -55,6 +55,8 @@ import tempfile
 import traceback
 from pathlib import Path
 
+from _peer_contract import fail, subcommands  # noqa: E402 (before the folder leaves sys.path)
+
 # This file is named quark.py: drop its own folder from sys.path so that "import quark" finds the
 # Quark package of the venv, not this adapter.
 _HERE = Path(__file__).resolve().parent
@@ -111,11 +113,6 @@ SETTINGS = [
      "data-free", "docs": DOCS_GPTQ},
 ]
 _BY_NAME = {s["setting"]: s for s in SETTINGS}
-
-
-def _fail(msg: str) -> None:
-    print(" ".join(str(msg).split()), file=sys.stderr)
-    sys.exit(1)
 
 
 def _version() -> str:
@@ -198,13 +195,13 @@ def _check(path: Path, model_path: Path) -> str:
 
 def cmd_quantize(a: argparse.Namespace) -> None:
     if a.setting not in _BY_NAME:
-        _fail(f"unknown setting {a.setting!r}; known: {', '.join(_BY_NAME)}")
+        fail(f"unknown setting {a.setting!r}; known: {', '.join(_BY_NAME)}")
     model = Path(a.model).resolve()
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     ids = np.load(a.calib_ids)
     if ids.ndim != 2:
-        _fail(f"calibration ids must be [n, seq], got {ids.shape}")
+        fail(f"calibration ids must be [n, seq], got {ids.shape}")
 
     from quark.onnx import ModelQuantizer
 
@@ -236,7 +233,7 @@ def cmd_quantize(a: argparse.Namespace) -> None:
     except BaseException as exc:  # noqa: BLE001 - one-line reason for the orchestrator
         os.chdir(cwd)
         traceback.print_exc(file=sys.stderr)
-        _fail(f"quark {a.setting} failed: {type(exc).__name__}: {exc}")
+        fail(f"quark {a.setting} failed: {type(exc).__name__}: {exc}")
     finally:
         os.chdir(cwd)
         shutil.rmtree(work, ignore_errors=True)
@@ -244,7 +241,7 @@ def cmd_quantize(a: argparse.Namespace) -> None:
     try:
         ops = _check(out / "model.onnx", model)
     except Exception as exc:  # noqa: BLE001
-        _fail(f"quark {a.setting}: output does not load in onnxruntime: {type(exc).__name__}: {exc}")
+        fail(f"quark {a.setting}: output does not load in onnxruntime: {type(exc).__name__}: {exc}")
     notes = f"{_BY_NAME[a.setting]['description']}. Graph: {ops}."
     if _JIT_FRESH:
         notes += " Wall time includes Quark's one-time JIT build of its custom-op library (first use of the venv)."
@@ -260,14 +257,7 @@ def cmd_quantize(a: argparse.Namespace) -> None:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    sub = p.add_subparsers(dest="cmd", required=True)
-    sub.add_parser("settings")
-    q = sub.add_parser("quantize")
-    q.add_argument("--setting", required=True)
-    q.add_argument("--model", required=True)
-    q.add_argument("--calib-ids", required=True)
-    q.add_argument("--out", required=True)
+    p, _, _ = subcommands(__doc__)
     a = p.parse_args()
     if a.cmd == "settings":
         print(json.dumps(SETTINGS))

@@ -81,27 +81,34 @@ def require_export_deps(*extra: str) -> None:
 def private_torch_cache() -> Iterator[None]:
     """Importing ``torch._dynamo`` (optimum's exporter does) creates torch's compile cache folder,
     ``$TMPDIR/torchinductor_<user>``, and leaves it there: a folder outside ``-o``. An export
-    compiles nothing, so while the block runs ``TORCHINDUCTOR_CACHE_DIR`` names a temporary folder,
-    removed when it ends (a ``TORCHINDUCTOR_CACHE_DIR`` the user set is left alone)."""
+    compiles nothing, so ``TORCHINDUCTOR_CACHE_DIR`` names a temporary folder of edgeq's from the
+    block's start to the process's end (a ``TORCHINDUCTOR_CACHE_DIR`` the user set is left alone).
+
+    The folder is removed when the block ends and again at exit, by a hook registered before torch
+    is imported (so it runs after torch's own exit hooks): an import interrupted by a signal can
+    leave torch's exit hooks to create the cache folder as the process ends, and they create it in
+    edgeq's folder, which goes last."""
     if "TORCHINDUCTOR_CACHE_DIR" in os.environ:
         yield
         return
+    import atexit
     import getpass
 
-    # torch's default, which a torch._dynamo import interrupted by a signal (and retried after the
-    # block) could still create: removed on the way out if it was not there before the block
+    # torch's default, which an interrupted torch._dynamo import could still create: removed on the
+    # way out if it was not there before the block
     default = Path(tempfile.gettempdir()) / f"torchinductor_{getpass.getuser()}"
     existed = default.exists()
-    with tempfile.TemporaryDirectory(prefix="edgeq-torch-") as tmp:
-        os.environ["TORCHINDUCTOR_CACHE_DIR"] = tmp
-        try:
-            import torch._dynamo  # noqa: F401  (imported here, where its cache folder is ours)
+    tmp = tempfile.mkdtemp(prefix="edgeq-torch-")
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = tmp
+    atexit.register(shutil.rmtree, tmp, True)
+    try:
+        import torch._dynamo  # noqa: F401  (imported here, where its cache folder is ours)
 
-            yield
-        finally:
-            os.environ.pop("TORCHINDUCTOR_CACHE_DIR", None)
-            if not existed and default.is_dir() and not default.is_symlink():
-                _remove_empty_folders(default)
+        yield
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if not existed and default.is_dir() and not default.is_symlink():
+            _remove_empty_folders(default)
 
 
 def _remove_empty_folders(root: Path) -> None:

@@ -343,8 +343,24 @@ def compile_static(plan: CompilePlan, model: onnx.ModelProto) -> CompileResult:
     report.static = static_report(shape, pair, scales)
     graphs = StaticGraphs(pair, u8s8, extra_files=tokenizer_files(plan.req.model),
                           context_binary=plan.req.context_binary, htp_arch=plan.req.htp_arch,
-                          max_context_mb=plan.req.max_context_mb, share_weights=plan.req.share_weights)
+                          max_context_mb=plan.req.max_context_mb, share_weights=plan.req.share_weights,
+                          genai_config=qnn_genai_config)
     return _result(plan, graphs, report, encodings)
+
+
+def qnn_genai_config(tmp: Path, report: CompileReport, graphs: StaticGraphs) -> dict:
+    """``OUT/qnn/genai_config.json`` and its CPU stages (``edgeq.genai.qnn_config``), so that
+    onnxruntime-genai opens ``OUT/qnn`` and runs the context binaries; written for one binary per
+    graph and a float cache, otherwise the record says why not."""
+    from edgeq.genai.qnn_config import write_genai_qnn_config
+
+    why = ("the parts (--max-context-mb) are not wired into a genai pipeline" if graphs.max_context_mb is not None
+           else "a shared-weights binary (--share-weights) does not load on x86-64, where the pipeline is tested"
+           if graphs.share_weights else "the genai pipeline's kv-writer stage takes a float32 cache"
+           if (report.static or {}).get("cache_dtype", "float32") != "float32" else "")
+    if why:
+        return {"written": False, "why": why}
+    return {"written": True, **write_genai_qnn_config(tmp, report.static, report.qnn_context)}
 
 
 def _check_genai(req: CompileRequest, profile: TargetProfile | None, recipe: Recipe) -> None:

@@ -21,7 +21,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Protocol
+from typing import Callable, Protocol
 
 import onnx
 
@@ -116,6 +116,9 @@ class StaticGraphs:
     htp_arch: int | None = None
     max_context_mb: float | None = None
     share_weights: bool = False
+    # with context binaries: writes what onnxruntime-genai needs beside them, returns its record
+    # (given by the compiler: ``edgeq.genai`` imports this package, so it is not imported here)
+    genai_config: Callable[[Path, CompileReport, StaticGraphs], dict] | None = None
 
     def write_into(self, tmp: Path, report: CompileReport) -> int:
         from edgeq.static.shared_weights import save_sharing_weights
@@ -140,22 +143,9 @@ class StaticGraphs:
             report.qnn_context = write_context_binaries(tmp, [f for files in roles for f in files], self.htp_arch, groups)
             if self.max_context_mb is not None:
                 report.qnn_context["max_context_mb"] = self.max_context_mb
-            report.qnn_context["genai"] = self._write_genai(tmp, report)
+            if self.genai_config is not None:
+                report.qnn_context["genai"] = self.genai_config(tmp, report, self)
         return graphs
-
-    def _write_genai(self, tmp: Path, report: CompileReport) -> dict:
-        """``qnn/genai_config.json`` and its CPU stages (``edgeq.genai.qnn_config``): onnxruntime-genai
-        opens ``OUT/qnn`` and runs the binaries. Written for one binary per graph and a float cache;
-        otherwise the record says why not."""
-        from edgeq.genai.qnn_config import write_genai_qnn_config
-
-        why = ("the parts (--max-context-mb) are not wired into a genai pipeline" if self.max_context_mb is not None
-               else "a shared-weights binary (--share-weights) does not load on x86-64, where the pipeline is tested"
-               if self.share_weights else "the genai pipeline's kv-writer stage takes a float32 cache"
-               if (report.static or {}).get("cache_dtype", "float32") != "float32" else "")
-        if why:
-            return {"written": False, "why": why}
-        return {"written": True, **write_genai_qnn_config(tmp, report.static, report.qnn_context)}
 
     def _write_parts(self, tmp: Path, report: CompileReport) -> list[list[str]]:
         """Each graph cut into parts (the decode graph at the prefill graph's cuts), saved beside

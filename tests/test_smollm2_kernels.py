@@ -1,5 +1,6 @@
-"""Real SmolLM2: every shipped 8-bit-activation recipe gives the same perplexity with onnxruntime's
-integer kernels (default session options) as with exact QDQ, on whatever CPU the tests run on.
+"""Real SmolLM2: onnxruntime's integer kernels (default session options) compute every shipped
+8-bit-activation recipe as exact QDQ does, on whatever CPU the tests run on: no linear they fuse
+can saturate, the logits agree within float rounding, and the default recipe's perplexity is the same.
 
 Before the pair-bounded int8 grid, the default mquant-w8a8 graph scored 54.7 instead of 25.5 on 4
 windows of an AVX2 machine (onnxruntime's u8s8 kernel saturates); the full-range form is kept
@@ -15,10 +16,11 @@ kernels (``ort_fused_u8s8``, its optimized graph read back): they are the ones o
 predicted, and every int8 weight among them has the pair bound that VPMADDUBSW cannot saturate.
 The end-to-end one, on every recipe: the logits of two WikiText-2 windows with the kernels are
 as close to exact QDQ's as float summation order alone puts them (SQNR against exact QDQ no more
-than 6 dB under that of the unoptimized graph, or above 20 dB); a saturating kernel puts them far
-apart (the full-range form below is held to fail it on a saturating CPU). The statistical one, on
-the default recipe (mquant-w8a8; every recipe's 40-window figure is in the benchmark): perplexity
-with the kernels against exact QDQ. Integer accumulation and float
+than 6 dB under that of the unoptimized graph, or above 20 dB: measured 10.7-29.1 dB against
+11.3-30.4 dB on an AVX-512 VNNI EPYC, plain W8A8 lowest); it is a sanity check, the exact check is
+what rules saturation out. The statistical one, on the default recipe (mquant-w8a8; every
+recipe's 40-window figure is in the benchmark, and the full-range form below shows the perplexity
+check failing where the kernel saturates): perplexity with the kernels against exact QDQ. Integer accumulation and float
 accumulation differ in the last bit, which flips the rounding of a few codes at the next
 QuantizeLinear, and those flips compound over 30 layers: they put the logits ~28 dB SQNR apart
 and, on 2 windows, perplexity up to ~0.7% (mquant-w8a8: -0.72% on one AVX2 machine, +0.48% on
@@ -167,8 +169,6 @@ def test_full_range_weights_fail_where_the_kernel_saturates(smollm2_dir, tmp_pat
     assert len(unsafe) == u8s8["linears_at_risk"]  # onnxruntime runs exactly the linears flagged
     if saturating_cpu():
         assert kernels / exact - 1 > SATURATED, (kernels, exact)
-        sqnr, plain = _logit_sqnr(out / "model.onnx", smollm2_dir)  # the logits check fails here
-        assert not sqnr > min(20.0, plain - 6.0), (sqnr, plain)
     else:
         _within_rounding(out / "model.onnx", smollm2_dir, kernels, exact)
 

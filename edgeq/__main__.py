@@ -51,10 +51,39 @@ def _take_over() -> list[int]:
     return taken
 
 
+def _torch_cache_for_export(argv: list[str]) -> None:
+    """``edgeq export`` imports torch, which creates its compile-cache folder,
+    ``$TMPDIR/torchinductor_<user>``, outside ``-o`` (also after an interrupted run: a torch import
+    a signal cut short leaves it to torch's own exit path). So, before anything imports torch,
+    ``TORCHINDUCTOR_CACHE_DIR`` names ``$EDGEQ_CACHE_DIR/torchinductor`` (default
+    ``~/.cache/edgeq``), the one place outside ``-o`` edgeq writes; with the cache turned off
+    (``EDGEQ_CACHE_DIR=""``) a temporary folder removed at exit. A ``TORCHINDUCTOR_CACHE_DIR`` the
+    user set is left alone."""
+    import os
+
+    if argv[:1] != ["export"] or "TORCHINDUCTOR_CACHE_DIR" in os.environ:
+        return
+    os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")  # an export compiles nothing: no workers
+    cache = os.environ.get("EDGEQ_CACHE_DIR")
+    if cache is None:
+        cache = os.path.join(os.path.expanduser("~"), ".cache", "edgeq")
+    if cache:
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(cache, "torchinductor")
+        return
+    import atexit
+    import shutil
+    import tempfile
+
+    folder = tempfile.mkdtemp(prefix="edgeq-torch-")
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = folder
+    atexit.register(shutil.rmtree, folder, True)
+
+
 def main() -> int:
     """Run the command line (``sys.argv``) as the program; returns its exit code."""
     taken = _take_over()
     try:
+        _torch_cache_for_export(sys.argv[1:])
         from edgeq.cli import _main  # (a signal meanwhile is noted: it ends the run once loaded)
 
         return _main(sys.argv[1:], program=True)

@@ -208,7 +208,7 @@ def _held(func, args: argparse.Namespace) -> int:
     from edgeq.models.export_log import held_library_output
     from edgeq.models.hf_export import private_torch_cache
 
-    with held_library_output(), private_torch_cache():
+    with private_torch_cache(), held_library_output():  # the cache folder first: before any torch import
         return func(args)
 
 

@@ -84,10 +84,11 @@ def private_torch_cache() -> Iterator[None]:
     compiles nothing, so ``TORCHINDUCTOR_CACHE_DIR`` names a temporary folder of edgeq's from the
     block's start to the process's end (a ``TORCHINDUCTOR_CACHE_DIR`` the user set is left alone).
 
-    The folder is removed when the block ends and again at exit, by a hook registered before torch
-    is imported (so it runs after torch's own exit hooks): an import interrupted by a signal can
-    leave torch's exit hooks to create the cache folder as the process ends, and they create it in
-    edgeq's folder, which goes last."""
+    The block is entered before anything imports torch (``edgeq.models.cli._held``), so every torch
+    import of the process sees the variable. The folder is removed when the block ends and again at
+    exit, by a hook registered before torch is imported (so it runs after torch's own exit hooks): an
+    import interrupted by a signal can leave torch's exit hooks to create the cache folder as the
+    process ends, and they create it in edgeq's folder, which goes last."""
     if "TORCHINDUCTOR_CACHE_DIR" in os.environ:
         yield
         return
@@ -102,8 +103,6 @@ def private_torch_cache() -> Iterator[None]:
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = tmp
     atexit.register(shutil.rmtree, tmp, True)
     try:
-        import torch._dynamo  # noqa: F401  (imported here, where its cache folder is ours)
-
         yield
     finally:
         shutil.rmtree(tmp, ignore_errors=True)

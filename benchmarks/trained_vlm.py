@@ -66,8 +66,9 @@ def _kl_top1(ref: np.ndarray, test: np.ndarray) -> dict:
 
 
 def _subset(inputs: dict, meta: dict, samples: int) -> tuple[dict, dict]:
-    n = len(meta["labels"])
-    rows = np.unique(np.linspace(0, n - 1, min(samples, n)).round().astype(int))
+    from edgeq.evaluate.vqa import spread_rows
+
+    rows = spread_rows(len(meta["labels"]), samples)
     return ({k: v[rows] for k, v in inputs.items()},
             {k: (v if k == "pad_embedding" else v[rows]) for k, v in meta.items()})
 
@@ -167,6 +168,7 @@ def _kv_path(session, sample: dict, meta_row: dict, embed: np.ndarray, spec=None
 
 
 def kv_part(model_dir: Path, samples: int) -> dict:
+    from edgeq.evaluate.vqa import accuracy_by_type
     from edgeq.graph import ir
     from edgeq.kv_cache import VisualCacheSpec, cache_bytes_per_token
     from edgeq.models.easy_vqa import QUESTION_TYPES
@@ -184,10 +186,8 @@ def kv_part(model_dir: Path, samples: int) -> dict:
     def score(session, spec=None) -> dict:
         correct = [_kv_path(session, {k: v[i:i + 1] for k, v in inputs.items()},
                             {k: meta[k][i] for k in ("pad_len", "text_ids", "labels")}, embed, spec) for i in range(n)]
-        types = [QUESTION_TYPES[int(t)] for t in meta["qtype"]]
-        return {"accuracy": round(float(np.mean(correct)), 4),
-                "per_type": {t: round(float(np.mean([c for c, q in zip(correct, types) if q == t])), 4)
-                             for t in QUESTION_TYPES if t in types}}
+        summary = accuracy_by_type(correct, [QUESTION_TYPES[int(t)] for t in meta["qtype"]], order=QUESTION_TYPES)
+        return {k: summary[k] for k in ("accuracy", "per_type")}
 
     from edgeq.models.trained_vlm import vqa_accuracy
 

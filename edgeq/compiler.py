@@ -66,6 +66,10 @@ from edgeq.textdata import default_tokenizer_dir
 BLOCKWISE_MODES = ("auto", "on", "off")
 # models at least this large (weights on disk) compile block-wise under --blockwise auto
 BLOCKWISE_MIN_BYTES = 256 * 2**20  # SmolLM2 (514 MB) compiles block-wise: 1.4x its size instead of 7x in memory
+# --static compiles block-wise under --blockwise auto from this size: below it the in-memory static
+# route (about 5x the fp32 weights at peak, 2.6 GB for SmolLM2) is the measured default; above it
+# (a 1B model: ~35 GB in memory) only the block-wise form fits a 24 GB machine
+STATIC_BLOCKWISE_MIN_BYTES = 2**30
 
 
 @dataclass(frozen=True)
@@ -128,15 +132,16 @@ class CompilePlan:
 def compile_model(req: CompileRequest) -> CompileReport:
     """Plan, run the plan's route, write its result; returns the report written."""
     plan, model = plan_compile(req)
-    if plan.route is not Route.BLOCKWISE:
+    if plan.partition is None:
         route = {Route.IN_MEMORY: compile_in_memory, Route.STATIC: compile_static, Route.GENAI: compile_genai}
         return write(route[plan.route](plan, model))
     try:
         staging = _staging_dir(req.out_dir)
     except OSError as exc:
         raise UserInputError(f"cannot write beside the output folder {req.out_dir}: {exc.strerror or exc}") from None
-    try:
-        return write(compile_blockwise(plan, model, staging / "model.onnx.data"))
+    try:  # block-wise (a plain compile, or --static's with-past graph): the weights stream into staging
+        route = {Route.BLOCKWISE: compile_blockwise, Route.STATIC: compile_static}
+        return write(route[plan.route](plan, model, staging / "model.onnx.data"))
     except OSError as exc:  # disk full while the weights stream out: nothing half-written is left
         if exc.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
             raise UserInputError(f"cannot write the output in {req.out_dir.resolve().parent}: {exc.strerror or exc}") from None
@@ -222,15 +227,16 @@ def plan_compile(req: CompileRequest) -> tuple[CompilePlan, onnx.ModelProto]:
 
 def choose_route(req: CompileRequest, profile: TargetProfile | None, skeleton: onnx.ModelProto,
                  passes: list[Pass], locations: set[str]) -> tuple[Route, object | None, str]:
-    """(route, partition, reason) for this compile, decided once: ``--static`` and ``--target
-    ort-genai`` compile the whole with-past graph in memory (``--blockwise on`` is refused with
-    them); otherwise block-wise or in memory by ``--blockwise`` and the model's size."""
+    """(route, partition, reason) for this compile, decided once: ``--target ort-genai`` compiles
+    the whole with-past graph in memory (``--blockwise on`` is refused with it); ``--static``
+    compiles its with-past graph block-wise from ``STATIC_BLOCKWISE_MIN_BYTES`` (or with
+    ``--blockwise on``), else in memory; otherwise block-wise or in memory by ``--blockwise`` and
+    the model's size."""
     if req.blockwise not in BLOCKWISE_MODES:
         raise UserInputError(f"--blockwise must be one of {', '.join(BLOCKWISE_MODES)}")
     if req.static is not None:
-        if req.blockwise == "on":
-            raise UserInputError("--static compiles in memory: drop --blockwise on")
-        return Route.STATIC, None, "--static: the with-past graph compiles in memory"
+        part, why = _choose_path(req, skeleton, passes, locations, STATIC_BLOCKWISE_MIN_BYTES)
+        return Route.STATIC, part, f"--static: the with-past graph {'block by block' if part else 'in memory'} ({why})"
     if profile is not None and profile.vendor == "ort-genai":  # the genai writer reads the whole result
         if req.blockwise == "on":
             raise UserInputError("--target ort-genai compiles in memory: drop --blockwise on")
@@ -239,8 +245,10 @@ def choose_route(req: CompileRequest, profile: TargetProfile | None, skeleton: o
     return (Route.IN_MEMORY if part is None else Route.BLOCKWISE), part, why
 
 
-def _choose_path(req: CompileRequest, skeleton: onnx.ModelProto, passes: list[Pass], locations: set[str]):
-    """(partition, reason): a ``Partition`` to compile block-wise, or None for the in-memory path."""
+def _choose_path(req: CompileRequest, skeleton: onnx.ModelProto, passes: list[Pass], locations: set[str],
+                 min_bytes: int = BLOCKWISE_MIN_BYTES):
+    """(partition, reason): a ``Partition`` to compile block-wise, or None for the in-memory path
+    (under ``--blockwise auto``, models under ``min_bytes`` on disk)."""
     from edgeq.blockwise import NotPartitionable, partition
 
     if req.blockwise == "off":
@@ -248,8 +256,8 @@ def _choose_path(req: CompileRequest, skeleton: onnx.ModelProto, passes: list[Pa
     base = ir.model_folder(req.model)
     size = req.model.stat().st_size + sum((base / loc).stat().st_size for loc in locations)
     forced = req.blockwise == "on"
-    if not forced and size < BLOCKWISE_MIN_BYTES:
-        return None, f"model under {BLOCKWISE_MIN_BYTES >> 20} MB: in memory"
+    if not forced and size < min_bytes:
+        return None, f"model under {min_bytes >> 20} MB: in memory"
     blockers = sorted({p.name for p in passes if not p.per_block})
     if req.dump_each or req.verify or req.check_numerics:
         blockers.append("--dump-each/--verify/--check-numerics (whole-graph instruments)")
@@ -276,7 +284,7 @@ def run_plan(plan: CompilePlan, model: onnx.ModelProto, external_data: Path | No
     options = PipelineOptions(req.dump_each, req.verify, req.check_numerics, essential=essential,
                               allow_partial=req.allow_partial, recipe=plan.recipe.name)
     measured = None
-    if plan.route is Route.BLOCKWISE:
+    if plan.partition is not None:
         model, records, measured = _run_blocks(plan, model, ctx, options, external_data)
     else:
         model, records = Pipeline(plan.passes, options).run(model, ctx, plan.sample, consume=True)
@@ -314,34 +322,44 @@ def reach_target(plan: CompilePlan, model: onnx.ModelProto, encodings: dict, low
     return model, target
 
 
-def compile_static(plan: CompilePlan, model: onnx.ModelProto) -> CompileResult:
+def compile_static(plan: CompilePlan, model: onnx.ModelProto, external_data: Path | None = None) -> CompileResult:
     """``--static``: the recipe once on the with-past graph (one calibration), then the prefill and
     decode graphs specialized from its result (``edgeq.static``), each checked against the target,
     written over one weights file. With the recipe's ``[kv_cache] dtype = "int8"`` the cache scales
-    come from the same calibration windows."""
+    come from the same calibration windows.
+
+    Block-wise (``external_data``: the with-past graph compiled one block at a time, its weights
+    streamed into that file), the pair is specialized and written with the weights left in the
+    file: each graph's are read in only while its target check runs, and the writer copies them
+    tensor by tensor, so the peak stays near one copy of the compiled weights."""
     from edgeq.static.compile import kv_scales, pair_encodings, static_report, tokenizer_files
     from edgeq.static.specialize import build_pair
 
     shape = plan.static_shape
-    model, stages, _, _, _ = run_plan(plan, model)
+    model, stages, _, _, _ = run_plan(plan, model, external_data)
+    weights_dir = external_data.parent if external_data is not None else None
     scales = None
     if shape.cache_dtype == "int8":
         if plan.calibrator is None:
             raise UserInputError("an int8 KV cache needs calibration data: pass --calib FILE")
+        if weights_dir is not None:
+            raise UserInputError("an int8 KV cache is calibrated on the whole with-past graph: compile with --blockwise off")
         scales = kv_scales(plan.calibrator, model, shape.layers)
-    pair = build_pair(model, shape, scales)
+    pair = build_pair(model, shape, scales, weights_dir)
     del model
-    encodings = pair_encodings(pair)
+    encodings = pair_encodings(pair, weights_dir)
     target, checks = None, {}
     for name in pair:
-        pair[name], target = reach_target(plan, pair[name], encodings, stages["lowering"])
+        with ir.weights_read_in(pair[name], weights_dir) as graph:
+            checked, target = reach_target(plan, graph, encodings, stages["lowering"])
+        pair[name] = checked
         if target is not None:
             checks[name] = target.check
     if target is not None:
         target.check = checks
     report, u8s8 = build_report(plan, stages, target)
     report.static = static_report(shape, pair, scales)
-    graphs = StaticGraphs(pair, u8s8, extra_files=tokenizer_files(plan.req.model),
+    graphs = StaticGraphs(pair, u8s8, extra_files=tokenizer_files(plan.req.model), weights_dir=weights_dir,
                           context_binary=plan.req.context_binary, htp_arch=plan.req.htp_arch,
                           max_context_mb=plan.req.max_context_mb, share_weights=plan.req.share_weights,
                           genai_config=qnn_genai_config)
@@ -470,7 +488,7 @@ def build_report(plan: CompilePlan, stages: dict, target: TargetSection | None, 
         edgeq_version=edgeq.__version__,
         input_model=str(plan.req.model),
         input_fingerprint=plan.fingerprint,
-        compile_path=CompilePathSection(plan.route is Route.BLOCKWISE, plan.blockwise_reason,
+        compile_path=CompilePathSection(plan.partition is not None, plan.blockwise_reason,
                                         plan.partition.num_layers if plan.partition is not None else None),
         recipe=RecipeSection(plan.recipe.name, plan.recipe.description, asdict(plan.recipe.calibration)),
         passes=stages["recipe"],

@@ -136,7 +136,13 @@ def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
             "export); stage 1 trains the projector on captions, stage 2 the projector and adapters on "
             "easy-VQA's questions (pip install easy-vqa). Writes the composed-VLM contract (model.onnx on "
             "inputs_embeds with the visual span inputs; with-past/ with a KV cache; calib.npz, eval.npz and "
-            "their meta files) plus metrics.json (test accuracy against the answer prior). Training is "
+            "their meta files) plus metrics.json (test accuracy against the answer prior), and for evaluation "
+            "from pixels (edgeq eval vqa): vision.onnx (the vision side: pixels [batch, S, S, 3], RGB in [0, 1] "
+            "at the image size S = 96 -> visual_tokens [batch, 36, 576]: the backbone, its features rounded to "
+            "float16 as cached for training, and the trained projector), embed_tokens.npy (the input embedding "
+            "table) and vqa_eval.npz (eval.npz's questions with their images as pixels at S: pixels, "
+            "question_image, prompt_ids with -1 at the visual span, answer_ids ending with <|im_end|>, question, "
+            "answer and qtype texts). Training is "
             "cached under $EDGEQ_CACHE_DIR/trained-vlm (default ~/.cache/edgeq), resumes from its last "
             "checkpoint when interrupted, and shows progress with an ETA (EDGEQ_PROGRESS=1 when stderr "
             "is not a terminal). Default settings: about 30 minutes on 2 otherwise idle cores, 4.6 GB peak."
@@ -148,7 +154,7 @@ def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     trained.add_argument("--calib-samples", type=positive_int, default=32, metavar="N",
                          help="calibration samples in calib.npz (default 32)")
     trained.add_argument("--eval-samples", type=positive_int, default=None, metavar="N",
-                         help="test questions in eval.npz (default 1000, --quick 200); metrics.json "
+                         help="test questions in eval.npz and vqa_eval.npz (default 1000, --quick 200); metrics.json "
                          "always scores the whole test set (--quick: 400 questions)")
 
     hf = _source(
@@ -186,7 +192,7 @@ def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
         help="a real-shaped LLM with random weights, for memory and time measurements (never accuracy)",
         description=(
             "Export a decoder LLM with the exact config of a released model (layers, widths, heads, "
-            "vocabulary, rope) and seeded random weights, without a KV cache. For memory and time "
+            "vocabulary, rope) and seeded random weights, without a KV cache (--with-past: with one). For memory and time "
             "measurements at real scale only, never for accuracy. The weights are streamed into "
             "model.onnx.data tensor by tensor, so exporting needs about one tensor of memory beyond "
             "the graph (a 3B model is 12.8 GB of fp32 weights on disk). No tokenizer files are written."
@@ -196,6 +202,9 @@ def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     rand.add_argument("--layers", type=positive_int, default=None, metavar="N",
                       help="for tests: fewer layers, same widths (default: the preset's layer count)")
     rand.add_argument("--seed", type=non_negative_int, default=0, help="seed of the random weights (default: 0)")
+    rand.add_argument("--with-past", action="store_true",
+                      help="the KV-cache graph (past_key_values.{i}.key/value in, present.{i}.* out), the form "
+                           "compile --static takes: a real-shaped static pair for the NPU's memory and time")
     for source in sources.choices.values():
         source.set_defaults(func=functools.partial(_held, source.get_default("func")))
     return export
@@ -283,5 +292,6 @@ def _run_tiny(args: argparse.Namespace) -> int:
 def _run_random(args: argparse.Namespace) -> int:
     from edgeq.models.random_presets import export_random
 
-    print(export_random(args.preset, args.output, layers=args.layers, seed=args.seed, force=args.force))
+    print(export_random(args.preset, args.output, layers=args.layers, seed=args.seed, force=args.force,
+                        with_past=args.with_past))
     return 0

@@ -27,6 +27,11 @@ Output folder (``export_composed_vlm``)::
     calib_meta.npz / eval_meta.npz  text_ids (-1 at visual/pad positions), is_visual, is_pad,
                                   image_index, pad_embedding (for ``variable_span_batch``)
     samples.json                  per sample: image, crop, flip, text file and token offset, spans
+    vision.onnx                   the vision side as a graph: pixels [batch, 224, 224, 3] (RGB in
+                                  [0, 1]) -> visual_tokens [batch, 196, 576] (backbone, then the
+                                  scaled projector): what the visual spans of the npz files hold
+    eval_pixels.npz               pixels [N, 224, 224, 3] float32: eval sample i's rendered crop,
+                                  the input vision.onnx turns into eval.npz's visual span i
     composed.json                 manifest: images per split, projector, token statistics, layout,
                                   the sanity figures measured at export
 
@@ -55,8 +60,11 @@ from edgeq.files.output_dir import atomic_output_dir
 from edgeq.models.craft_vision import (CRAFT_FILE, FEATURE_CHANNELS, GRID, IMAGE_SIZE, IMAGENET_MEAN, IMAGENET_STD,
                                        VISUAL_TOKENS, craft_weights_path, load_image, load_vgg_backbone, render_crop,
                                        require_skimage, sample_crops, vgg_features)
+from edgeq.evaluate.vqa_questions import VISION_FILE
 from edgeq.models.embeds_export import MODEL_FILE, MODEL_INPUTS, OPSET, SPAN_INPUTS, export_embeds_lm, ort_session
 from edgeq.models.package_files import dist_version
+
+EVAL_PIXELS_FILE = "eval_pixels.npz"
 
 # ---------------------------------------------------------------------------------------------
 # Constants
@@ -353,6 +361,18 @@ def _sanity(model, model_path: Path, inputs: dict, meta: dict, samples: int = 2)
 # ---------------------------------------------------------------------------------------------
 
 
+def _export_vision(backbone: list, matrix: np.ndarray, out: Path) -> Path:
+    """``vision.onnx`` of the composed VLM: the backbone, then ``features @ matrix`` (no bias)."""
+    import torch
+
+    from edgeq.models.vision_export import export_vision
+
+    projector = torch.nn.Linear(matrix.shape[0], matrix.shape[1], bias=False)
+    with torch.no_grad():
+        projector.weight.copy_(torch.from_numpy(np.ascontiguousarray(matrix.T)))
+    return export_vision(backbone, projector, IMAGE_SIZE, out)
+
+
 def export_composed_vlm(
     out_dir: str | os.PathLike,
     calib_samples: int = 16,
@@ -412,7 +432,9 @@ def export_composed_vlm(
             crops[split] = sample_crops(images[split], shapes, counts[split], rng)
             rendered = np.stack([render_crop(c, pictures[c.image]) for c in crops[split]])
             features[split] = vgg_features(backbone, rendered).reshape(len(rendered), VISUAL_TOKENS, FEATURE_CHANNELS)
-        del backbone, pictures
+            if split == "eval":
+                np.savez_compressed(tmp / EVAL_PIXELS_FILE, pixels=rendered)
+        del pictures, rendered
 
         ids, offsets = {}, {}
         for split, path in text_files.items():
@@ -423,6 +445,8 @@ def export_composed_vlm(
         proj = projector_matrix(seed)
         raw_rms = float(np.sqrt(np.mean((features["calib"].reshape(-1, FEATURE_CHANNELS) @ proj) ** 2)))
         scale = VISUAL_TO_TEXT_RMS * text_rms / raw_rms
+        _export_vision(backbone, (proj * scale).astype(np.float32), tmp)
+        del backbone
 
         stats, records = {}, []
         split_inputs, split_meta = {}, {}
@@ -468,6 +492,7 @@ def export_composed_vlm(
                 "preprocessing": "crop, optional horizontal flip, bilinear resize to 224x224 (aspect not "
                                  "kept, anti-aliased), RGB in [0,1], ImageNet mean/std",
                 "normalization": {"mean": IMAGENET_MEAN, "std": IMAGENET_STD},
+                "onnx": VISION_FILE, "eval_pixels": EVAL_PIXELS_FILE,
                 "scikit_image": dist_version("scikit-image"),
             },
             "projector": {

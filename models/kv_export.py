@@ -39,11 +39,11 @@ from pathlib import Path
 import numpy as np
 
 from edgeq.errors import UserInputError
+from edgeq.evaluate.vqa_questions import EMBED_TABLE_FILE
 from edgeq.families import TINY_WITH_PAST
 from edgeq.files.output_dir import atomic_output_dir
 
 MODEL_FILE = "model.onnx"
-EMBED_TABLE_FILE = "embed_tokens.npy"
 WITH_PAST_TASK = "text-generation-with-past"
 # TINY_WITH_PAST (edgeq.families): the tiny architectures with a cached form (``Family.tiny_with_past``);
 # the others and qwen2vl have none.

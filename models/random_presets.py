@@ -131,21 +131,25 @@ def preset_config(preset: str, layers: int | None = None):
 
 
 def export_random(preset: str, out_dir: str | os.PathLike, layers: int | None = None, seed: int = 0,
-                  force: bool = False) -> Path:
-    """Write the random ``preset`` model (``layers`` layers, weights from ``seed``) to ``out_dir``,
-    atomically: ``model.onnx``, ``model.onnx.data``, ``config.json``."""
+                  force: bool = False, with_past: bool = False) -> Path:
+    """Write the random ``preset`` model (``layers`` layers, weights from ``seed``; ``with_past``:
+    the KV-cache graph ``compile --static`` takes) to ``out_dir``, atomically: ``model.onnx``,
+    ``model.onnx.data``, ``config.json``."""
     config = preset_config(preset, layers)
     marker = {"export": "random", "preset": preset, "layers": config.num_hidden_layers, "seed": seed}
+    if with_past:
+        marker["with_past"] = True
     with atomic_output_dir(out_dir, force=force, marker=marker) as tmp:
-        write_random_decoder(config, tmp, seed=seed)
+        write_random_decoder(config, tmp, seed=seed, with_past=with_past)
     return Path(out_dir).resolve()
 
 
-def write_random_decoder(config, out: Path, seed: int = 0) -> None:
+def write_random_decoder(config, out: Path, seed: int = 0, with_past: bool = False) -> None:
     """Write the random decoder of the transformers ``config`` into the existing folder ``out``
     (not atomic): ``model.onnx`` with every weight in ``model.onnx.data``, and ``config.json``.
 
-    The graph is the one optimum exports for ``config`` (no KV cache); the weights are drawn from
+    The graph is the one optimum exports for ``config`` (``with_past``: its KV-cache form, each
+    layer reading ``past_key_values.{i}.*`` and writing ``present.{i}.*``); the weights are drawn from
     ``np.random.default_rng(seed)``: linears and the embedding ~ N(0, initializer_range), norm
     scales ~ N(1, 0.1), biases ~ N(0, 0.02).
     """
@@ -155,7 +159,7 @@ def write_random_decoder(config, out: Path, seed: int = 0) -> None:
     if not getattr(config, "architectures", None):
         raise ValueError("the config names no architecture (config.architectures)")
     vocab, ffn = [s for s in _SENTINELS if s not in _config_ints(config)][:2]
-    model = _export_skeleton(config, vocab, ffn)
+    model = _export_skeleton(config, vocab, ffn, with_past)
     _set_widths(model, {vocab: config.vocab_size, ffn: config.intermediate_size})
     weights = _weight_roles(model.graph)
     for tensor in model.graph.initializer:  # the skeleton's weights: drawn afresh, never copied per layer
@@ -178,8 +182,11 @@ def _config_ints(config) -> set[int]:
     return ints | {heads * head_dim, kv * head_dim, head_dim}
 
 
-def _export_skeleton(config, vocab: int, ffn: int) -> onnx.ModelProto:
-    """optimum's export of ``config`` with 2 layers, vocabulary ``vocab`` and MLP width ``ffn``."""
+def _export_skeleton(config, vocab: int, ffn: int, with_past: bool = False) -> onnx.ModelProto:
+    """optimum's export of ``config`` with 2 layers, vocabulary ``vocab`` and MLP width ``ffn``
+    (``with_past``: with its KV cache)."""
+    from edgeq.models.kv_export import WITH_PAST_TASK
+
     require_export_deps()
     import torch
     import transformers
@@ -201,7 +208,7 @@ def _export_skeleton(config, vocab: int, ffn: int) -> onnx.ModelProto:
         model.save_pretrained(hf)
         del model
         onnx_dir.mkdir()
-        export_to(hf, onnx_dir, "text-generation")
+        export_to(hf, onnx_dir, WITH_PAST_TASK if with_past else "text-generation")
         return onnx.load_model(str(onnx_dir / MODEL_FILE), load_external_data=False)
 
 
@@ -279,7 +286,11 @@ class _LayerTemplate:
         self.produced = {out for node in self.nodes for out in node.output}
         reads = {name for node in self.nodes for name in node.input}
         outside_reads = {name for node in (*self.before, *self.after) for name in node.input}
-        handed_on = sorted(self.produced & (outside_reads | {o.name for o in graph.output}))
+        # a KV-cache graph: layer 1 reads its past entries and writes its present ones (graph I/O of its own)
+        self.cache_inputs = [v for v in graph.input if _cache_layer(v.name) == 1]
+        self.cache_outputs = [v for v in graph.output if _cache_layer(v.name) == 1]
+        own_outputs = {v.name for v in self.cache_outputs}
+        handed_on = sorted(self.produced & (outside_reads | {o.name for o in graph.output}) - own_outputs)
         if len(handed_on) != 1 or not _in_layer(handed_on[0], 1):
             raise RuntimeError(f"layer 1 of the skeleton should hand one tensor on, it hands {handed_on}")
         self.stream_out = handed_on[0]
@@ -296,7 +307,10 @@ class _LayerTemplate:
         """Layer ``layer`` (>= 1): the template's nodes and initializers renamed, reading the
         residual stream of layer ``layer - 1`` and whatever else the template reads (shared)."""
         renamed = {self.stream_in: self.stream_name(layer - 1)}
+        renamed.update({v.name: _cache_name(v.name, layer) for v in (*self.cache_inputs, *self.cache_outputs)})
         for name in (*self.produced, *(t.name for t in self.initializers), *(n.name for n in self.nodes)):
+            if name in renamed:
+                continue
             if "/layers.1/" in name or ".layers.1." in name:
                 renamed[name] = name.replace("/layers.1/", f"/layers.{layer}/").replace(".layers.1.", f".layers.{layer}.")
             elif name:
@@ -318,10 +332,45 @@ class _LayerTemplate:
         return nodes, initializers
 
 
+def _cache_layer(name: str) -> int | None:
+    """The layer of a KV-cache graph input or output (``past_key_values.3.key``, ``present.3.value``)."""
+    m = re.fullmatch(r"(?:past_key_values|present)\.(\d+)\.(?:key|value)", name)
+    return int(m.group(1)) if m else None
+
+
+def _cache_name(name: str, layer: int) -> str:
+    prefix, _, kind = name.split(".")
+    return f"{prefix}.{layer}.{kind}"
+
+
+def _cache_io(values, template: list, layers: int) -> list:
+    """Graph inputs or outputs with layer 1's cache entries replaced by one set per layer 1..L-1,
+    in layer order (where layer 1's stood)."""
+    out, done = [], False
+    for v in values:
+        if _cache_layer(v.name) != 1:
+            out.append(v)
+        elif not done:
+            done = True
+            for layer in range(1, layers):
+                for t in template:
+                    copy = onnx.ValueInfoProto()
+                    copy.CopyFrom(t)
+                    copy.name = _cache_name(t.name, layer)
+                    out.append(copy)
+    return out
+
+
 def _replicate_layers(graph: onnx.GraphProto, layers: int) -> None:
     """Turn the 2-layer skeleton ``graph`` into ``layers`` layers, in place: layer 0 stays, layer 1
     is the template of layers 1..layers-1 (so it is dropped when ``layers`` is 1)."""
     template = _LayerTemplate(graph)
+    if template.cache_inputs or template.cache_outputs:
+        for field, own in ((graph.input, template.cache_inputs), (graph.output, template.cache_outputs)):
+            values = _cache_io(list(field), own, layers)
+            copies = [onnx.ValueInfoProto.FromString(v.SerializeToString()) for v in values]
+            del field[:]
+            field.extend(copies)
     fresh = _FreshNames(graph)
     nodes, initializers = [], []
     for layer in range(1, layers):

@@ -27,6 +27,16 @@ Output folder::
                                    attention_mask 0 at pads); meta: text_ids, is_visual, is_pad,
                                    pad_len, labels (answer tokens, else -100), qtype, question_index,
                                    image_index, pad_embedding
+    vision.onnx                    the vision side: pixels [batch, S, S, 3] (RGB in [0, 1], S the
+                                   image size, 96 by default) -> visual_tokens [batch, (S/16)^2,
+                                   hidden]: CRAFT backbone, features rounded to float16 (as cached
+                                   for training), projector; what eval.npz's visual spans hold
+    vqa_eval.npz                   the same test questions with their images as pixels, for
+                                   evaluation from pixels (``edgeq eval vqa``): pixels (the distinct
+                                   images, resized to S), question_image, prompt_ids (-1 at the
+                                   visual span), answer_ids (answer + <|im_end|>), texts, qtype;
+                                   the form is ``edgeq.evaluate.vqa_questions``
+    embed_tokens.npy               the input embedding table [vocab, hidden] (text ids -> inputs_embeds)
     projector.npz                  the trained projector's weights
     metrics.json                   test accuracy (all questions, per type), prior_accuracy, the
                                    training summary, times and the machine
@@ -47,6 +57,8 @@ from typing import Sequence
 import numpy as np
 
 from edgeq.errors import UserInputError
+from edgeq.evaluate.vqa import accuracy_by_type as summarize_correct
+from edgeq.evaluate.vqa_questions import EMBED_TABLE_FILE, QUESTIONS_FILE, VISION_FILE, write_questions
 from edgeq.files.output_dir import atomic_output_dir
 from edgeq.models.easy_vqa import (IGNORE, QUESTION_TYPES, VISUAL, ChatFormat, Question, accuracy_by_type, answer_prior,
                                    image_ids, load_images, load_questions, prior_accuracy, stratified)
@@ -263,12 +275,7 @@ def vqa_accuracy(session, inputs: dict, meta: dict, batch: int = 8) -> dict:
         labels = meta["labels"][start:start + batch]
         correct.extend(vqa_correct(logits, labels).tolist())
         scored_logits.append(logits[:, :-1][labels[:, 1:] != IGNORE])
-    types = [QUESTION_TYPES[int(t)] for t in meta["qtype"]]
-    out = {"accuracy": round(float(np.mean(correct)), 4), "questions": n, "per_type": {}}
-    for t in QUESTION_TYPES:
-        rows = [c for c, q in zip(correct, types) if q == t]
-        if rows:
-            out["per_type"][t] = round(float(np.mean(rows)), 4)
+    out = summarize_correct(correct, [QUESTION_TYPES[int(t)] for t in meta["qtype"]], order=QUESTION_TYPES)
     return {**out, "correct": correct, "logits": np.concatenate(scored_logits)}
 
 
@@ -286,15 +293,37 @@ def _calibration_rows(chat: ChatFormat, train_q: Sequence[Question], images: Seq
     return rows
 
 
-def write_samples(tmp: Path, chat: ChatFormat, projector, table: np.ndarray, pad_id: int, settings: TrainSettings,
-                  calib_samples: int, eval_samples: int) -> dict:
-    """calib.npz / eval.npz and their meta files (the composed-VLM contract) into ``tmp``."""
-    cache = cache_folder(settings)
+def _split_prompt(ids: Sequence[int], labels: Sequence[int]) -> tuple[list[int], list[int]]:
+    """A one-question conversation cut where its answer starts: (prompt, answer + <|im_end|>)."""
+    first = next(p for p, label in enumerate(labels) if label != IGNORE)
+    return list(ids[:first]), list(ids[first:])
+
+
+def write_vqa_questions(path: Path, chat: ChatFormat, questions: Sequence[Question], question_index: Sequence[int],
+                        image_size: int) -> Path:
+    """``vqa_eval.npz``: ``questions`` of the test split with their images as pixels at ``image_size``
+    (the pixels vision.onnx takes) and the prompts / answers eval.npz teacher-forces."""
+    from edgeq.models.vlm_training import resize_images
+
+    images = image_ids(questions)
+    row_of = {i: k for k, i in enumerate(images)}
+    cut = [_split_prompt(*chat.conversation([(q.text, q.answer)])) for q in questions]
+    return write_questions(
+        path, resize_images(load_images("test", images), image_size), images, [row_of[q.image] for q in questions],
+        [p for p, _ in cut], [a for _, a in cut], chat.end[0], [q.text for q in questions],
+        [q.answer for q in questions], [q.qtype for q in questions], question_index)
+
+
+def write_samples(tmp: Path, chat: ChatFormat, projector, table: np.ndarray, pad_id: int, image_size: int,
+                  features, calib_samples: int, eval_samples: int) -> dict:
+    """calib.npz / eval.npz and their meta files (the composed-VLM contract) and vqa_eval.npz into
+    ``tmp``. ``features(split, ids, tag)``: the frozen encoder's features of images ``ids`` of
+    ``split`` (the training cache's, or computed)."""
     train_q, test_q = load_questions("train"), load_questions("test")
     all_train = image_ids(train_q)
     # calibration from the far end of the train images (stage 2 of --quick never saw them)
     calib_images = [all_train[i] for i in np.linspace(len(all_train) - 1, len(all_train) // 2, calib_samples).round().astype(int)]
-    feats = _features(cache, "train", calib_images, settings, tag="calib")
+    feats = features("train", calib_images, "calib")
     rows = _calibration_rows(chat, train_q, calib_images)
     inputs, meta = _left_padded(rows, _visual_tokens(projector, feats), table, pad_id, chat.visual_start)
     meta["image_index"] = np.asarray(calib_images, np.int64)
@@ -307,7 +336,7 @@ def write_samples(tmp: Path, chat: ChatFormat, projector, table: np.ndarray, pad
     picked = stratified(test_q, eval_samples)
     questions = [test_q[i] for i in picked]
     images = image_ids(questions)
-    feats = _features(cache, "test", images, settings)
+    feats = features("test", images, None)
     row_of = {i: k for k, i in enumerate(images)}
     visual = _visual_tokens(projector, feats)[[row_of[q.image] for q in questions]]
     rows = [chat.conversation([(q.text, q.answer)]) for q in questions]
@@ -318,6 +347,7 @@ def write_samples(tmp: Path, chat: ChatFormat, projector, table: np.ndarray, pad
     meta["pad_embedding"] = table[pad_id].copy()
     np.savez(tmp / "eval.npz", **inputs)
     np.savez(tmp / "eval_meta.npz", **meta)
+    write_vqa_questions(tmp / QUESTIONS_FILE, chat, questions, picked, image_size)
     return {"calib": {"samples": calib_samples, "source": "train images (second half), questions as one conversation",
                       "seq_len": calib_len},
             "eval": {"samples": eval_samples, "source": "test questions spread evenly over the split",
@@ -356,10 +386,12 @@ def export_trained_vlm(out_dir: str | os.PathLike, quick: bool = False, seed: in
 
     import torch
 
+    from edgeq.models.craft_vision import load_vgg_backbone
     from edgeq.models.embeds_export import MODEL_FILE, MODEL_INPUTS, export_embeds_lm, ort_session
     from edgeq.models.hf_export import copy_sidecar_files
-    from edgeq.models.kv_export import EMBED_TABLE_FILE, export_embeds_lm_with_past
+    from edgeq.models.kv_export import export_embeds_lm_with_past
     from edgeq.models.smollm2 import save_hf_folder
+    from edgeq.models.vision_export import export_vision
     from edgeq.models.vlm_training import merged_language_model, projector_module
 
     marker = {"export": "trained-vlm", "quick": quick, "seed": seed}
@@ -380,8 +412,13 @@ def export_trained_vlm(out_dir: str | os.PathLike, quick: bool = False, seed: in
         shutil.copy2(hf / "config.json", tmp / "config.json")
         copy_sidecar_files(hf, tmp)
         log("trained VLM: writing calibration and evaluation samples")
-        samples = write_samples(tmp, chat, projector, table, pad_id, settings, calib_samples, eval_samples)
+        samples = write_samples(tmp, chat, projector, table, pad_id, settings.image_size,
+                                lambda split, ids, tag: _features(cache, split, ids, settings, tag),
+                                calib_samples, eval_samples)
         np.savez(tmp / "projector.npz", **{k: v.numpy() for k, v in trained["projector"].items()})
+        log("trained VLM: exporting the vision side (vision.onnx)")
+        export_vision(load_vgg_backbone(), projector, settings.image_size, tmp, round_to_float16=True)
+        np.save(tmp / EMBED_TABLE_FILE, table)
         log("trained VLM: exporting ONNX (no cache, then with a KV cache)")
         export_embeds_lm(lm.model, lm.lm_head, tmp, lm.config.hidden_size)
         past = tmp / WITH_PAST_DIR
@@ -409,7 +446,9 @@ def export_trained_vlm(out_dir: str | os.PathLike, quick: bool = False, seed: in
             "visual_start_unpadded": chat.visual_start,
             "samples": samples,
             "onnx": {"file": MODEL_FILE, "inputs": list(MODEL_INPUTS), "outputs": ["logits"],
-                     "with_past": f"{WITH_PAST_DIR}/{MODEL_FILE}"},
+                     "with_past": f"{WITH_PAST_DIR}/{MODEL_FILE}", "vision": VISION_FILE,
+                     "embed_table": EMBED_TABLE_FILE},
+            "vqa_questions": QUESTIONS_FILE,
             "accuracy": metrics["accuracy"], "prior_accuracy": metrics["prior_accuracy"],
             "versions": {d: dist_version(d) for d in ("torch", "transformers", "peft", "easy-vqa", "onnx", "onnxruntime")},
         }

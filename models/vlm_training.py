@@ -95,18 +95,24 @@ def projector_module(hidden: int):
                                torch.nn.Linear(hidden, hidden))
 
 
-def image_features(images: np.ndarray, image_size: int, backbone) -> np.ndarray:
-    """Frozen-encoder features: images [N, h, w, 3] in [0, 1] resized (bilinear) to
-    ``image_size`` -> CRAFT backbone -> [N, (image_size/16)^2, 512] float16."""
+def resize_images(images: np.ndarray, image_size: int) -> np.ndarray:
+    """Images [N, h, w, 3] in [0, 1] resized (bilinear, torch's ``interpolate``) to ``image_size``
+    and clipped to [0, 1]: float32 [N, S, S, 3], the pixels the vision encoder sees (and what
+    ``vision.onnx`` and ``vqa_eval.npz`` hold)."""
     import torch
     import torch.nn.functional as F
 
+    x = torch.from_numpy(np.ascontiguousarray(np.asarray(images, np.float32).transpose(0, 3, 1, 2)))
+    x = F.interpolate(x, size=(image_size, image_size), mode="bilinear", align_corners=False)
+    return np.ascontiguousarray(x.clamp(0, 1).permute(0, 2, 3, 1).numpy())
+
+
+def image_features(images: np.ndarray, image_size: int, backbone) -> np.ndarray:
+    """Frozen-encoder features: images [N, h, w, 3] in [0, 1] resized (``resize_images``) to
+    ``image_size`` -> CRAFT backbone -> [N, (image_size/16)^2, 512] float16."""
     from edgeq.models.craft_vision import vgg_features
 
-    x = torch.from_numpy(np.ascontiguousarray(images.transpose(0, 3, 1, 2)))
-    x = F.interpolate(x, size=(image_size, image_size), mode="bilinear", align_corners=False)
-    resized = x.clamp(0, 1).permute(0, 2, 3, 1).numpy()
-    feats = vgg_features(backbone, resized, chunk=32)
+    feats = vgg_features(backbone, resize_images(images, image_size), chunk=32)
     return feats.reshape(len(feats), -1, FEATURE_CHANNELS).astype(np.float16)
 
 

@@ -27,7 +27,7 @@ from edgeq.runtime_ops.domain import DOMAIN, DOMAIN_VERSION
 from edgeq.runtime_ops.schema import get_schema
 
 
-class ExpandFunctionsPass(Pass, name="expand-functions", exactness=Exactness.EXACT,
+class ExpandFunctionsPass(Pass, name="expand-functions", per_block=True, exactness=Exactness.EXACT,
                           summary="inline every edgeq custom op as its ONNX function body (standard ops only; target lowering)"):
     def run(self, graph: gs.Graph, ctx: PassContext) -> PassResult:
         sites = [(g, n) for g, n in ir.nodes_with_graphs(graph) if n.domain == DOMAIN]

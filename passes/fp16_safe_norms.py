@@ -70,7 +70,7 @@ class _Norm:
     product: gs.Node
 
 
-class Fp16SafeNormsPass(Pass, name="fp16-safe-norms", exactness=Exactness.FLOAT_EQUIV, config=Fp16SafeNormsConfig,
+class Fp16SafeNormsPass(Pass, name="fp16-safe-norms", per_block=True, exactness=Exactness.FLOAT_EQUIV, config=Fp16SafeNormsConfig,
                         calibrates=True,
                         summary="RMSNorm fed x * 2^-k (eps * 4^-k) so its sum of squares fits fp16 (QNN's HTP computes "
                                 "float ops in fp16; target lowering)"):

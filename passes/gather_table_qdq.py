@@ -37,7 +37,7 @@ class GatherTableQDQConfig(PassConfig):
             raise UserInputError(f"gather-table-qdq: dtype must be one of {', '.join(TABLE_DTYPES)}")
 
 
-class GatherTableQDQPass(Pass, name="gather-table-qdq", exactness=Exactness.LOSSY, config=GatherTableQDQConfig,
+class GatherTableQDQPass(Pass, name="gather-table-qdq", per_block=True, exactness=Exactness.LOSSY, config=GatherTableQDQConfig,
                          summary="float lookup tables (embeddings) -> 16-bit integer table, DQ -> Gather -> Q -> DQ "
                                  "(QNN's HTP takes no float Gather; target lowering)"):
     def run(self, graph: gs.Graph, ctx: PassContext) -> PassResult:

@@ -54,7 +54,7 @@ class LinearOutputQDQConfig(PassConfig):
             raise UserInputError(f"linear-output-qdq: activations must be 'match' or one of {', '.join(ACTIVATION_DTYPES)}")
 
 
-class LinearOutputQDQPass(Pass, name="linear-output-qdq", exactness=Exactness.LOSSY, config=LinearOutputQDQConfig,
+class LinearOutputQDQPass(Pass, name="linear-output-qdq", per_block=True, exactness=Exactness.LOSSY, config=LinearOutputQDQConfig,
                           calibrates=True,
                           summary="quantize the output of each linear with a per-channel weight at its input's type: "
                                   "whole QDQ node units for QNN's HTP (target lowering)"):

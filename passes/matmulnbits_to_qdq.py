@@ -187,7 +187,7 @@ def _fresh(names: set[str], base: str) -> str:
     return name
 
 
-class MatMulNBitsToQDQPass(Pass, name="matmulnbits-to-qdq", exactness=Exactness.FLOAT_EQUIV,
+class MatMulNBitsToQDQPass(Pass, name="matmulnbits-to-qdq", per_block=True, exactness=Exactness.FLOAT_EQUIV,
                            summary="com.microsoft::MatMulNBits -> int4/uint4 block DequantizeLinear + MatMul (target lowering)"):
     def run(self, graph: gs.Graph, ctx: PassContext) -> PassResult:
         index = ir.GraphIndex(graph)

@@ -20,7 +20,7 @@ from edgeq.passmanager.passbase import Exactness, Pass, PassContext, PassNotAppl
 from edgeq.quantize.quant import dequantize
 
 
-class OuterProductToMulPass(Pass, name="outer-product-to-mul", exactness=Exactness.FLOAT_EQUIV,
+class OuterProductToMulPass(Pass, name="outer-product-to-mul", per_block=True, exactness=Exactness.FLOAT_EQUIV,
                             summary="MatMul with inner dimension 1 -> broadcasting Mul with the dequantized weight row "
                                     "(QNN's HTP fails to prepare it at decode; target lowering)"):
     def run(self, graph: gs.Graph, ctx: PassContext) -> PassResult:

@@ -24,7 +24,7 @@ from edgeq.quantize.quant import dequantize_weight
 from edgeq.targets.requant import ErrorMeter, broadcast_param, replace_weight, set_inputs, weight_dequantizers
 
 
-class PositiveWeightScalesPass(Pass, name="positive-weight-scales", exactness=Exactness.LOSSY,
+class PositiveWeightScalesPass(Pass, name="positive-weight-scales", per_block=True, exactness=Exactness.LOSSY,
                                summary="negative weight scales flipped with their integers (target lowering: the HTP needs scale > 0)"):
     def run(self, graph: gs.Graph, ctx: PassContext) -> PassResult:
         index = ir.GraphIndex(graph)

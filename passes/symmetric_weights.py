@@ -29,7 +29,7 @@ from edgeq.targets.requant import ErrorMeter, replace_weight, set_inputs, weight
 _SIGNED = {"uint8": "int8", "uint4": "int4", "uint16": "int16", "int8": "int8", "int4": "int4", "int16": "int16"}
 
 
-class SymmetricWeightsPass(Pass, name="symmetric-weights", exactness=Exactness.LOSSY,
+class SymmetricWeightsPass(Pass, name="symmetric-weights", per_block=True, exactness=Exactness.LOSSY,
                            summary="integer weights -> signed symmetric (uint shifted exactly, asymmetric requantized; target lowering)"):
     def run(self, graph: gs.Graph, ctx: PassContext) -> PassResult:
         index = ir.GraphIndex(graph)

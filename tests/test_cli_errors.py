@@ -240,7 +240,7 @@ def test_bad_model_path_is_one_line(command, kind, tmp_path, capfd):
 
 
 @pytest.mark.parametrize("argv, needle", [([], "a command is required"),
-                                          (["eval"], "eval needs a subcommand: ppl or compare")],
+                                          (["eval"], "eval needs a subcommand: ppl, compare or vqa")],
                          ids=["edgeq", "edgeq eval"])
 def test_a_missing_command_is_a_usage_error(capfd, argv, needle):
     """The help on stdout, one error line on stderr, exit 2 (``edgeq --help`` is the way to ask)."""

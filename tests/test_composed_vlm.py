@@ -324,6 +324,24 @@ def test_composed_vlm_images_are_disjoint(composed_vlm_dir):
 
 
 @pytest.mark.slow
+def test_composed_vlm_vision_onnx_gives_the_eval_visual_tokens(composed_vlm_dir):
+    """vision.onnx on eval_pixels.npz (the rendered crops) gives eval.npz's visual spans."""
+    from edgeq.evaluate.vqa import visual_tokens
+    from edgeq.runtime.ort_session import open_session
+
+    inputs, _ = cv.load_split(composed_vlm_dir, "eval")
+    with np.load(composed_vlm_dir / cv.EVAL_PIXELS_FILE) as npz:
+        pixels = npz["pixels"]
+    assert pixels.shape == (len(inputs["inputs_embeds"]), 224, 224, 3) and pixels.dtype == np.float32
+    session = open_session(composed_vlm_dir / "vision.onnx")
+    assert session.get_inputs()[0].shape[1:] == [224, 224, 3]
+    got = visual_tokens(session, pixels[:4])
+    start, length = int(inputs["visual_start"][0]), int(inputs["visual_len"][0])
+    want = inputs["inputs_embeds"][:4, start:start + length]
+    np.testing.assert_allclose(got, want, rtol=0, atol=1e-4 * float(np.abs(want).max()))
+
+
+@pytest.mark.slow
 def test_composed_vlm_onnx_matches_torch(composed_vlm_dir):
     import torch
 

@@ -18,6 +18,7 @@ import pytest
 from edgeq.cli import main
 from edgeq.errors import UserInputError
 from edgeq.evaluate.generate import greedy_decode
+from edgeq.evaluate.vqa_questions import EMBED_TABLE_FILE
 from edgeq.models import kv_export as kv
 from edgeq.models.embeds_export import MODEL_INPUTS, export_embeds_lm, ort_session
 
@@ -287,7 +288,7 @@ def test_composed_vlm_with_past_matches_no_cache(composed_vlm_dir, composed_vlm_
     assert [o.name for o in model.graph.output] == ["logits", *kv.present_names(layers)]
     del model
     assert manifest["with_past"]["prefill_vs_no_cache_max_abs_logit_diff"] < 1e-3
-    table = np.load(folder / kv.EMBED_TABLE_FILE)
+    table = np.load(folder / EMBED_TABLE_FILE)
     assert table.shape == (49152, 576) and table.dtype == np.float32
     for split in ("calib", "eval"):
         ours, theirs = np.load(folder / f"{split}.npz"), np.load(composed_vlm_dir / f"{split}.npz")

@@ -249,6 +249,35 @@ def test_quick_export_follows_the_composed_vlm_contract(trained_vlm_quick_dir):
 
 
 @pytest.mark.slow
+def test_quick_export_evaluates_from_pixels(trained_vlm_quick_dir):
+    """vision.onnx on vqa_eval.npz's pixels gives eval.npz's visual spans (its features rounded to
+    float16 as the training cache holds them: a rare element may round the other way), and
+    ``edgeq eval vqa`` from pixels scores the questions as the teacher-forced eval.npz does."""
+    from edgeq.evaluate.vqa import evaluate_vqa, spread_rows, visual_tokens
+    from edgeq.evaluate.vqa_questions import QUESTIONS_FILE, VISION_FILE, load_questions
+    from edgeq.models.embeds_export import ort_session
+    from edgeq.models.trained_vlm import load_eval, vqa_accuracy
+    from edgeq.runtime.ort_session import open_session
+
+    folder = trained_vlm_quick_dir
+    q = load_questions(folder / QUESTIONS_FILE)
+    inputs, meta = load_eval(folder)
+    assert len(q) == len(meta["labels"]) and q.image_size == 96
+    rows = spread_rows(len(q), 16)
+    tokens = visual_tokens(open_session(folder / VISION_FILE), q.pixels[q.question_image[rows]])
+    for k, i in enumerate(rows):
+        start, length = int(inputs["visual_start"][i]), int(inputs["visual_len"][i])
+        want = inputs["inputs_embeds"][i, start:start + length]
+        np.testing.assert_allclose(tokens[k], want, rtol=0, atol=2e-3 * float(np.abs(want).max()))
+    result = evaluate_vqa(folder, samples=48)
+    rows = np.asarray(result["question_rows"])
+    teacher = vqa_accuracy(ort_session(folder / "model.onnx"), {k: v[rows] for k, v in inputs.items()},
+                           {k: (v if k == "pad_embedding" else v[rows]) for k, v in meta.items()})
+    agree = np.mean(np.asarray(result["correct"]) == np.asarray(teacher["correct"]))
+    assert agree >= 0.95 and abs(result["accuracy"] - teacher["accuracy"]) <= 0.05, (result, teacher["accuracy"])
+
+
+@pytest.mark.slow
 def test_msq_aifs_compile_on_the_trained_vlm(trained_vlm_quick_dir, tmp_path):
     from edgeq.models.embeds_export import ort_session
     from edgeq.models.trained_vlm import load_eval, vqa_accuracy

@@ -116,6 +116,7 @@ class StaticGraphs:
     htp_arch: int | None = None
     max_context_mb: float | None = None
     share_weights: bool = False
+    weights_dir: Path | None = None  # where initializers still stored as external data are (block-wise)
     # with context binaries: writes what onnxruntime-genai needs beside them, returns its record
     # (given by the compiler: ``edgeq.genai`` imports this package, so it is not imported here)
     genai_config: Callable[[Path, CompileReport, StaticGraphs], dict] | None = None
@@ -123,7 +124,7 @@ class StaticGraphs:
     def write_into(self, tmp: Path, report: CompileReport) -> int:
         from edgeq.static.shared_weights import save_sharing_weights
 
-        weights = save_sharing_weights(self.models, tmp)
+        weights = save_sharing_weights(self.models, tmp, source_dir=self.weights_dir)
         report.static = {**(report.static or {}), "weights": weights}
         first = tmp / next(iter(self.models))
         report.u8s8 = _u8s8_report(first, None, self.u8s8)  # (the worst-case bound; the same weights in both)

@@ -87,13 +87,13 @@ def compile_blocks(skeleton: onnx.ModelProto, part: Partition, base_dir: Path, d
                 carry.advance(cut=part.stream[0], capture=part.stream[i + 1])
             compiled, recs = run_block(block_graph(skeleton, part, i, base_dir), i)
             records.append(recs)
-            _check_present(compiled, [part.stream[i + 1]] + ([part.stream[0]] if i > 0 else []), i)
+            _check_present(compiled, [part.stream[i + 1], *part.layer_outputs[i]] + ([part.stream[0]] if i > 0 else []), i)
             base = set(part.prologue_outputs) | {o for k in part.support[i] for o in skeleton.graph.node[k].output}
             base |= {t.name for t in skeleton.graph.input}
             if i == 0:  # (a prologue tensor the passes made unused, a tied head's Transpose, may be gone)
                 assembler.add(compiled, ancestors(compiled, [o for o in part.prologue_outputs if o not in head_side],
                                                   {t.name for t in skeleton.graph.input}), {}, "prologue")
-            targets = [part.stream[i + 1], *sorted(part.exported_support[i])]
+            targets = [part.stream[i + 1], *sorted(part.exported_support[i]), *part.layer_outputs[i]]
             block = ancestors(compiled, targets, base | {part.stream[0]})
             kept = {n.name for n in block}
             if i == 0:

@@ -86,7 +86,7 @@ class Assembler:
             for j, x in enumerate(node.output):
                 if x in mapping:
                     node.output[j] = mapping[x]
-            if node.name in self.node_names:
+            if node.name and node.name in self.node_names:  # (unnamed nodes stay unnamed)
                 node.name = f"{node.name}__{label}"
             self.node_names.add(node.name)
             self.nodes.append(node)

@@ -164,7 +164,10 @@ def block_model(skeleton: onnx.ModelProto, part: Partition, i: int, base_dir: Pa
     if real_shapes:  # structure analysis sees the vocabulary through the stand-ins (a head stays lm_head)
         model.metadata_props.add(key=facts.STAND_INS.key, value=facts.STAND_INS.encode(real_shapes))
     g.input.extend(graph.input)
+    others = {o for j, outs in enumerate(part.layer_outputs) if j != i for o in outs}
     for out in graph.output:
+        if out.name in others:  # another layer's KV-cache entries: not computed here
+            continue
         vi = g.output.add()
         vi.CopyFrom(out)
         if real_side in ("none", "embedding") and stand_ins:  # the stand-in head's width is not the vocabulary

@@ -33,6 +33,13 @@ class Partition:
     support: list[list[int]]  # per layer: nodes of other layers it reads from (rotary tables)
     prologue_outputs: list[str]  # prologue tensors read by layers or epilogue
     exported_support: list[set[str]]  # per layer: its tensors that other layers read
+    # per layer: the graph outputs it produces (a with-past graph's present.{i}.key/value), in the
+    # graph's output order; empty for a graph without a KV cache
+    layer_outputs: list[list[str]] | None = None
+
+    def __post_init__(self):
+        if self.layer_outputs is None:
+            self.layer_outputs = [[] for _ in self.layers]
 
     @property
     def num_layers(self) -> int:
@@ -136,10 +143,15 @@ def partition(model: onnx.ModelProto) -> Partition:
             for o in nodes[k].output:
                 if o not in allowed and any(part_of[c] != ("l", i) for c in readers.get(o, ())):
                     raise NotPartitionable(f"layer {i}'s tensor {o} is read outside the layer")
-    outputs = {o.name for o in graph.output}
-    if any(producer.get(o) is not None and part_of[producer[o]][0] != "e" for o in outputs):
-        raise NotPartitionable("a graph output is produced outside the epilogue (KV-cache outputs: export without past)")
+    # graph outputs come from the epilogue (logits) or from one layer (that layer's KV-cache entries)
+    layer_outputs: list[list[str]] = [[] for _ in range(num_layers)]
+    for o in (o.name for o in graph.output):
+        where = part_of.get(producer.get(o, -1), ("input", None))
+        if where[0] == "l":
+            layer_outputs[where[1]].append(o)
+        elif where[0] != "e":
+            raise NotPartitionable(f"graph output {o} is produced outside the layers and the epilogue")
     prologue_set = set(prologue)
     prologue_outputs = sorted({name for k in range(len(nodes)) if k not in prologue_set for name in nodes[k].input
                                if name in producer and producer[name] in prologue_set})
-    return Partition(prologue, layers, epilogue, stream, support, prologue_outputs, exported)
+    return Partition(prologue, layers, epilogue, stream, support, prologue_outputs, exported, layer_outputs)

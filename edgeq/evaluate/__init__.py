@@ -1,5 +1,6 @@
-"""Evaluation with onnxruntime on CPU: perplexity on text (``perplexity``) and model-vs-model
-error (``compare``). ``edgeq.evaluate.cli.register`` adds the ``edgeq eval`` subcommands.
+"""Evaluation with onnxruntime on CPU: perplexity on text (``perplexity``), model-vs-model
+error (``compare``) and a VLM's VQA accuracy from pixels (``edgeq.evaluate.vqa``).
+``edgeq.evaluate.cli.register`` adds the ``edgeq eval`` subcommands.
 
 ``compare`` here is the function; its module is ``edgeq.evaluate.compare`` (imported eagerly so
 the package attribute is the function, not the submodule). What evaluation shares with the rest of

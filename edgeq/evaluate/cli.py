@@ -1,4 +1,4 @@
-"""``edgeq eval``: perplexity of one model, or the error of one model against another."""
+"""``edgeq eval``: perplexity of one model, the error of one model against another, or a VLM's VQA accuracy."""
 
 from __future__ import annotations
 
@@ -23,17 +23,17 @@ _PROTOCOL = (
 
 
 def register(subparsers: Any) -> argparse.ArgumentParser:
-    """Add ``eval ppl`` and ``eval compare`` to the top-level subparsers."""
+    """Add ``eval ppl``, ``eval compare`` and ``eval vqa`` to the top-level subparsers."""
     ev = subparsers.add_parser(
         "eval",
-        help="evaluate models: perplexity on text, or error against a reference model",
+        help="evaluate models: perplexity on text, error against a reference model, VQA accuracy of a VLM",
         description="Evaluate models with onnxruntime on CPU.",
     )
-    sub = ev.add_subparsers(dest="eval_command", metavar="{ppl,compare}")
+    sub = ev.add_subparsers(dest="eval_command", metavar="{ppl,compare,vqa}")
 
     def needs_subcommand(args: argparse.Namespace) -> int:  # help on stdout, the one error line on stderr
         ev.print_help()
-        raise UserInputError("eval needs a subcommand: ppl or compare")
+        raise UserInputError("eval needs a subcommand: ppl, compare or vqa")
 
     ev.set_defaults(func=needs_subcommand)
 
@@ -156,6 +156,36 @@ def register(subparsers: Any) -> argparse.ArgumentParser:
     cmp.add_argument("--threads", type=positive_int, default=None, metavar="T", help="onnxruntime intra-op threads")
     cmp.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
     cmp.set_defaults(func=run_compare)
+
+    vqa = sub.add_parser(
+        "vqa",
+        help="exact-match accuracy of a vision-language model on VQA questions, from pixels",
+        description="Exact-match accuracy of a vision-language model on easy-VQA questions, starting from "
+        "pixels as a deployment does: each question's image through MODEL/vision.onnx (pixels at the model's "
+        "image size -> visual tokens), the visual tokens placed at the prompt's visual span of inputs_embeds "
+        "(text tokens through MODEL/embed_tokens.npy), then greedy decoding with MODEL/model.onnx. A question "
+        "is correct when the greedy tokens are the gold answer followed by <|im_end|> (the rule the export's "
+        "metrics.json uses on eval.npz). onnxruntime on CPU.",
+        epilog="example: edgeq eval vqa artifacts/trained-vlm --samples 200 --json",
+    )
+    vqa.add_argument("model", metavar="MODEL",
+                     help="an fp32 VLM export folder (edgeq export trained-vlm -o MODEL): vision.onnx, model.onnx, "
+                     "embed_tokens.npy, tokenizer.json and vqa_eval.npz")
+    vqa.add_argument("--questions", metavar="FILE", default=None,
+                     help="questions with their images, an .npz of the form MODEL/vqa_eval.npz has (pixels "
+                     "[images, S, S, 3] at the model's image size, RGB floats in [0, 1] or uint8; prompt_ids with -1 "
+                     "at the visual span; answer_ids ending with end_id; texts; see edgeq.evaluate.vqa_questions); "
+                     "default: MODEL/vqa_eval.npz, the export's evaluation split")
+    vqa.add_argument("--samples", type=positive_int, default=None, metavar="N",
+                     help="evaluate N questions spread evenly over the file (default: all)")
+    vqa.add_argument("--provider", choices=("cpu", "qnn-htp"), default="cpu",
+                     help="where the graphs run: onnxruntime CPU (default). qnn-htp runs static VLM deployments "
+                     "(edgeq compile --static on a VLM, a later step); for an fp32 export folder it exits 2")
+    vqa.add_argument("--threads", type=positive_int, default=None, metavar="T", help="onnxruntime intra-op threads")
+    vqa.add_argument("--json", action="store_true",
+                     help="print one JSON object: accuracy, samples, answers (the greedy answer per question, in "
+                     "order), per_type, correct, gold, question_rows, model, provider, questions_file, seconds")
+    vqa.set_defaults(func=run_vqa)
     return ev
 
 
@@ -312,4 +342,18 @@ def run_compare(args: argparse.Namespace) -> int:
         print(header)
         if shown:
             print("\n".join(_table(result["layers"])))
+    return 0
+
+
+def run_vqa(args: argparse.Namespace) -> int:
+    from edgeq.evaluate.vqa import evaluate_vqa
+
+    result = evaluate_vqa(args.model, questions=args.questions, samples=args.samples, provider=args.provider,
+                          threads=args.threads)
+    if args.json:
+        print(json.dumps(result))
+        return 0
+    per_type = ", ".join(f"{t} {a:.4f}" for t, a in result["per_type"].items())
+    print(f"vqa accuracy {result['accuracy']:.4f} on {result['samples']} questions ({per_type}) "
+          f"in {result['seconds']:.1f} s")
     return 0

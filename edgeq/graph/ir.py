@@ -15,6 +15,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import tempfile
 from dataclasses import dataclass
@@ -406,6 +407,32 @@ def external_bytes(tensor: onnx.TensorProto, base_dir: str | os.PathLike) -> byt
         raise UserInputError(f"external data file {path.name} is truncated: tensor '{tensor.name}' needs bytes "
                              f"{offset}..{offset + length} but the file has {path.stat().st_size}")
     return data
+
+
+@contextlib.contextmanager
+def weights_read_in(model: onnx.ModelProto, base_dir: str | os.PathLike | None) -> Iterator[onnx.ModelProto]:
+    """``model`` with its external initializers read in from ``base_dir`` for the duration, then
+    pointed back at their file (their bytes dropped): what a check that reads weights needs,
+    without keeping a second copy of a large model's weights afterwards. ``base_dir`` None: as is."""
+    if base_dir is None:
+        yield model
+        return
+    refs = {}
+    for tensor in model.graph.initializer:
+        if tensor.data_location == onnx.TensorProto.EXTERNAL:
+            refs[tensor.name] = [(e.key, e.value) for e in tensor.external_data]
+            tensor.raw_data = external_bytes(tensor, base_dir)
+            del tensor.external_data[:]
+            tensor.data_location = onnx.TensorProto.DEFAULT
+    try:
+        yield model
+    finally:
+        for tensor in model.graph.initializer:
+            if tensor.name in refs:
+                tensor.ClearField("raw_data")
+                tensor.data_location = onnx.TensorProto.EXTERNAL
+                for key, value in refs[tensor.name]:
+                    tensor.external_data.add(key=key, value=value)
 
 
 class GraphIndex:

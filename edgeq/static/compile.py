@@ -33,9 +33,10 @@ def kv_scales(calibrator, model, layers: int) -> dict[str, float]:
     return scales_from_ranges({n: observers[n].range() for n in names})
 
 
-def pair_encodings(pair: dict) -> dict:
-    """The encodings of the pair, which must be the same for both graphs (one recipe run)."""
-    encodings = {name: collect_encodings(m) for name, m in pair.items()}
+def pair_encodings(pair: dict, weights_dir: Path | None = None) -> dict:
+    """The encodings of the pair, which must be the same for both graphs (one recipe run);
+    ``weights_dir``: where initializers stored as external data are read from."""
+    encodings = {name: collect_encodings(m, str(weights_dir or "")) for name, m in pair.items()}
     first, *rest = encodings.values()
     if any(json.dumps(e, sort_keys=True) != json.dumps(first, sort_keys=True) for e in rest):
         raise RuntimeError("the prefill and decode graphs ended with different quantization parameters")

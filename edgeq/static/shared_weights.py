@@ -21,11 +21,17 @@ from pathlib import Path
 import onnx
 from onnx import numpy_helper
 
+from edgeq.graph.ir import external_bytes
+
 WEIGHTS_FILE = "weights.data"
 _ALIGN = 4096
 
 
-def _payload(tensor: onnx.TensorProto) -> bytes:
+def _payload(tensor: onnx.TensorProto, source_dir: Path | None = None) -> bytes:
+    if tensor.data_location == onnx.TensorProto.EXTERNAL:
+        if source_dir is None:
+            raise ValueError(f"initializer {tensor.name} is external already: load the weights first")
+        return external_bytes(tensor, source_dir)
     if tensor.HasField("raw_data"):
         return tensor.raw_data
     return numpy_helper.to_array(tensor).tobytes()
@@ -42,9 +48,12 @@ def _point_at(tensor: onnx.TensorProto, location: str, offset: int, length: int)
         entry.key, entry.value = key, value
 
 
-def save_sharing_weights(models: dict[str, onnx.ModelProto], folder: Path, size_threshold: int = 1024) -> dict:
+def save_sharing_weights(models: dict[str, onnx.ModelProto], folder: Path, size_threshold: int = 1024,
+                         source_dir: Path | None = None) -> dict:
     """Save ``models`` (file name -> model) into ``folder`` with their large initializers in one
     ``weights.data``; the protos are changed in place (their weights now point at the file).
+    ``source_dir``: where initializers still stored as external data are read from, one tensor
+    at a time (a block-wise compile's weights file), else every initializer must be in memory.
     Returns {"file", "bytes", "tensors", "shared", "shared_bytes"}: what the file holds, how many of
     its tensors more than one graph references and their bytes."""
     folder = Path(folder)
@@ -53,10 +62,12 @@ def save_sharing_weights(models: dict[str, onnx.ModelProto], folder: Path, size_
     with open(folder / WEIGHTS_FILE, "wb") as data:
         for model in models.values():
             for tensor in model.graph.initializer:
-                if tensor.data_location == onnx.TensorProto.EXTERNAL:
-                    raise ValueError(f"initializer {tensor.name} is external already: load the weights first")
-                payload = _payload(tensor)
+                payload = _payload(tensor, source_dir)
                 if len(payload) < size_threshold:
+                    if tensor.data_location == onnx.TensorProto.EXTERNAL:  # (small: kept in the graph)
+                        del tensor.external_data[:]
+                        tensor.data_location = onnx.TensorProto.DEFAULT
+                        tensor.raw_data = payload
                     continue
                 digest = hashlib.sha256(payload).hexdigest()
                 if digest in written:

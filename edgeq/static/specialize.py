@@ -45,6 +45,7 @@ import os
 import re
 import tempfile
 from dataclasses import asdict, dataclass
+from pathlib import Path
 
 import numpy as np
 import onnx
@@ -203,12 +204,27 @@ def _fold(model: onnx.ModelProto) -> gs.Graph:
             graph.fold_constants(fold_shapes=True, size_threshold=_LARGE_CONSTANT * 4,
                                  should_exclude_node=_never_fold)
             _fold_ranges(graph)
+            _fold_constant_shapes(graph)
             graph.cleanup(remove_unused_graph_inputs=False)
             if len(graph.nodes) == before:
                 break
             before = len(graph.nodes)
             graph = ir.to_graph(infer_shapes(ir.to_model(graph)))
     return graph
+
+
+def _fold_constant_shapes(graph: gs.Graph) -> None:
+    """``Shape`` of a constant -> its shape. A constant too large to fold through (a dense 8192 x 8192
+    online Hadamard, 256 MB, on Llama-3.2-1B's MLP) keeps its ``Shape`` reader out of the folding,
+    which would otherwise copy it through onnxruntime (and, block-wise, read it from its file)."""
+    for node in graph.nodes:
+        if node.op != "Shape" or not node.outputs or not isinstance(node.inputs[0], gs.Constant):
+            continue
+        dims = np.array(node.inputs[0].shape, dtype=np.int64)
+        rank = len(dims)
+        start, end = node.attrs.get("start", 0), node.attrs.get("end", rank)
+        out = node.outputs[0]
+        _bypass(graph, out, gs.Constant(f"{out.name}/folded", dims[start:end]))
 
 
 def _fold_ranges(graph: gs.Graph) -> None:
@@ -305,13 +321,31 @@ def _with_static_shapes(model: onnx.ModelProto) -> onnx.ModelProto:
     return inferred
 
 
-def build_pair(model: onnx.ModelProto, shape: StaticShape,
-               kv_scales: dict[str, float] | None = None) -> dict[str, onnx.ModelProto]:
-    """``{"prefill.onnx": ..., "decode.onnx": ...}`` from one compiled with-past graph."""
+def build_pair(model: onnx.ModelProto, shape: StaticShape, kv_scales: dict[str, float] | None = None,
+               weights_dir: Path | None = None) -> dict[str, onnx.ModelProto]:
+    """``{"prefill.onnx": ..., "decode.onnx": ...}`` from one compiled with-past graph.
+    ``weights_dir``: where its initializers stored as external data are (a block-wise compile's
+    weights file); the weights stay there, referenced by both graphs, and only the constants
+    small enough to fold are read in (the folding runs them through onnxruntime from memory)."""
     from edgeq.runtime.progress import progress
+
+    if weights_dir is not None:
+        _read_in_foldable(model, weights_dir)
 
     return {f"{role}.onnx": specialize(model, shape, role, kv_scales)
             for role in progress(ROLES, desc="static graphs")}
+
+
+def _read_in_foldable(model: onnx.ModelProto, weights_dir: Path) -> None:
+    """External initializers under ``_LARGE_CONSTANT`` elements read into the graph: the only ones
+    the folding may evaluate (a node reading a larger one is never folded)."""
+    from edgeq.graph.ir import external_bytes
+
+    for tensor in model.graph.initializer:
+        if tensor.data_location == onnx.TensorProto.EXTERNAL and int(np.prod(tensor.dims, dtype=np.int64)) < _LARGE_CONSTANT:
+            tensor.raw_data = external_bytes(tensor, weights_dir)
+            del tensor.external_data[:]
+            tensor.data_location = onnx.TensorProto.DEFAULT
 
 
 def unknown_shapes(model: onnx.ModelProto) -> list[str]:

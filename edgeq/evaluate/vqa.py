@@ -1,0 +1,169 @@
+"""``edgeq eval vqa``: exact-match accuracy of a vision-language model on VQA questions, from pixels.
+
+The trained VLM's accuracy was so far measured from ``eval.npz``, whose visual tokens were
+computed in torch at export. A deployment starts from pixels, so this runs what a device runs:
+
+    pixels -> vision.onnx -> visual tokens, placed at the prompt's visual span of inputs_embeds
+    (text tokens through the folder's embedding table) -> the language graph (model.onnx),
+    greedy decoding (``edgeq.evaluate.generate.greedy_decode``) -> the answer
+
+A question counts as correct when the greedy tokens are the gold answer's tokens followed by the
+end token (``<|im_end|>``): the same rule as the teacher-forced argmax on ``eval.npz``
+(``edgeq.models.trained_vlm.vqa_correct``), which greedy decoding reproduces token for token.
+The questions (``vqa_eval.npz``, ``edgeq.evaluate.vqa_questions``) default to the export's
+evaluation split. Onnxruntime on CPU; the HTP (``qnn-htp``) takes static deployments, which the
+fp32 export folder is not.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+from typing import Sequence
+
+import numpy as np
+
+from edgeq.errors import UserInputError
+from edgeq.evaluate.generate import greedy_decode
+from edgeq.evaluate.vqa_questions import (EMBED_TABLE_FILE, PIXELS_INPUT, QUESTIONS_FILE, VISION_FILE, VISUAL_OUTPUT,
+                                          VqaQuestions, load_questions)
+from edgeq.files.npzfile import NumpyFileError, read_npy
+
+PROVIDERS = ("cpu", "qnn-htp")
+LANGUAGE_FILE = "model.onnx"
+VISION_BATCH = 16
+
+
+def spread_rows(n: int, samples: int | None) -> np.ndarray:
+    """``samples`` row indices spread evenly over ``n`` rows (all of them when ``None`` or more):
+    a subset keeps the split's mix of question types, which its first rows need not."""
+    if samples is None or samples >= n:
+        return np.arange(n)
+    return np.unique(np.linspace(0, n - 1, samples).round().astype(np.int64))
+
+
+def accuracy_by_type(correct: Sequence[bool], types: Sequence[str], order: Sequence[str] = ()) -> dict:
+    """``{"accuracy", "questions", "per_type": {type: accuracy}}`` (4 decimals), types in ``order``
+    then in order of appearance: the one summary of exact-match answers, from pixels or from
+    ``eval.npz``."""
+    correct = np.asarray(correct, bool)
+    types = [str(t) for t in types]
+    per_type = {}
+    for t in [*order, *dict.fromkeys(types)]:
+        rows = [c for c, q in zip(correct, types) if q == t]
+        if rows and t not in per_type:
+            per_type[t] = round(float(np.mean(rows)), 4)
+    return {"accuracy": round(float(correct.mean()), 4) if correct.size else 0.0, "questions": int(correct.size),
+            "per_type": per_type}
+
+
+def _folder(model_dir: str | os.PathLike) -> dict[str, Path]:
+    """The files an fp32 VLM export folder must hold; a one-line error naming the first missing."""
+    folder = Path(model_dir)
+    if not folder.exists():
+        raise UserInputError(f"model folder not found: {folder}")
+    if not folder.is_dir():
+        raise UserInputError(f"{folder} is not a folder: edgeq eval vqa takes a VLM export folder "
+                             "(edgeq export trained-vlm -o DIR)")
+    files = {"vision": folder / VISION_FILE, "language": folder / LANGUAGE_FILE, "embed": folder / EMBED_TABLE_FILE,
+             "tokenizer": folder / "tokenizer.json"}
+    for role, path in files.items():
+        if not path.is_file():
+            hint = "a VLM export written before vision.onnx existed: export it again" if role == "vision" else \
+                "not a VLM export folder (edgeq export trained-vlm -o DIR)"
+            raise UserInputError(f"{path} not found: {hint}")
+    return files
+
+
+def _static_image_size(session) -> int | None:
+    shape = session.get_inputs()[0].shape
+    return shape[1] if len(shape) == 4 and isinstance(shape[1], int) else None
+
+
+def visual_tokens(session, pixels: np.ndarray, batch: int = VISION_BATCH) -> np.ndarray:
+    """``vision.onnx`` on ``pixels`` [N, S, S, 3]: the visual tokens [N, tokens, hidden]."""
+    chunks = [session.run([VISUAL_OUTPUT], {PIXELS_INPUT: pixels[i:i + batch]})[0] for i in range(0, len(pixels), batch)]
+    return np.concatenate(chunks).astype(np.float32, copy=False)
+
+
+def prompt_embeds(prompt: np.ndarray, visual: np.ndarray, table: np.ndarray, start: int) -> np.ndarray:
+    """inputs_embeds [1, len, hidden] of one prompt: text ids through ``table``, ``visual`` at
+    ``start`` (the prompt's visual span)."""
+    embeds = table[np.where(prompt < 0, 0, prompt)].astype(np.float32)
+    embeds[start:start + len(visual)] = visual
+    return embeds[None]
+
+
+def answer_greedy(session, questions: VqaQuestions, i: int, visual: np.ndarray, table: np.ndarray,
+                  steps: int) -> np.ndarray:
+    """The greedy tokens (``steps`` of them) of the language graph on question ``i`` with its
+    image's ``visual`` tokens [tokens, hidden] at the visual span."""
+    start, length = questions.visual_span(i)
+    if length != len(visual):
+        raise UserInputError(f"question {i}: its prompt has a visual span of {length} tokens, vision.onnx gives "
+                             f"{len(visual)}")
+    embeds = prompt_embeds(questions.prompt(i), visual, table, start)
+    seq = embeds.shape[1]
+    names = {inp.name for inp in session.get_inputs()}
+    feeds = {"inputs_embeds": embeds, "attention_mask": np.ones((1, seq), np.int64),
+             "position_ids": np.arange(seq, dtype=np.int64)[None],
+             "visual_start": np.array([start], np.int64), "visual_len": np.array([length], np.int64)}
+    return greedy_decode(session, {k: v for k, v in feeds.items() if k in names}, steps, table).tokens
+
+
+def evaluate_vqa(model_dir: str | os.PathLike, questions: str | os.PathLike | None = None, samples: int | None = None,
+                 provider: str = "cpu", threads: int | None = None) -> dict:
+    """Exact-match accuracy of the VLM export folder ``model_dir`` on ``questions`` (default: its
+    ``vqa_eval.npz``), ``samples`` of them spread over the file (default all); see the module
+    docstring. Returns ``accuracy``, ``per_type``, ``samples``, ``answers`` (the greedy answer's text
+    per question, in order, up to the end token), ``correct``, ``gold``, ``question_rows``, and
+    ``model``, ``provider``, ``questions_file``, ``seconds``. Bad input: ``UserInputError``."""
+    from edgeq.runtime.ort_session import open_session
+    from edgeq.textdata import load_tokenizer
+
+    if samples is not None and samples < 1:
+        raise UserInputError(f"--samples must be >= 1, got {samples}")
+    if provider not in PROVIDERS:
+        raise UserInputError(f"--provider must be one of {', '.join(PROVIDERS)}, got {provider!r}")
+    folder = Path(model_dir)
+    files = _folder(folder)
+    if provider != "cpu":
+        raise UserInputError(f"{folder} is an fp32 VLM export folder, not a static deployment: --provider qnn-htp "
+                             "runs static VLM deployments (not available yet); use --provider cpu")
+    questions_path = Path(questions) if questions is not None else folder / QUESTIONS_FILE
+    q = load_questions(questions_path)
+    try:
+        table = read_npy(files["embed"])
+    except NumpyFileError as exc:
+        raise UserInputError(f"{files['embed']}: {exc}") from None
+    if table.ndim != 2:
+        raise UserInputError(f"{files['embed']} must be the embedding table [vocab, hidden], shape {list(table.shape)}")
+    tokenizer = load_tokenizer(folder)
+    started = time.perf_counter()
+    vision = open_session(files["vision"], threads=threads)
+    size = _static_image_size(vision)
+    if size is not None and size != q.image_size:
+        raise UserInputError(f"{questions_path}: images are {q.image_size}x{q.image_size}, {files['vision']} takes "
+                             f"{size}x{size} (pixels at the model's image size)")
+    rows = spread_rows(len(q), samples)
+    if int(max(q.prompt_ids[rows].max(), q.answer_ids[rows].max())) >= table.shape[0]:
+        raise UserInputError(f"{questions_path}: token ids beyond the model's vocabulary of {table.shape[0]}")
+    images = np.unique(q.question_image[rows])
+    visual = dict(zip(images.tolist(), visual_tokens(vision, q.pixels[images])))
+    del vision
+    language = open_session(files["language"], threads=threads)
+    steps = int(q.answer_len[rows].max())
+    answers, correct, gold = [], [], []
+    for i in rows.tolist():
+        tokens = answer_greedy(language, q, i, visual[int(q.question_image[i])], table, steps)
+        want = q.gold(i)
+        correct.append(bool(np.array_equal(tokens[:len(want)], want)))
+        ended = np.flatnonzero(tokens == q.end_id)
+        answers.append(tokenizer.decode(tokens[:ended[0] if ended.size else len(tokens)].tolist()).strip())
+        gold.append(str(q.answer[i]))
+    summary = accuracy_by_type(correct, q.qtype[rows])
+    return {"model": str(folder), "provider": provider, "questions_file": str(questions_path),
+            "samples": summary["questions"], "accuracy": summary["accuracy"], "per_type": summary["per_type"],
+            "answers": answers, "correct": correct, "gold": gold, "question_rows": rows.tolist(),
+            "image_size": q.image_size, "seconds": round(time.perf_counter() - started, 2)}

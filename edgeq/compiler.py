@@ -336,7 +336,7 @@ def compile_static(plan: CompilePlan, model: onnx.ModelProto, external_data: Pat
     from edgeq.static.specialize import build_pair
 
     shape = plan.static_shape
-    model, stages, _, _, _ = run_plan(plan, model, external_data)
+    model, stages, _, _, measured = run_plan(plan, model, external_data)
     weights_dir = external_data.parent if external_data is not None else None
     scales = None
     if shape.cache_dtype == "int8":
@@ -350,14 +350,20 @@ def compile_static(plan: CompilePlan, model: onnx.ModelProto, external_data: Pat
     encodings = pair_encodings(pair, weights_dir)
     target, checks = None, {}
     for name in pair:
-        with ir.weights_read_in(pair[name], weights_dir) as graph:
-            checked, target = reach_target(plan, graph, encodings, stages["lowering"])
-        pair[name] = checked
+        if weights_dir is None:
+            pair[name], target = reach_target(plan, pair[name], encodings, stages["lowering"])
+        else:  # the check reads weights: a copy holds them while it runs, then goes
+            from edgeq.blockwise import release_memory
+
+            checked, target = reach_target(plan, ir.weights_read_in(pair[name], weights_dir), encodings, stages["lowering"])
+            pair[name] = ir.weights_pointed_back(checked, pair[name])
+            del checked
+            release_memory()
         if target is not None:
             checks[name] = target.check
     if target is not None:
         target.check = checks
-    report, u8s8 = build_report(plan, stages, target)
+    report, u8s8 = build_report(plan, stages, target, measured)
     report.static = static_report(shape, pair, scales)
     graphs = StaticGraphs(pair, u8s8, extra_files=tokenizer_files(plan.req.model), weights_dir=weights_dir,
                           context_binary=plan.req.context_binary, htp_arch=plan.req.htp_arch,

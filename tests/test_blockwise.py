@@ -177,3 +177,54 @@ def test_block_models_use_stand_ins_for_the_vocabulary_tables(tiny_models, monke
     embedding, head = (256, 64), (64, 256)
     assert embedding in shapes[0] and head not in shapes[0]  # first block: the real embedding only
     assert head in shapes[-1] and embedding not in shapes[-1]  # last block: the real head only
+
+
+def test_partition_of_a_kv_cache_graph(tiny_past):
+    """A with-past graph splits too: each layer's present.{i}.* are that layer's graph outputs, and
+    the block model of layer i computes its own cache entries and no other layer's."""
+    skeleton = onnx.load(str(tiny_past / "model" / "model.onnx"), load_external_data=False)
+    part = blockwise.partition(skeleton)
+    assert part.layer_outputs == [[f"present.{i}.key", f"present.{i}.value"] for i in range(part.num_layers)]
+    model, _ = block.block_model(skeleton, part, 1, tiny_past / "model")
+    assert [o.name for o in model.graph.output] == ["logits", "present.1.key", "present.1.value"]
+
+
+@pytest.mark.parametrize("recipe", ["mquant-w8a8", "mquant-w4a16"])
+def test_static_qnn_pair_blockwise_equals_in_memory(tiny_past, tmp_path, capsys, recipe):
+    """``--static ... --target qnn-htp`` block by block (every lowering pass per block, the pair
+    specialized with the weights left in the streamed file): the same encodings, weights and
+    outputs, bit for bit, as the in-memory route."""
+    outs = {}
+    for mode in ("off", "on"):
+        out = tmp_path / mode
+        code = main(["compile", str(tiny_past / "model" / "model.onnx"), "--recipe", recipe,
+                     "--calib", str(tiny_past / "calib.txt"), "--seq-len", "32", "--calib-windows", "2",
+                     "--static", "prefill=8,context=48", "--target", "qnn-htp", "--blockwise", mode, "-o", str(out)])
+        err = capsys.readouterr().err
+        assert code == 0, err
+        report = json.loads((out / "report.json").read_text())
+        assert report["compile_path"]["blockwise"] is (mode == "on")
+        assert report["target"]["check"]["prefill.onnx"]["clean"] and report["target"]["check"]["decode.onnx"]["clean"]
+        outs[mode] = out
+    assert (outs["on"] / "encodings.json").read_text() == (outs["off"] / "encodings.json").read_text()
+    rng = np.random.default_rng(0)
+    for role in ("prefill", "decode"):
+        sessions = [ort.InferenceSession(str(outs[m] / f"{role}.onnx"), providers=["CPUExecutionProvider"])
+                    for m in ("off", "on")]
+        feeds = {}
+        for i in sessions[0].get_inputs():
+            if i.name == "input_ids":
+                feeds[i.name] = rng.integers(0, 50, i.shape).astype(np.int64)
+            elif i.name == "attention_mask":
+                feeds[i.name] = np.ones(i.shape, np.int64)
+            elif i.name == "position_ids":
+                feeds[i.name] = np.arange(i.shape[1], dtype=np.int64)[None] + 3
+            else:
+                feeds[i.name] = (rng.standard_normal(i.shape) * 0.1).astype(np.float32)
+        for a, b in zip(*(s.run(None, feeds) for s in sessions)):
+            np.testing.assert_array_equal(a, b)
+    weights = [{t.name: onnx.numpy_helper.to_array(t) for t in onnx.load(str(outs[m] / "prefill.onnx")).graph.initializer}
+               for m in ("off", "on")]
+    assert weights[0].keys() == weights[1].keys()
+    for name in weights[0]:
+        np.testing.assert_array_equal(weights[0][name], weights[1][name])

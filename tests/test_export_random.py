@@ -228,3 +228,40 @@ def test_bad_input_is_one_line_and_exit_2(tmp_path, capsys):
     assert "--layers" in err
     with pytest.raises(UserInputError, match="unknown random preset"):
         export_random("gpt-5", tmp_path / "y")
+
+
+def test_with_past_graph_is_optimums_and_computes_the_same_logits(tiny_random, tmp_path):
+    """``--with-past``: layer 1's cache entries (past_key_values.1.* in, present.1.* out) replicated
+    per layer give the graph optimum exports with a KV cache, node for node; with an empty cache
+    it computes the no-cache graph's logits (same seed, same weights), and its present entries
+    hold the keys and values of every position."""
+    import transformers
+
+    from edgeq.models.hf_export import export_to
+    from edgeq.models.kv_export import WITH_PAST_TASK
+    from edgeq.models.tiny import _perturb_defaults
+
+    family, plain = tiny_random
+    config = _tiny_config(family)
+    out = tmp_path / "past"
+    out.mkdir()
+    write_random_decoder(config, out, seed=5, with_past=True)
+    direct = transformers.AutoModelForCausalLM.from_config(config).eval()
+    _perturb_defaults(direct)
+    direct.save_pretrained(tmp_path / "hf")
+    (tmp_path / "onnx").mkdir()
+    export_to(tmp_path / "hf", tmp_path / "onnx", WITH_PAST_TASK)
+    ours = onnx.load(str(out / "model.onnx"), load_external_data=False)
+    theirs = onnx.load(str(tmp_path / "onnx" / "model.onnx"), load_external_data=False)
+    assert _signature(ours) == _signature(theirs)
+    assert [o.name for o in ours.graph.output] == ["logits"] + [f"present.{i}.{kv}" for i in range(LAYERS) for kv in ("key", "value")]
+
+    feeds = _feeds(config.vocab_size)
+    session = ort.InferenceSession(str(out / "model.onnx"), providers=["CPUExecutionProvider"])
+    kv_heads, head_dim = config.num_key_value_heads, config.hidden_size // config.num_attention_heads
+    empty = np.zeros((BATCH, kv_heads, 0, head_dim), np.float32)
+    past = {i.name: empty for i in session.get_inputs() if i.name.startswith("past_key_values.")}
+    logits, *present = session.run(None, {**feeds, **past})
+    expected = ort.InferenceSession(str(plain / "model.onnx"), providers=["CPUExecutionProvider"]).run(["logits"], feeds)[0]
+    np.testing.assert_allclose(logits, expected, atol=1e-5, rtol=0)
+    assert all(p.shape == (BATCH, kv_heads, SEQ, head_dim) for p in present)

@@ -246,3 +246,21 @@ def test_int8_kv_pair_within_cache_quantization_noise_of_its_graph(pairs, with_p
     float: the logits differ by the cache's rounding only, measured ~1e-2 of max|logit| here."""
     err = _logit_error(pairs["mquant-w8a8-kv8"], with_past_compiled["mquant-w8a8-kv8"])
     assert 1e-6 < err < 0.05, err
+
+
+def test_shape_of_a_constant_too_large_to_fold_through_is_folded():
+    """A ``Shape`` reading a constant over the folding limit (Llama-3.2-1B's dense 8192 x 8192 online
+    Hadamard, 256 MB) becomes the constant shape without the constant being evaluated or copied."""
+    from onnx import TensorProto, helper
+
+    from edgeq.static import specialize
+
+    n = 300  # 90,000 elements: over _LARGE_CONSTANT
+    assert n * n > specialize._LARGE_CONSTANT
+    big = onnx.numpy_helper.from_array(np.ones((n, n), np.float32), "h")
+    nodes = [helper.make_node("Shape", ["h"], ["s"], start=1), helper.make_node("Reshape", ["x", "s"], ["y"])]
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [n])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)], [big])
+    folded = specialize._fold(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]))
+    assert [node.op for node in folded.nodes] == ["Reshape"]
+    assert folded.nodes[0].inputs[1].values.tolist() == [n]

@@ -15,7 +15,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import os
 import tempfile
 from dataclasses import dataclass
@@ -409,30 +408,33 @@ def external_bytes(tensor: onnx.TensorProto, base_dir: str | os.PathLike) -> byt
     return data
 
 
-@contextlib.contextmanager
-def weights_read_in(model: onnx.ModelProto, base_dir: str | os.PathLike | None) -> Iterator[onnx.ModelProto]:
-    """``model`` with its external initializers read in from ``base_dir`` for the duration, then
-    pointed back at their file (their bytes dropped): what a check that reads weights needs,
-    without keeping a second copy of a large model's weights afterwards. ``base_dir`` None: as is."""
-    if base_dir is None:
-        yield model
-        return
-    refs = {}
-    for tensor in model.graph.initializer:
+def weights_read_in(model: onnx.ModelProto, base_dir: str | os.PathLike) -> onnx.ModelProto:
+    """A copy of ``model`` with its external initializers read in from ``base_dir``: what a check
+    that reads weights needs. ``weights_pointed_back`` gives the checked graph without them again."""
+    loaded = onnx.ModelProto()
+    loaded.CopyFrom(model)
+    for tensor in loaded.graph.initializer:
         if tensor.data_location == onnx.TensorProto.EXTERNAL:
-            refs[tensor.name] = [(e.key, e.value) for e in tensor.external_data]
             tensor.raw_data = external_bytes(tensor, base_dir)
             del tensor.external_data[:]
             tensor.data_location = onnx.TensorProto.DEFAULT
-    try:
-        yield model
-    finally:
-        for tensor in model.graph.initializer:
-            if tensor.name in refs:
-                tensor.ClearField("raw_data")
-                tensor.data_location = onnx.TensorProto.EXTERNAL
-                for key, value in refs[tensor.name]:
-                    tensor.external_data.add(key=key, value=value)
+    return loaded
+
+
+def weights_pointed_back(loaded: onnx.ModelProto, like: onnx.ModelProto) -> onnx.ModelProto:
+    """``loaded`` (from ``weights_read_in``, perhaps changed since) as a fresh message whose
+    initializers external in ``like`` point at their file again. Fresh, so that dropping
+    ``loaded`` frees its weights: protobuf keeps a cleared field's bytes until the whole message
+    they were read into goes."""
+    refs = {t.name: t.external_data for t in like.graph.initializer if t.data_location == onnx.TensorProto.EXTERNAL}
+    for tensor in loaded.graph.initializer:
+        if tensor.name in refs:
+            tensor.ClearField("raw_data")
+            tensor.data_location = onnx.TensorProto.EXTERNAL
+            tensor.external_data.extend(refs[tensor.name])
+    fresh = onnx.ModelProto()
+    fresh.CopyFrom(loaded)
+    return fresh
 
 
 class GraphIndex:

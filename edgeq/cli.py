@@ -97,7 +97,11 @@ def _add_compile(sub) -> None:
                         "per run) and OUT/decode.onnx (1 token per run) over a fixed KV cache of C slots per layer, "
                         "every shape static, sharing one weights file (OUT/weights.data), from one recipe run. "
                         "MODEL must have a KV cache (`edgeq export smollm2 --with-past`); run the result with "
-                        "`edgeq generate OUT`. The graph contract is in docs/static-llm-deployment.md")
+                        "`edgeq generate OUT`. The graph contract is in docs/static-llm-deployment.md. A VLM's "
+                        "with-past graph (edgeq export trained-vlm: DIR/with-past/model.onnx) gives a static VLM "
+                        "deployment: OUT/vision.onnx (batch 1) beside the pair, the visual span at prefill rows "
+                        "[0, V) in AIFS order with MSQ's visual scales on that slice (S >= V + 1); run it with "
+                        "`edgeq eval vqa OUT` (docs/static-vlm-deployment.md)")
     p.add_argument("--context-binary", action="store_true",
                    help="with --static and --target qnn-htp: also prepare both graphs with Qualcomm's own compiler "
                         "(onnxruntime-qnn, `pip install 'edgeq[qnn]'`) into OUT/qnn/prefill_ctx.onnx and "
@@ -162,7 +166,7 @@ def _run_compile(args) -> int:
     if report.accuracy_warning is not None:
         print(f"edgeq: warning: {report.accuracy_warning}; the model is written, but expect that loss", file=sys.stderr)
     if report.target is not None:
-        graphs = " (both graphs)" if report.static is not None else ""
+        graphs = "" if report.static is None else " (all three graphs)" if "vlm" in report.static else " (both graphs)"
         print(f"  target {report.target.name}: {len(report.target.lowering)} lowering pass(es), clean{graphs}")
     qnn = report.qnn_context or {}
     for graph, rec in qnn.get("graphs", {}).items():
@@ -175,6 +179,8 @@ def _run_compile(args) -> int:
     for binary, size in qnn.get("binaries", {}).items():
         print(f"  qnn shared binary {binary}: {size / 2**20:.1f} MB")
     written = "prefill.onnx + decode.onnx + weights.data" if report.static is not None else "model.onnx"
+    if "vlm" in (report.static or {}):
+        written = "vision.onnx + " + written
     parts = (report.static or {}).get("parts")
     if parts:
         written += f" + {len(parts['prefill'])} parts of each graph"

@@ -127,6 +127,7 @@ class CompilePlan:
     partition: object | None = None  # edgeq.blockwise.Partition when compiling block-wise
     blockwise_reason: str = ""  # why this path was chosen (report.json)
     static_shape: object | None = None  # edgeq.static.specialize.StaticShape with --static
+    static_vlm: object | None = None  # edgeq.static.vlm.StaticVlm: --static of a VLM (the fixed visual slice)
 
 
 def compile_model(req: CompileRequest) -> CompileReport:
@@ -195,7 +196,13 @@ def plan_compile(req: CompileRequest) -> tuple[CompilePlan, onnx.ModelProto]:
         static_shape = cache_layout(model, *req.static)
         if recipe.kv_cache.dtype != "float32":
             static_shape = dataclasses.replace(static_shape, cache_dtype=recipe.kv_cache.dtype)
+    static_vlm = _plan_static_vlm(req, model, recipe) if req.static is not None else None
+    if static_vlm is not None:  # the recipe as run: without the passes the fixed layout realizes (aifs)
+        static_vlm, recipe = static_vlm
+        passes = [spec.build() for spec in recipe.passes]
     route, part, why = choose_route(req, profile, model, passes + lowering + guard, locations)
+    if static_vlm is not None and part is not None:
+        raise UserInputError("--static of a VLM compiles in memory: drop --blockwise on")
     # before any work, what the structural check at load cannot see (edgeq.graph.loadcheck): a model
     # onnxruntime refuses (one session, its weights mapped, not read) and a weight holding NaN or inf
     check_onnxruntime(model, req.model)
@@ -221,8 +228,19 @@ def plan_compile(req: CompileRequest) -> tuple[CompilePlan, onnx.ModelProto]:
     fingerprint = model_fingerprint(model, ir.model_folder(req.model))
     plan = CompilePlan(req, recipe, profile, passes + lowering + guard, (len(passes), len(lowering)), int8_weights,
                        input_model_record(req.model, locations), fingerprint, calibrator,
-                       calibration, sample, started, route, part, why, static_shape=static_shape)
+                       calibration, sample, started, route, part, why, static_shape=static_shape,
+                       static_vlm=static_vlm)
     return plan, model
+
+
+def _plan_static_vlm(req: CompileRequest, model: onnx.ModelProto, recipe: Recipe):
+    """(layout, recipe as run) for ``--static`` of a VLM language graph (``edgeq.static.vlm``), else None."""
+    from edgeq.static.vlm import is_vlm_graph, plan_static_vlm
+
+    if not is_vlm_graph(model):
+        return None
+    return plan_static_vlm(req.model, model, recipe, req.static[0], req.calib,
+                           split=req.max_context_mb is not None, shared=req.share_weights)
 
 
 def choose_route(req: CompileRequest, profile: TargetProfile | None, skeleton: onnx.ModelProto,
@@ -345,7 +363,12 @@ def compile_static(plan: CompilePlan, model: onnx.ModelProto, external_data: Pat
         if weights_dir is not None:
             raise UserInputError("an int8 KV cache is calibrated on the whole with-past graph: compile with --blockwise off")
         scales = kv_scales(plan.calibrator, model, shape.layers)
-    pair = build_pair(model, shape, scales, weights_dir)
+    vlm = plan.static_vlm
+    if vlm is not None:  # the visual span at a fixed slice (edgeq.static.vlm)
+        from edgeq.static.vlm import order_invariant_mask, role_graph
+
+        model = order_invariant_mask(model)
+    pair = build_pair(model, shape, scales, weights_dir, prepare=(lambda m, role: role_graph(vlm, m, role)) if vlm else None)
     del model
     encodings = pair_encodings(pair, weights_dir)
     target, checks = None, {}
@@ -361,14 +384,26 @@ def compile_static(plan: CompilePlan, model: onnx.ModelProto, external_data: Pat
             release_memory()
         if target is not None:
             checks[name] = target.check
+    extra = tokenizer_files(plan.req.model)
+    if vlm is not None:  # vision.onnx beside the pair (static, batch 1), checked like them
+        from edgeq.static.vlm import static_vision
+
+        vision = static_vision(vlm)
+        vision, vision_target = reach_target(plan, vision, collect_encodings(vision), stages["lowering"])
+        pair["vision.onnx"] = vision
+        if vision_target is not None:
+            checks["vision.onnx"], target = vision_target.check, target or vision_target
+        extra += list(vlm.side_files)
     if target is not None:
         target.check = checks
     report, u8s8 = build_report(plan, stages, target, measured)
     report.static = static_report(shape, pair, scales)
-    graphs = StaticGraphs(pair, u8s8, extra_files=tokenizer_files(plan.req.model), weights_dir=weights_dir,
+    if vlm is not None:
+        report.static["vlm"] = vlm.report()
+    graphs = StaticGraphs(pair, u8s8, extra_files=extra, weights_dir=weights_dir,
                           context_binary=plan.req.context_binary, htp_arch=plan.req.htp_arch,
                           max_context_mb=plan.req.max_context_mb, share_weights=plan.req.share_weights,
-                          genai_config=qnn_genai_config)
+                          genai_config=None if vlm is not None else qnn_genai_config)
     return _result(plan, graphs, report, encodings)
 
 

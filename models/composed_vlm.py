@@ -60,7 +60,7 @@ from edgeq.files.output_dir import atomic_output_dir
 from edgeq.models.craft_vision import (CRAFT_FILE, FEATURE_CHANNELS, GRID, IMAGE_SIZE, IMAGENET_MEAN, IMAGENET_STD,
                                        VISUAL_TOKENS, craft_weights_path, load_image, load_vgg_backbone, render_crop,
                                        require_skimage, sample_crops, vgg_features)
-from edgeq.evaluate.vqa_questions import VISION_FILE
+from edgeq.files.vlm_folder import VISION_FILE
 from edgeq.models.embeds_export import MODEL_FILE, MODEL_INPUTS, OPSET, SPAN_INPUTS, export_embeds_lm, ort_session
 from edgeq.models.package_files import dist_version
 

@@ -39,7 +39,7 @@ from pathlib import Path
 import numpy as np
 
 from edgeq.errors import UserInputError
-from edgeq.evaluate.vqa_questions import EMBED_TABLE_FILE
+from edgeq.files.vlm_folder import EMBED_TABLE_FILE
 from edgeq.families import TINY_WITH_PAST
 from edgeq.files.output_dir import atomic_output_dir
 

@@ -8,8 +8,9 @@ random Llama on SmolLM2's tokenizer, the real frozen CRAFT backbone at a small i
 = 4 visual tokens) and a seeded random projector. Its answers are noise: never an accuracy figure.
 
 Output folder: model.onnx (+ .data), vision.onnx, embed_tokens.npy, calib.npz / eval.npz and their
-meta files, vqa_eval.npz, config.json, the tokenizer files and tiny_vlm.json (no with-past/,
-metrics.json or projector.npz).
+meta files, vqa_eval.npz, config.json, the tokenizer files, tiny_vlm.json and ``with-past/`` (the same
+weights with a KV cache beside copies of the npz files, config, tokenizer and embedding table, as
+the trained VLM's: what ``compile --static`` of a VLM reads); no metrics.json or projector.npz.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from pathlib import Path
 import numpy as np
 
 from edgeq.errors import UserInputError
-from edgeq.evaluate.vqa_questions import EMBED_TABLE_FILE
+from edgeq.files.vlm_folder import EMBED_TABLE_FILE
 from edgeq.files.output_dir import atomic_output_dir
 
 TINY_IMAGE_SIZE = 32
@@ -38,7 +39,7 @@ def export_tiny_vlm(out_dir: str | os.PathLike, tokenizer_dir: str | os.PathLike
     from edgeq.models.easy_vqa import ChatFormat, data_dir, load_images
     from edgeq.models.embeds_export import export_embeds_lm
     from edgeq.models.hf_export import copy_sidecar_files
-    from edgeq.models.trained_vlm import write_samples
+    from edgeq.models.trained_vlm import write_samples, write_with_past
     from edgeq.models.vision_export import export_vision
     from edgeq.models.vlm_training import image_features, projector_module
 
@@ -72,6 +73,7 @@ def export_tiny_vlm(out_dir: str | os.PathLike, tokenizer_dir: str | os.PathLike
         export_embeds_lm(lm.model, lm.lm_head, tmp, TINY_HIDDEN)
         export_vision(backbone, projector, image_size, tmp, round_to_float16=True)
         np.save(tmp / EMBED_TABLE_FILE, table)
+        write_with_past(tmp, lm.model, lm.lm_head, table)
         (tmp / "tiny_vlm.json").write_text(json.dumps({
             "format": 1, "description": "random 2-layer Llama on SmolLM2's tokenizer, CRAFT VGG16-BN features, "
                                         "random projector: the trained-VLM folder form, for tests only",

@@ -58,7 +58,8 @@ import numpy as np
 
 from edgeq.errors import UserInputError
 from edgeq.evaluate.vqa import accuracy_by_type as summarize_correct
-from edgeq.evaluate.vqa_questions import EMBED_TABLE_FILE, QUESTIONS_FILE, VISION_FILE, write_questions
+from edgeq.evaluate.vqa_questions import write_questions
+from edgeq.files.vlm_folder import EMBED_TABLE_FILE, QUESTIONS_FILE, VISION_FILE
 from edgeq.files.output_dir import atomic_output_dir
 from edgeq.models.easy_vqa import (IGNORE, QUESTION_TYPES, VISUAL, ChatFormat, Question, accuracy_by_type, answer_prior,
                                    image_ids, load_images, load_questions, prior_accuracy, stratified)
@@ -355,6 +356,24 @@ def write_samples(tmp: Path, chat: ChatFormat, projector, table: np.ndarray, pad
                      "questions_per_type": {t: int((meta["qtype"] == k).sum()) for k, t in enumerate(QUESTION_TYPES)}}}
 
 
+def write_with_past(tmp: Path, decoder, lm_head, table: np.ndarray) -> Path:
+    """``tmp/with-past/``: the language model with a KV cache, and beside it what a compile of that
+    graph and an evaluation read from its folder (copies of the embedding table, config, tokenizer,
+    the npz files and the projector's weights when ``tmp`` has them). ``vision.onnx`` and
+    ``vqa_eval.npz`` stay in ``tmp`` (``compile --static`` of a VLM finds them one folder up)."""
+    from edgeq.models.kv_export import export_embeds_lm_with_past
+
+    past = tmp / WITH_PAST_DIR
+    past.mkdir()
+    export_embeds_lm_with_past(decoder, lm_head, past)
+    np.save(past / EMBED_TABLE_FILE, table)
+    for name in ("config.json", "calib.npz", "calib_meta.npz", "eval.npz", "eval_meta.npz", "projector.npz",
+                 *[p.name for p in tmp.iterdir() if p.is_file() and p.name.startswith(("tokenizer", "special_tokens"))]):
+        if (tmp / name).is_file():
+            shutil.copy2(tmp / name, past / name)
+    return past
+
+
 def load_eval(model_dir: str | os.PathLike) -> tuple[dict, dict]:
     """``(inputs, meta)`` of a trained-VLM folder's eval split."""
     from edgeq.models.composed_vlm import load_split
@@ -389,7 +408,6 @@ def export_trained_vlm(out_dir: str | os.PathLike, quick: bool = False, seed: in
     from edgeq.models.craft_vision import load_vgg_backbone
     from edgeq.models.embeds_export import MODEL_FILE, MODEL_INPUTS, export_embeds_lm, ort_session
     from edgeq.models.hf_export import copy_sidecar_files
-    from edgeq.models.kv_export import export_embeds_lm_with_past
     from edgeq.models.smollm2 import save_hf_folder
     from edgeq.models.vision_export import export_vision
     from edgeq.models.vlm_training import merged_language_model, projector_module
@@ -421,13 +439,7 @@ def export_trained_vlm(out_dir: str | os.PathLike, quick: bool = False, seed: in
         np.save(tmp / EMBED_TABLE_FILE, table)
         log("trained VLM: exporting ONNX (no cache, then with a KV cache)")
         export_embeds_lm(lm.model, lm.lm_head, tmp, lm.config.hidden_size)
-        past = tmp / WITH_PAST_DIR
-        past.mkdir()
-        export_embeds_lm_with_past(lm.model, lm.lm_head, past)
-        np.save(past / EMBED_TABLE_FILE, table)
-        for name in ("config.json", "calib.npz", "calib_meta.npz", "eval.npz", "eval_meta.npz", "projector.npz",
-                     *[p.name for p in tmp.iterdir() if p.is_file() and p.name.startswith(("tokenizer", "special_tokens"))]):
-            shutil.copy2(tmp / name, past / name)
+        write_with_past(tmp, lm.model, lm.lm_head, table)
 
         # The exported graph against the torch model: accuracy on eval.npz through onnxruntime.
         inputs, meta = load_eval(tmp)

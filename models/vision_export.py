@@ -23,7 +23,7 @@ import os
 import warnings
 from pathlib import Path
 
-from edgeq.evaluate.vqa_questions import PIXELS_INPUT, VISION_FILE, VISUAL_OUTPUT
+from edgeq.files.vlm_folder import PIXELS_INPUT, VISION_FILE, VISUAL_OUTPUT
 from edgeq.models.craft_vision import FEATURE_CHANNELS, FEATURE_STRIDE, IMAGENET_MEAN, IMAGENET_STD
 from edgeq.models.embeds_export import OPSET
 

@@ -93,7 +93,11 @@ class MsqPass(StaticQDQ, name="msq", exactness=Exactness.LOSSY, config=MsqConfig
         self._mask("permuted" if "visual_count" in self._aifs else "original")  # fail early on a text-only graph
         result = super().run(graph, ctx)
         if result.modified:
-            facts.MSQ.set(graph, layout=self._layout(), lowering=cfg.lowering)
+            # visual_mask: the [B, S] is-visual tensor of the original token order, which a static
+            # specialization replaces by its fixed visual slice (edgeq.static.vlm)
+            original = self._masks.get("original")
+            facts.MSQ.set(graph, layout=self._layout(), lowering=cfg.lowering,
+                          **({"visual_mask": original[0].name} if original is not None else {}))
         return result
 
     def _layout(self) -> str:

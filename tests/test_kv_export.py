@@ -18,7 +18,7 @@ import pytest
 from edgeq.cli import main
 from edgeq.errors import UserInputError
 from edgeq.evaluate.generate import greedy_decode
-from edgeq.evaluate.vqa_questions import EMBED_TABLE_FILE
+from edgeq.files.vlm_folder import EMBED_TABLE_FILE
 from edgeq.models import kv_export as kv
 from edgeq.models.embeds_export import MODEL_INPUTS, export_embeds_lm, ort_session
 

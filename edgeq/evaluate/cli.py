@@ -165,12 +165,16 @@ def register(subparsers: Any) -> argparse.ArgumentParser:
         "image size -> visual tokens), the visual tokens placed at the prompt's visual span of inputs_embeds "
         "(text tokens through MODEL/embed_tokens.npy), then greedy decoding with MODEL/model.onnx. A question "
         "is correct when the greedy tokens are the gold answer followed by <|im_end|> (the rule the export's "
-        "metrics.json uses on eval.npz). onnxruntime on CPU.",
+        "metrics.json uses on eval.npz). onnxruntime on CPU. MODEL may also be a static VLM deployment (edgeq "
+        "compile VLM/with-past/model.onnx --static prefill=P,context=C): pixels -> OUT/vision.onnx, the visual "
+        "tokens at the prefill's fixed rows [0, V) and the prompt's text after them at their original positions, "
+        "greedy decoding through OUT/decode.onnx (docs/static-vlm-deployment.md).",
         epilog="example: edgeq eval vqa artifacts/trained-vlm --samples 200 --json",
     )
     vqa.add_argument("model", metavar="MODEL",
                      help="an fp32 VLM export folder (edgeq export trained-vlm -o MODEL): vision.onnx, model.onnx, "
-                     "embed_tokens.npy, tokenizer.json and vqa_eval.npz")
+                     "embed_tokens.npy, tokenizer.json and vqa_eval.npz; or a static VLM deployment (compile "
+                     "--static of its with-past graph): vision.onnx, prefill.onnx, decode.onnx and the same files")
     vqa.add_argument("--questions", metavar="FILE", default=None,
                      help="questions with their images, an .npz of the form MODEL/vqa_eval.npz has (pixels "
                      "[images, S, S, 3] at the model's image size, RGB floats in [0, 1] or uint8; prompt_ids with -1 "
@@ -179,12 +183,15 @@ def register(subparsers: Any) -> argparse.ArgumentParser:
     vqa.add_argument("--samples", type=positive_int, default=None, metavar="N",
                      help="evaluate N questions spread evenly over the file (default: all)")
     vqa.add_argument("--provider", choices=("cpu", "qnn-htp"), default="cpu",
-                     help="where the graphs run: onnxruntime CPU (default). qnn-htp runs static VLM deployments "
-                     "(edgeq compile --static on a VLM, a later step); for an fp32 export folder it exits 2")
+                     help="where the graphs run: onnxruntime CPU (default). qnn-htp runs a static VLM deployment on "
+                     "Qualcomm's (emulated) HTP, CPU fallback disabled: its context binaries OUT/qnn/*_ctx.onnx "
+                     "(compile --target qnn-htp --context-binary), else its graphs; slow in the emulator, use "
+                     "--samples. For an fp32 export folder it exits 2")
     vqa.add_argument("--threads", type=positive_int, default=None, metavar="T", help="onnxruntime intra-op threads")
     vqa.add_argument("--json", action="store_true",
                      help="print one JSON object: accuracy, samples, answers (the greedy answer per question, in "
-                     "order), per_type, correct, gold, question_rows, model, provider, questions_file, seconds")
+                     "order), per_type, correct, gold, question_rows, model, provider, form (fp32-export or "
+                     "static), questions_file, seconds")
     vqa.set_defaults(func=run_vqa)
     return ev
 

@@ -11,8 +11,15 @@ A question counts as correct when the greedy tokens are the gold answer's tokens
 end token (``<|im_end|>``): the same rule as the teacher-forced argmax on ``eval.npz``
 (``edgeq.models.trained_vlm.vqa_correct``), which greedy decoding reproduces token for token.
 The questions (``vqa_eval.npz``, ``edgeq.evaluate.vqa_questions``) default to the export's
-evaluation split. Onnxruntime on CPU; the HTP (``qnn-htp``) takes static deployments, which the
-fp32 export folder is not.
+evaluation split.
+
+A static deployment (``edgeq compile VLM/with-past/model.onnx --static ...``: ``vision.onnx``,
+``prefill.onnx``, ``decode.onnx``, the embedding table and the questions file) runs the same way
+through its own contract (``edgeq.generation.vlm_pair``): the visual tokens at the prefill's
+fixed slice, the prompt's text after them at their original positions, greedy decoding through
+``decode.onnx``; on onnxruntime CPU, or (``--provider qnn-htp``) its context binaries
+(``qnn/*_ctx.onnx``, ``--context-binary``) on Qualcomm's emulated HTP. The fp32 export folder
+runs on CPU only (the HTP takes static graphs).
 """
 
 from __future__ import annotations
@@ -25,9 +32,9 @@ from typing import Sequence
 import numpy as np
 
 from edgeq.errors import UserInputError
-from edgeq.evaluate.generate import greedy_decode
-from edgeq.evaluate.vqa_questions import (EMBED_TABLE_FILE, PIXELS_INPUT, QUESTIONS_FILE, VISION_FILE, VISUAL_OUTPUT,
-                                          VqaQuestions, load_questions)
+from edgeq.evaluate.generate import GreedyResult, greedy_decode
+from edgeq.evaluate.vqa_questions import VqaQuestions, load_questions
+from edgeq.files.vlm_folder import EMBED_TABLE_FILE, PIXELS_INPUT, QUESTIONS_FILE, VISION_FILE, VISUAL_OUTPUT
 from edgeq.files.npzfile import NumpyFileError, read_npy
 
 PROVIDERS = ("cpu", "qnn-htp")
@@ -58,16 +65,18 @@ def accuracy_by_type(correct: Sequence[bool], types: Sequence[str], order: Seque
             "per_type": per_type}
 
 
-def _folder(model_dir: str | os.PathLike) -> dict[str, Path]:
-    """The files an fp32 VLM export folder must hold; a one-line error naming the first missing."""
+def _folder(model_dir: str | os.PathLike, static: bool = False) -> dict[str, Path]:
+    """The files an fp32 VLM export folder (or, ``static``, a static deployment beyond its graphs)
+    must hold; a one-line error naming the first missing."""
     folder = Path(model_dir)
     if not folder.exists():
         raise UserInputError(f"model folder not found: {folder}")
     if not folder.is_dir():
         raise UserInputError(f"{folder} is not a folder: edgeq eval vqa takes a VLM export folder "
-                             "(edgeq export trained-vlm -o DIR)")
-    files = {"vision": folder / VISION_FILE, "language": folder / LANGUAGE_FILE, "embed": folder / EMBED_TABLE_FILE,
-             "tokenizer": folder / "tokenizer.json"}
+                             "(edgeq export trained-vlm -o DIR) or a static VLM deployment (edgeq compile --static)")
+    files = {"vision": folder / VISION_FILE, "embed": folder / EMBED_TABLE_FILE, "tokenizer": folder / "tokenizer.json"}
+    if not static:
+        files["language"] = folder / LANGUAGE_FILE
     for role, path in files.items():
         if not path.is_file():
             hint = "a VLM export written before vision.onnx existed: export it again" if role == "vision" else \
@@ -82,7 +91,10 @@ def _static_image_size(session) -> int | None:
 
 
 def visual_tokens(session, pixels: np.ndarray, batch: int = VISION_BATCH) -> np.ndarray:
-    """``vision.onnx`` on ``pixels`` [N, S, S, 3]: the visual tokens [N, tokens, hidden]."""
+    """``vision.onnx`` on ``pixels`` [N, S, S, 3]: the visual tokens [N, tokens, hidden] (in
+    batches of ``batch``, or of the graph's own batch where it is fixed: a static deployment's is 1)."""
+    fixed = session.get_inputs()[0].shape[0]
+    batch = fixed if isinstance(fixed, int) else batch
     chunks = [session.run([VISUAL_OUTPUT], {PIXELS_INPUT: pixels[i:i + batch]})[0] for i in range(0, len(pixels), batch)]
     return np.concatenate(chunks).astype(np.float32, copy=False)
 
@@ -112,6 +124,18 @@ def answer_greedy(session, questions: VqaQuestions, i: int, visual: np.ndarray, 
     return greedy_decode(session, {k: v for k, v in feeds.items() if k in names}, steps, table).tokens
 
 
+def static_greedy(decoder, prompt: np.ndarray, start: int, visual: np.ndarray, steps: int) -> GreedyResult:
+    """Greedy decoding of ``steps`` tokens on a static VLM deployment (``edgeq.generation.vlm_pair``)
+    from a prompt with its image's ``visual`` tokens at ``[start, start + V)``; what
+    ``greedy_decode`` gives on the dynamic graph (tokens and each step's logits)."""
+    decoder.reset()
+    logits = [decoder.prefill_image(prompt, start, visual)]
+    for _ in range(steps - 1):
+        logits.append(decoder.step(int(logits[-1].argmax())))
+    stacked = np.stack(logits).astype(np.float32)
+    return GreedyResult(stacked.argmax(-1).astype(np.int64), stacked)
+
+
 def evaluate_vqa(model_dir: str | os.PathLike, questions: str | os.PathLike | None = None, samples: int | None = None,
                  provider: str = "cpu", threads: int | None = None) -> dict:
     """Exact-match accuracy of the VLM export folder ``model_dir`` on ``questions`` (default: its
@@ -126,11 +150,15 @@ def evaluate_vqa(model_dir: str | os.PathLike, questions: str | os.PathLike | No
         raise UserInputError(f"--samples must be >= 1, got {samples}")
     if provider not in PROVIDERS:
         raise UserInputError(f"--provider must be one of {', '.join(PROVIDERS)}, got {provider!r}")
+    from edgeq.generation.vlm_pair import is_static_vlm, open_static_vlm
+
     folder = Path(model_dir)
-    files = _folder(folder)
-    if provider != "cpu":
+    static = is_static_vlm(folder)
+    files = _folder(folder, static)
+    if provider != "cpu" and not static:
         raise UserInputError(f"{folder} is an fp32 VLM export folder, not a static deployment: --provider qnn-htp "
-                             "runs static VLM deployments (not available yet); use --provider cpu")
+                             "runs static VLM deployments (edgeq compile VLM/with-past/model.onnx --static "
+                             "prefill=P,context=C --target qnn-htp --context-binary); use --provider cpu")
     questions_path = Path(questions) if questions is not None else folder / QUESTIONS_FILE
     q = load_questions(questions_path)
     try:
@@ -141,7 +169,11 @@ def evaluate_vqa(model_dir: str | os.PathLike, questions: str | os.PathLike | No
         raise UserInputError(f"{files['embed']} must be the embedding table [vocab, hidden], shape {list(table.shape)}")
     tokenizer = load_tokenizer(folder)
     started = time.perf_counter()
-    vision = open_session(files["vision"], threads=threads)
+    decoder = None
+    if static:
+        vision, decoder = open_static_vlm(folder, table, provider, threads)
+    else:
+        vision = open_session(files["vision"], threads=threads)
     size = _static_image_size(vision)
     if size is not None and size != q.image_size:
         raise UserInputError(f"{questions_path}: images are {q.image_size}x{q.image_size}, {files['vision']} takes "
@@ -152,18 +184,22 @@ def evaluate_vqa(model_dir: str | os.PathLike, questions: str | os.PathLike | No
     images = np.unique(q.question_image[rows])
     visual = dict(zip(images.tolist(), visual_tokens(vision, q.pixels[images])))
     del vision
-    language = open_session(files["language"], threads=threads)
+    language = open_session(files["language"], threads=threads) if decoder is None else None
     steps = int(q.answer_len[rows].max())
     answers, correct, gold = [], [], []
     for i in rows.tolist():
-        tokens = answer_greedy(language, q, i, visual[int(q.question_image[i])], table, steps)
+        image = visual[int(q.question_image[i])]
+        if decoder is None:
+            tokens = answer_greedy(language, q, i, image, table, steps)
+        else:
+            tokens = static_greedy(decoder, q.prompt(i), q.visual_span(i)[0], image, steps).tokens
         want = q.gold(i)
         correct.append(bool(np.array_equal(tokens[:len(want)], want)))
         ended = np.flatnonzero(tokens == q.end_id)
         answers.append(tokenizer.decode(tokens[:ended[0] if ended.size else len(tokens)].tolist()).strip())
         gold.append(str(q.answer[i]))
     summary = accuracy_by_type(correct, q.qtype[rows])
-    return {"model": str(folder), "provider": provider, "questions_file": str(questions_path),
+    return {"model": str(folder), "provider": provider, "form": "static" if static else "fp32-export", "questions_file": str(questions_path),
             "samples": summary["questions"], "accuracy": summary["accuracy"], "per_type": summary["per_type"],
             "answers": answers, "correct": correct, "gold": gold, "question_rows": rows.tolist(),
             "image_size": q.image_size, "seconds": round(time.perf_counter() - started, 2)}

@@ -34,12 +34,8 @@ import numpy as np
 
 from edgeq.errors import UserInputError
 from edgeq.files.npzfile import NumpyFileError, read_npz
+from edgeq.files.vlm_folder import QUESTIONS_FILE
 
-QUESTIONS_FILE = "vqa_eval.npz"
-VISION_FILE = "vision.onnx"
-PIXELS_INPUT = "pixels"
-VISUAL_OUTPUT = "visual_tokens"
-EMBED_TABLE_FILE = "embed_tokens.npy"  # the input embedding table [vocab, hidden]: text tokens -> inputs_embeds
 VISUAL_ID = -1
 PAD_ID = -100
 

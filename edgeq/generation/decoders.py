@@ -63,16 +63,17 @@ def _as_ids(ids: Sequence[int] | np.ndarray) -> np.ndarray:
     return arr
 
 
-def _check_decoder_graph(session: Any, label: str) -> tuple[list[str], list[str]]:
-    """Input and output names of a token-in, logits-out decoder graph; anything else is refused."""
+def _check_decoder_graph(session: Any, label: str, token_input: str = "input_ids") -> tuple[list[str], list[str]]:
+    """Input and output names of a token-in (``token_input``: ids, or a VLM's ``inputs_embeds``),
+    logits-out decoder graph; anything else is refused."""
     inputs = [i.name for i in session.get_inputs()]
     outputs = [o.name for o in session.get_outputs()]
-    if "input_ids" not in inputs or "logits" not in outputs:
+    if token_input not in inputs or "logits" not in outputs:
         raise UserInputError(
-            f"{label} is not a decoder graph (it needs an input_ids input and a logits output; "
+            f"{label} is not a decoder graph (it needs an {token_input} input and a logits output; "
             f"inputs: {', '.join(inputs) or 'none'}; outputs: {', '.join(outputs) or 'none'})"
         )
-    others = [n for n in inputs if n not in _TOKEN_INPUTS and not n.startswith(PAST_PREFIX)]
+    others = [n for n in inputs if n not in (token_input, *_TOKEN_INPUTS[1:]) and not n.startswith(PAST_PREFIX)]
     if others:
         raise UserInputError(f"{label} takes inputs a text decoder cannot feed: {', '.join(others)}")
     for name in inputs:
@@ -187,9 +188,12 @@ def static_meta(session: Any, label: str) -> dict:
 
 
 class StaticPairDecoder(Decoder):
-    """A static pair (see the module docstring): fixed shapes, the cache owned here."""
+    """A static pair (see the module docstring): fixed shapes, the cache owned here. Subclasses
+    that feed something else than token ids (a VLM's embeddings: ``edgeq.generation.vlm_pair``)
+    set ``token_input`` and override ``_chunk``; ``_window`` runs any rows at any positions."""
 
     mode = "static-pair"
+    token_input = "input_ids"
 
     def __init__(self, prefill_session: Any, decode_session: Any, labels: tuple[str, str] = STATIC_FILES) -> None:
         super().__init__()
@@ -197,7 +201,7 @@ class StaticPairDecoder(Decoder):
         self.labels = dict(zip(("prefill", "decode"), labels))
         metas = {}
         for role, session in self.sessions.items():
-            _check_decoder_graph(session, self.labels[role])
+            _check_decoder_graph(session, self.labels[role], self.token_input)
             meta = static_meta(session, self.labels[role])
             if meta.get("role") != role:
                 raise UserInputError(f"{self.labels[role]} says it is the {meta.get('role')!r} graph, expected {role!r}")
@@ -214,7 +218,7 @@ class StaticPairDecoder(Decoder):
         self.cache_names = [f"{PAST_PREFIX}{i}.{kv}" for i in range(self.layers) for kv in ("key", "value")]
         for role, session in self.sessions.items():
             names = {i.name for i in session.get_inputs()}
-            missing = [n for n in (*_TOKEN_INPUTS, *self.cache_names) if n not in names]
+            missing = [n for n in (self.token_input, *_TOKEN_INPUTS[1:], *self.cache_names) if n not in names]
             if missing:
                 raise UserInputError(f"{self.labels[role]} lacks the static-pair inputs {', '.join(missing[:4])}")
         self.outputs = ["logits"] + [PRESENT_PREFIX + n[len(PAST_PREFIX):] for n in self.cache_names]
@@ -227,18 +231,27 @@ class StaticPairDecoder(Decoder):
         for value in self.cache.values():
             value.fill(0)
 
+    def width(self, role: str) -> int:
+        return self.prefill_length if role == "prefill" else 1
+
     def _chunk(self, role: str, ids: np.ndarray) -> np.ndarray:
         """Run ``ids`` (at most W of them) through one graph at the current position; logits [n, vocab]."""
-        width = self.prefill_length if role == "prefill" else 1
-        n = ids.size
+        input_ids = np.zeros((1, self.width(role)), np.int64)
+        input_ids[0, :ids.size] = ids
+        return self._window(role, {"input_ids": input_ids}, self.position + np.arange(ids.size, dtype=np.int64))
+
+    def _window(self, role: str, rows: dict, positions: np.ndarray) -> np.ndarray:
+        """One run of graph ``role`` on ``rows`` (its token input, padded to W) whose first n =
+        len(``positions``) are real, at those positions (padding continues after the largest);
+        the new cache entries go to slots pos..pos+n-1; logits [n, vocab]."""
+        width, n = self.width(role), len(positions)
         pos, ctx = self.position, self.context
-        input_ids = np.zeros((1, width), np.int64)
-        input_ids[0, :n] = ids
         mask = np.zeros((1, ctx + width), np.int64)
         mask[0, :pos] = 1
         mask[0, ctx : ctx + n] = 1
-        feeds = {"input_ids": input_ids, "attention_mask": mask,
-                 "position_ids": (pos + np.arange(width, dtype=np.int64))[None], **self.cache}
+        padding = int(np.max(positions)) + 1 + np.arange(width - n, dtype=np.int64)
+        feeds = {**rows, "attention_mask": mask,
+                 "position_ids": np.concatenate([np.asarray(positions, np.int64), padding])[None], **self.cache}
         result = _run(self.sessions[role], self.outputs, feeds, self.labels[role])
         for name, present in zip(self.cache_names, result[1:]):
             self.cache[name][:, :, pos : pos + n] = present[:, :, :n]

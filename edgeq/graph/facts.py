@@ -102,7 +102,7 @@ RMS = KeyValueFact("edgeq.rms", "MQuant RMS side branches are in (mode, branch p
 MASSIVE_SPLIT = KeyValueFact("edgeq.massive_split", "massive-activation channels are split off (ratio, branch)")
 MUXQ = KeyValueFact("edgeq.muxq", "MUXQ Body/Aux split is in (method, rule, form)")
 AIFS = KeyValueFact("edgeq.aifs", "tokens are reordered visual-first (span inputs, visual count tensor, ...)")
-MSQ = KeyValueFact("edgeq.msq", "per-modality static scales are in (layout, lowering)")
+MSQ = KeyValueFact("edgeq.msq", "per-modality static scales are in (layout, lowering, the original-order visual mask tensor)")
 RESQ = JsonFact("edgeq.resq", "ResQ projections are folded in: the subspace layout, or why they could not be",
                 sort_keys=True, reason_key="not_applicable")
 RESQ_QDQ = JsonFact("edgeq.resq_qdq", "ResQ mixed-precision quantization is in (activation mode)")

@@ -107,7 +107,8 @@ def cache_layout(model: onnx.ModelProto, prefill: int, context: int) -> StaticSh
     """The cache a with-past decoder needs, read from its inputs; a graph that is not one is a
     one-line error naming what to export instead."""
     names = {vi.name: vi for vi in model.graph.input}
-    missing = [n for n in ("input_ids", "attention_mask", "position_ids") if n not in names]
+    token = "inputs_embeds" if "inputs_embeds" in names else "input_ids"  # (a VLM's language graph: edgeq.static.vlm)
+    missing = [n for n in (token, "attention_mask", "position_ids") if n not in names]
     pasts = {}
     for name, vi in names.items():
         match = _PAST_RE.match(name)
@@ -167,6 +168,8 @@ def _fix_io_shapes(graph: onnx.GraphProto, width: int, context: int) -> None:
     for vi in graph.input:
         if vi.name in ("input_ids", "position_ids"):
             _set_dims(vi, [1, width])
+        elif vi.name == "inputs_embeds":
+            _set_dims(vi, [1, width, None])
         elif vi.name == "attention_mask":
             _set_dims(vi, [1, context + width])
         elif _PAST_RE.match(vi.name):
@@ -322,18 +325,32 @@ def _with_static_shapes(model: onnx.ModelProto) -> onnx.ModelProto:
 
 
 def build_pair(model: onnx.ModelProto, shape: StaticShape, kv_scales: dict[str, float] | None = None,
-               weights_dir: Path | None = None) -> dict[str, onnx.ModelProto]:
+               weights_dir: Path | None = None, prepare=None) -> dict[str, onnx.ModelProto]:
     """``{"prefill.onnx": ..., "decode.onnx": ...}`` from one compiled with-past graph.
     ``weights_dir``: where its initializers stored as external data are (a block-wise compile's
     weights file); the weights stay there, referenced by both graphs, and only the constants
-    small enough to fold are read in (the folding runs them through onnxruntime from memory)."""
+    small enough to fold are read in (the folding runs them through onnxruntime from memory).
+    ``prepare(model, role)``: the graph each role is specialized from, where it differs per role
+    (a VLM's fixed visual slice: ``edgeq.static.vlm``)."""
     from edgeq.runtime.progress import progress
 
     if weights_dir is not None:
         _read_in_foldable(model, weights_dir)
 
-    return {f"{role}.onnx": specialize(model, shape, role, kv_scales)
+    return {f"{role}.onnx": specialize(prepare(model, role) if prepare else model, shape, role, kv_scales)
             for role in progress(ROLES, desc="static graphs")}
+
+
+def fold_static(model: onnx.ModelProto) -> onnx.ModelProto:
+    """``model`` (its inputs' shapes fixed by the caller) with its shape machinery folded and every
+    value's shape static, as ``specialize`` leaves a decoder: for graphs beside the pair (a VLM's
+    vision graph at batch 1). ``model`` is changed."""
+    for vi in model.graph.output:
+        vi.type.tensor_type.ClearField("shape")
+    del model.graph.value_info[:]
+    graph = _fold(model)
+    graph.cleanup(remove_unused_graph_inputs=False).toposort()
+    return _with_static_shapes(ir.to_model(graph))
 
 
 def _read_in_foldable(model: onnx.ModelProto, weights_dir: Path) -> None:

@@ -145,7 +145,7 @@ def _build_dataclass(cls, values: dict, where: str):
         kwargs[key] = _coerce(value, hints[key], f"{where} key '{key}'")
         if key.endswith("_roles"):
             _check_roles(kwargs[key], f"{where} key '{key}'")
-        elif key == "role_activation_dtypes":  # "role=dtype" (the config checks the form and the dtype)
+        elif key in ("role_activation_dtypes", "role_weight_dtypes"):  # "role=dtype" (the config checks the form and the dtype)
             _check_roles([e.partition("=")[0].strip() for e in kwargs[key] if "=" in e], f"{where} key '{key}'")
     try:
         return cls(**kwargs)
@@ -155,7 +155,7 @@ def _build_dataclass(cls, values: dict, where: str):
 
 def _check_roles(roles, where: str) -> None:
     """Every role a pass config names (``skip_roles``, ``sink_roles``, the ``role=`` of
-    ``role_activation_dtypes`` entries) must be one a linear can get."""
+    ``role_activation_dtypes`` and ``role_weight_dtypes`` entries) must be one a linear can get."""
     from edgeq.structure.linears import ROLES
 
     unknown = [r for r in roles if r not in ROLES]

@@ -134,6 +134,34 @@ def test_role_activation_dtype_override(tiny_models):
     assert ir.default_opset(out) == 21
 
 
+def test_role_weight_dtype_override(tiny_models):
+    """``role_weight_dtypes = ["lm_head=int8"]``: the head int8 per output channel, every other
+    linear int4 in blocks of 64 along K (mquant-w4a16's form)."""
+    model = ir.load_model(tiny_models["llama"])
+    out, rec = _compile(model, activation_dtype="int16", weight_dtype="int4", weight_granularity="group", group_size=16,
+                        role_weight_dtypes=("lm_head=int8",))
+    graph = ir.to_graph(out)
+    heads = {lin.node for lin in find_linears(ir.to_graph(model)) if lin.role == "lm_head"}
+    assert heads
+    seen = collections.Counter()
+    for node in graph.nodes:
+        if node.op == "DequantizeLinear" and isinstance(node.inputs[0], ir.gs.Constant) and node.inputs[0].values.ndim == 2:
+            reader = node.outputs[0].outputs[0].name
+            dtype = str(node.inputs[0].values.dtype)
+            block = node.attrs.get("block_size", 0)
+            seen["head" if reader in heads else "other"] += 1
+            if reader in heads:
+                assert dtype == "int8" and not block and node.inputs[1].values.ndim == 1, (dtype, block)
+            else:
+                assert block == 16, (reader, dtype, block)
+    assert seen["head"] == len(heads) and seen["other"] > 0
+    assert "per channel for {'lm_head': 'int8'}" in rec["summary"]["weight"]
+    from edgeq.errors import UserInputError
+
+    with pytest.raises(UserInputError, match="role=dtype"):
+        QDQConfig(role_weight_dtypes=("lm_head=int16",))
+
+
 def test_role_override_syntax_checked():
     from edgeq.errors import UserInputError
 

@@ -56,6 +56,9 @@ class QDQConfig(PassConfig):
     # per-role activation dtype overrides, "role=dtype" (e.g. "down_proj=int16" for NPUs with
     # 16-bit activations at the hardest site); a tensor read by several roles takes the widest
     role_activation_dtypes: tuple[str, ...] = ()
+    # per-role weight overrides, "role=dtype", per output channel at that dtype's full width (e.g.
+    # "lm_head=int8": Gemma 3's head is 62% of its weights, and int4 blocks there cost it most)
+    role_weight_dtypes: tuple[str, ...] = ()
     # narrower value ranges inside the storage types, for bit-width sweeps (0: the type's width)
     activation_bits: int = 0
     weight_bits: int = 0
@@ -79,6 +82,7 @@ class QDQConfig(PassConfig):
         if not 0.0 < self.percentile <= 100.0:
             raise UserInputError(f"qdq: percentile must be in (0, 100], got {self.percentile}")
         self.role_dtypes()
+        self.role_weights()
         QuantSpec(self.activation_dtype, value_bits=self.activation_bits)  # fits the storage type
         QuantSpec(self.weight_dtype, value_bits=self.weight_bits)
         if self.activation_granularity == "token" and self.role_activation_dtypes:
@@ -91,6 +95,17 @@ class QDQConfig(PassConfig):
             if not sep or dtype not in _ACT_DTYPES:
                 raise UserInputError(f"qdq: role_activation_dtypes entries are role=dtype with dtype in "
                                      f"{', '.join(_ACT_DTYPES)}, got '{entry}'")
+            out[role.strip()] = dtype.strip()
+        return out
+
+
+    def role_weights(self) -> dict[str, str]:
+        out = {}
+        for entry in self.role_weight_dtypes:
+            role, sep, dtype = entry.partition("=")
+            if not sep or dtype.strip() not in _WEIGHT_DTYPES:
+                raise UserInputError(f"qdq: role_weight_dtypes entries are role=dtype with dtype in "
+                                     f"{', '.join(_WEIGHT_DTYPES)}, got '{entry}'")
             out[role.strip()] = dtype.strip()
         return out
 
@@ -151,7 +166,8 @@ class StaticQDQ(Pass):
                           + (f", overrides {dict(cfg.role_dtypes())}" if cfg.role_activation_dtypes else ""),
             "weight": f"{cfg.weight_dtype}" + (f" ({cfg.weight_bits}-bit values)" if cfg.weight_bits else "")
                       + f" {'symmetric' if cfg.weight_symmetric else 'asymmetric'} per-{cfg.weight_granularity}"
-                      + (f" (group {cfg.group_size})" if cfg.weight_granularity == "group" else ""),
+                      + (f" (group {cfg.group_size})" if cfg.weight_granularity == "group" else "")
+                      + (f", per channel for {dict(cfg.role_weights())}" if cfg.role_weight_dtypes else ""),
         })
 
     def _activation_sites(self, graph: gs.Graph, index: ir.GraphIndex, ctx: PassContext,
@@ -227,7 +243,11 @@ class StaticQDQ(Pass):
         stored_nk = lin.op == "Gemm" and lin.weight_transposed
         n_axis, k_axis = (0, 1) if stored_nk else (1, 0)
         pair_axis = k_axis if u8s8_safe else None
-        if self.config.weight_granularity == "group":
+        override = self.config.role_weights().get(lin.role)
+        if override is not None:  # per output channel, the override's full width
+            spec = QuantSpec(override, self.config.weight_symmetric, axis=n_axis,
+                             pair_axis=pair_axis if override == "int8" else None)
+        elif self.config.weight_granularity == "group":
             spec = self._weight_spec(axis=k_axis)
         else:
             spec = self._weight_spec(axis=n_axis, pair_axis=pair_axis)

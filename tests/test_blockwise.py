@@ -19,7 +19,7 @@ from edgeq.graph import ir
 from edgeq.blockwise import assemble, block  # noqa: F401  (the modules whose limits the tests lower)
 from edgeq.cli import main
 
-RECIPES = ("mquant-w8a8", "gptq-w4a16", "w8a8", "quarot-w8a8")
+RECIPES = ("mquant-w8a8", "gptq-w4a16", "w8a8", "quarot-w8a8", "mquant-w4a16")
 
 
 def _calib_for(model, folder):
@@ -103,7 +103,7 @@ def test_blockwise_equals_in_memory(tiny_models, tmp_path, capsys, monkeypatch, 
     assert set(blk["u8s8"].get("per_linear", {})) == set(mem["u8s8"].get("per_linear", {}))
     for name, record in mem["u8s8"].get("per_linear", {}).items():
         assert blk["u8s8"]["per_linear"][name] == pytest.approx(record, rel=1e-5, abs=1e-7), name
-    if recipe != "gptq-w4a16":  # (weight-only: no integer linear to probe)
+    if recipe not in ("gptq-w4a16", "mquant-w4a16"):  # (weight-only, 16-bit activations: no uint8 x int8 linear)
         assert mem["u8s8"]["linears"] > 0 and "max_pair_rate" in blk["u8s8"]
 
 

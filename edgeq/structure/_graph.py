@@ -8,6 +8,7 @@ scan of the whole graph.
 
 from __future__ import annotations
 
+import re
 from collections import deque
 from typing import Any, Callable, Hashable, Iterable, Iterator
 
@@ -30,6 +31,8 @@ FIRST_INPUT_ONLY = PASS_THROUGH | frozenset({
 })
 
 MAX_VISITS = 256
+# the suffix ``WeightStore.set_weight`` gives a rewritten weight (``ir.unique_name`` may add ``_N``)
+REWRITTEN = re.compile(r"_rewritten(?:_\d+)?$")
 
 
 def _tensor_name(tensor) -> str:
@@ -108,14 +111,22 @@ class Walker:
             tensor = node.inputs[0]
         return None
 
-    def stand_in_shape(self, name: str) -> tuple[int, ...] | None:
-        """The real shape of a vocabulary table a block-wise compile replaced with a small stand-in
-        (``facts.STAND_INS``); None for any other tensor."""
+    def stand_ins(self) -> dict:
+        """Stand-in name -> the real shape of the vocabulary table it replaces (``facts.STAND_INS``;
+        empty outside a block-wise compile's block models)."""
         if self._stand_ins is None:
             from edgeq.graph import facts
 
             self._stand_ins = facts.STAND_INS.get(self.graph) or {}
-        shape = self._stand_ins.get(name)
+        return self._stand_ins
+
+    def stand_in_shape(self, name: str) -> tuple[int, ...] | None:
+        """The real shape of a vocabulary table a block-wise compile replaced with a small stand-in
+        (``facts.STAND_INS``); None for any other tensor."""
+        shape = self.stand_ins().get(name)
+        while shape is None and REWRITTEN.search(name):  # a pass's rewrite of a stand-in (rotation, norm folding)
+            name = REWRITTEN.sub("", name)
+            shape = self._stand_ins.get(name)
         return None if shape is None else tuple(int(d) for d in shape)
 
     def is_const(self, tensor: gs.Tensor) -> bool:

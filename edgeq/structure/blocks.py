@@ -338,7 +338,9 @@ def assign_roles(w: Walker, linears: list[Linear], blocks: list[Block],
                  embeddings: list[Embedding]) -> list[Linear]:
     """Roles and blocks from structure; heads from graph outputs; names only as a last hint."""
     placed = {name: (role, b) for b in blocks for name, role in zip(b.linears, b.roles)}
-    vocab = max((e.rows for e in embeddings), default=None)  # the token table is the largest
+    # the token table is the largest; in a block-wise block the stand-ins count at their real size (the
+    # last block reads a stand-in embedding, which rotation renames, beside the real head: still lm_head)
+    vocab = max([e.rows for e in embeddings] + [max(shape) for shape in w.stand_ins().values()], default=None)
     result = []
     for lin in linears:
         if lin.node in placed:
@@ -347,7 +349,7 @@ def assign_roles(w: Walker, linears: list[Linear], blocks: list[Block],
         elif reaches_graph_output(w, w.index.tensors[lin.output]):
             lin = tie(w, lin, embeddings, check_values=True)
             real = w.stand_in_shape(lin.weight)  # (a block-wise block's small stand-in head)
-            n = lin.n if real is None else real[0] if lin.weight_transposed else real[-1]
+            n = lin.n if real is None else max(real)  # (a vocabulary table's largest dimension is the vocabulary)
             role = "lm_head" if lin.tied_embedding or n == vocab else "classifier"
             lin = dataclasses.replace(lin, role=role, role_source="structure")
         else:

@@ -90,6 +90,8 @@ def export_embeds_lm(decoder, lm_head, out_dir: Path, hidden_size: int, position
     ``out_dir`` must exist (callers write inside an ``atomic_output_dir``).
     """
     import onnx
+
+    from edgeq.models.hf_export import traced_onnx
     import torch
 
     from edgeq.graph import ir
@@ -104,26 +106,21 @@ def export_embeds_lm(decoder, lm_head, out_dir: Path, hidden_size: int, position
         positions = positions.expand(position_rows, batch, seq)
         pos_axes = {1: "batch_size", 2: "sequence_length"}
     dyn = {0: "batch_size", 1: "sequence_length"}
-    raw = out_dir / ".raw-export.onnx"
     with traceable_masks(), warnings.catch_warnings():
         # Tracing emits dozens of expected TracerWarnings per layer, and the legacy exporter a
         # deprecation notice; neither is actionable here.
         warnings.simplefilter("ignore")
-        torch.onnx.export(
+        model = traced_onnx(lambda path: torch.onnx.export(
             module,
             (embeds, mask, positions.contiguous()),
-            str(raw),
+            path,
             input_names=list(EMBED_INPUTS),
             output_names=["logits"],
             dynamic_axes={"inputs_embeds": dyn, "attention_mask": dyn, "position_ids": pos_axes, "logits": dyn},
             opset_version=OPSET,
             do_constant_folding=True,
             dynamo=False,
-        )
-    model = onnx.load(str(raw))
-    raw.unlink()
-    for extra in raw.parent.glob(raw.name + "*"):
-        extra.unlink()
+        ))
     names = [i.name for i in model.graph.input]
     if names != list(EMBED_INPUTS):
         raise RuntimeError(f"the exporter produced inputs {names}, expected {list(EMBED_INPUTS)}")

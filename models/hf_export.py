@@ -24,11 +24,15 @@ import os
 import shutil
 import tempfile
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from edgeq.errors import UserInputError
 from edgeq.files.output_dir import atomic_output_dir
+
+if TYPE_CHECKING:
+    import onnx
 
 EXPORT_EXTRA_HINT = "pip install -e .[export]"
 MODEL_FILE = "model.onnx"
@@ -108,6 +112,18 @@ def private_torch_cache() -> Iterator[None]:
         shutil.rmtree(tmp, ignore_errors=True)
         if not existed and default.is_dir() and not default.is_symlink():
             _remove_empty_folders(default)
+
+
+def traced_onnx(export: Callable[[str], object]) -> onnx.ModelProto:
+    """The model ``export(path)`` writes (a ``torch.onnx.export`` call), read back into memory: the
+    exporter writes into a private temporary folder (with any external data files beside it), so
+    nothing is written to, or removed from, an output folder on the way."""
+    import onnx
+
+    with tempfile.TemporaryDirectory(prefix="edgeq-trace-") as tmp:
+        path = Path(tmp) / "traced.onnx"
+        export(str(path))
+        return onnx.load(str(path))
 
 
 def _remove_empty_folders(root: Path) -> None:

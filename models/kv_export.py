@@ -162,6 +162,8 @@ def export_embeds_lm_with_past(decoder, lm_head, out_dir: Path) -> Path:
     [batch, seq] only (no M-RoPE).
     """
     import onnx
+
+    from edgeq.models.hf_export import traced_onnx
     import torch
     from optimum.exporters.onnx import model_patcher as patcher
     from transformers.cache_utils import DynamicLayer
@@ -185,23 +187,18 @@ def export_embeds_lm_with_past(decoder, lm_head, out_dir: Path) -> Path:
             "attention_mask": {0: "batch_size", 1: TOTAL_AXIS}}
     axes.update({name: {0: PAST_AXES[0], 2: PAST_AXES[1]} for name in pasts})
     axes.update({name: {0: "batch_size", 2: TOTAL_AXIS} for name in presents})
-    raw = out_dir / ".raw-export.onnx"
     original_update = DynamicLayer.update
     DynamicLayer.update = patcher.patched_dynamic_layer_update  # what optimum's ModelPatcher does
     try:
         with traceable_masks(), warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            torch.onnx.export(
-                module, (embeds, mask, positions, *past), str(raw),
+            model = traced_onnx(lambda path: torch.onnx.export(
+                module, (embeds, mask, positions, *past), path,
                 input_names=[*EMBED_INPUTS, *pasts], output_names=["logits", *presents],
                 dynamic_axes=axes, opset_version=OPSET, do_constant_folding=True, dynamo=False,
-            )
+            ))
     finally:
         DynamicLayer.update = original_update
-    model = onnx.load(str(raw))
-    raw.unlink()
-    for extra in raw.parent.glob(raw.name + "*"):
-        extra.unlink()
     names = [i.name for i in model.graph.input]
     outputs = [o.name for o in model.graph.output]
     if names != [*EMBED_INPUTS, *pasts] or outputs != ["logits", *presents]:

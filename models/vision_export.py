@@ -76,6 +76,8 @@ def export_vision(layers: list, projector, image_size: int, out_dir: str | os.Pa
     [.., 512] -> [.., hidden] (the trained MLP, or a bias-free Linear holding the composed VLM's
     fixed matrix); ``image_size``: S, a multiple of 16. The batch axis is dynamic."""
     import onnx
+
+    from edgeq.models.hf_export import traced_onnx
     import torch
 
     from edgeq.graph import ir
@@ -84,16 +86,12 @@ def export_vision(layers: list, projector, image_size: int, out_dir: str | os.Pa
         raise ValueError(f"image size {image_size} is not a multiple of {FEATURE_STRIDE}")
     module = _vision_module(layers, projector.eval(), round_to_float16)
     out_dir = Path(out_dir)
-    raw = out_dir / ".raw-vision.onnx"
     example = torch.rand(1, image_size, image_size, 3, generator=torch.Generator().manual_seed(0))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # the legacy exporter's deprecation notice
-        torch.onnx.export(module, (example,), str(raw), input_names=[PIXELS_INPUT], output_names=[VISUAL_OUTPUT],
-                          dynamic_axes={PIXELS_INPUT: {0: "batch_size"}, VISUAL_OUTPUT: {0: "batch_size"}},
-                          opset_version=OPSET, do_constant_folding=True, dynamo=False)
-    model = onnx.load(str(raw))
-    raw.unlink()
-    for extra in raw.parent.glob(raw.name + "*"):
-        extra.unlink()
+        model = traced_onnx(lambda path: torch.onnx.export(
+            module, (example,), path, input_names=[PIXELS_INPUT], output_names=[VISUAL_OUTPUT],
+            dynamic_axes={PIXELS_INPUT: {0: "batch_size"}, VISUAL_OUTPUT: {0: "batch_size"}},
+            opset_version=OPSET, do_constant_folding=True, dynamo=False))
     onnx.checker.check_model(model)
     return ir.save_model(model, out_dir / VISION_FILE)

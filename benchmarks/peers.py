@@ -70,6 +70,7 @@ STATIC_ACTIVATION_CATEGORIES = ("w8a8", "w8a16", "w4a16")
 # (the peers' default); each W4 compile is evaluated at MatMulNBits accuracy level 0 (the recipe) and
 # 4 (int8 activations, what genai and onnxruntime's RTN example use). gptq-w4a16-g32 is the
 # contaminated group-32 case (see G32_CAVEAT).
+STATIC_SHAPES = "prefill=128,context=1024"  # the static pair of the HTP rows (docs/npu-handoff.md's figures)
 EDGEQ_SETTINGS = [
     {"setting": "mquant-w8a8", "recipe": "mquant-w8a8", "category": "w8a8", "weight_bits": 8, "activation_bits": 8,
      "calib_windows": 16},
@@ -79,6 +80,12 @@ EDGEQ_SETTINGS = [
      "calib_windows": 16},
     {"setting": "mquant-w4a16", "recipe": "mquant-w4a16", "category": "w4a16", "weight_bits": 4, "activation_bits": 16,
      "calib_windows": 16},
+    # the same recipes in the form the HTP runs (compile --static ... --target qnn-htp: the Q/DQ of the HTP's
+    # node units added, shapes fixed), compiled from the KV-cache export and scored teacher-forced through
+    # the static prefill graph: the like-for-like rows beside AIMET's exports, which quantize every tensor
+    *[{"setting": f"{recipe}-qnn-htp", "recipe": recipe, "category": category, "weight_bits": bits,
+       "activation_bits": 16, "calib_windows": 16, "static": STATIC_SHAPES}
+      for recipe, category, bits in (("w8a16", "w8a16", 8), ("mquant-w4a16", "w4a16", 4))],
     *[{"setting": f"gptq-w4a16{head}-c{n}", "recipe": "gptq-w4a16", "category": "w4", "weight_bits": 4,
        "activation_bits": 32, "calib_windows": n, "lm_head_4bit": bool(head), "accuracy_levels": (0, 4)}
       for n in (64, 16) for head in ("", "-head4")],
@@ -280,26 +287,37 @@ def with_accuracy_level(src: Path, dst: Path, level: int) -> Path:
     return dst
 
 
-def edgeq_rows(model: Path, work: Path) -> list[dict]:
+def edgeq_rows(model: Path, past_model: Path, work: Path, only: set[str] | None = None) -> list[dict]:
+    """edgeq's rows: each setting of EDGEQ_SETTINGS compiled in its own measured process (``only``:
+    the ``edgeq/SETTING`` names to run, None for all). Settings with ``static`` compile the KV-cache
+    export ``past_model`` into the HTP's static pair instead of the plain graph."""
     import edgeq
 
     rows = []
     for spec in EDGEQ_SETTINGS:
+        if only is not None and f"edgeq/{spec['setting']}" not in only:
+            continue
         out = work / "edgeq" / spec["setting"]
         log = work / "edgeq" / f"{spec['setting']}.log"
         log.parent.mkdir(parents=True, exist_ok=True)
         print(f"[peers] edgeq {spec['setting']}: compiling", file=sys.stderr)
-        run = run_measured([sys.executable, "-m", "edgeq", "compile", str(model), "--recipe", _recipe_file(spec, work),
-                            "--calib", str(DATA / "valid.txt"), "--calib-windows", str(spec["calib_windows"]),
+        static = ["--static", spec["static"], "--target", "qnn-htp"] if spec.get("static") else []
+        run = run_measured([sys.executable, "-m", "edgeq", "compile", str(past_model if static else model),
+                            "--recipe", _recipe_file(spec, work), "--calib", str(DATA / "valid.txt"),
+                            "--calib-windows", str(spec["calib_windows"]), *static,
                             "--no-cache", "-o", str(out)], log, env={**os.environ, "EDGEQ_PROGRESS": "0"})
         base = {"tool": "edgeq", "version": edgeq.__version__,
-                **{k: v for k, v in spec.items() if k not in ("accuracy_levels", "lm_head_4bit")},
+                **{k: v for k, v in spec.items() if k not in ("accuracy_levels", "lm_head_4bit", "static")},
                 "format": "onnx", "compile_s": run["seconds"], "peak_rss_mb": run["peak_rss_mb"],
                 "error": None if run["code"] == 0 else _last_error(log), "path": str(out), "docs": "docs/recipes.md"}
         if spec["category"] == "w4":
             base["notes"] = (f"recipe {spec['recipe']}" + (" with lm_head quantized too (skip_roles = [])"
                              if spec.get("lm_head_4bit") else " (lm_head in float)")
                              + f", calibrated on {spec['calib_windows']} windows")
+        if static:
+            base["through"] = "prefill"
+            base["notes"] = (f"static pair (--static {spec['static']} --target qnn-htp) compiled from the KV-cache "
+                             "export; perplexity teacher-forced through its prefill graph, 128 tokens per call")
         if "g32" in spec["recipe"]:
             base["caveat"] = G32_CAVEAT
         for level in spec.get("accuracy_levels", (None,)):
@@ -327,7 +345,7 @@ def weight_policy(folder: Path) -> dict:
 
     import onnx
 
-    graph = onnx.load(str(folder / "model.onnx"), load_external_data=False).graph
+    graph = onnx.load(str(_graph_file(folder)), load_external_data=False).graph
     inits = {t.name: t for t in graph.initializer}
     producer = {o: n for n in graph.node for o in n.output}
 
@@ -404,9 +422,22 @@ def _feeds(session, ids: np.ndarray, folder: Path) -> dict:
     return feeds
 
 
+def pair_perplexity(path: Path, windows: np.ndarray, exact_qdq: bool) -> float:
+    """Perplexity of a static pair on the same windows, teacher-forced through its prefill graph
+    (what ``edgeq eval ppl PAIR --through prefill`` computes), onnxruntime CPU."""
+    from edgeq.generation.decoders import open_decoder
+    from edgeq.generation.teacher_forced import teacher_forced_nll
+
+    decoder = open_decoder(path, exact_qdq=exact_qdq, max_length=windows.shape[1])
+    nll = sum(teacher_forced_nll(decoder, ids, "prefill") for ids in windows)
+    return round(float(np.exp(nll / (windows.shape[0] * (windows.shape[1] - 1)))), 3)
+
+
 def onnx_perplexity(path: Path, windows: np.ndarray, exact_qdq: bool) -> float:
     from edgeq.runtime.nll import window_nll
 
+    if (path / "prefill.onnx").is_file() and not (path / "model.onnx").is_file():
+        return pair_perplexity(path, windows, exact_qdq)
     model = path / "model.onnx"
     session = _session(model, exact_qdq)
     logits_name = "logits" if "logits" in [o.name for o in session.get_outputs()] else session.get_outputs()[0].name
@@ -418,11 +449,16 @@ def onnx_perplexity(path: Path, windows: np.ndarray, exact_qdq: bool) -> float:
     return round(float(np.exp(nll / tokens)), 3)
 
 
+def _graph_file(folder: Path) -> Path:
+    """The graph a row's folder holds: model.onnx, or a static pair's prefill.onnx."""
+    return folder / "model.onnx" if (folder / "model.onnx").is_file() else folder / "prefill.onnx"
+
+
 def add_weight_policy(rows: list[dict]) -> None:
     """lm_head / embedding bits, group size and accuracy level of every ONNX row, from its graph
     (OpenVINO IR rows keep what their adapter states)."""
     for row in rows:
-        if row.get("format") == "onnx" and row.get("path") and (Path(row["path"]) / "model.onnx").is_file():
+        if row.get("format") == "onnx" and row.get("path") and _graph_file(Path(row["path"])).is_file():
             row.update(weight_policy(Path(row["path"])))
 
 
@@ -442,7 +478,8 @@ def add_perplexities(rows: list[dict], windows: np.ndarray) -> None:
 
 def latencies(rows: list[dict], ids: np.ndarray, repeats: int) -> None:
     """512-token forward pass, batch 1: every ONNX model once per round, interleaved; medians."""
-    timed = [r for r in rows if r.get("path") and r.get("format") == "onnx" and not r.get("error")]
+    # static pairs (rows with "through") run 128 tokens per call: not a 512-token forward pass
+    timed = [r for r in rows if r.get("path") and r.get("format") == "onnx" and not r.get("error") and not r.get("through")]
     sessions = {id(r): _session(Path(r["path"]) / "model.onnx", exact_qdq=False) for r in timed}
     feeds = {id(r): _feeds(sessions[id(r)], ids, Path(r["path"])) for r in timed}
     samples: dict[int, list[float]] = {id(r): [] for r in timed}
@@ -465,6 +502,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--peers", nargs="+", default=["edgeq", "ort-genai", "nncf", "quark", "ort-quant", "aimet-onnx"],
                     help="the tools to run, in this order (edgeq, ort-genai and the adapter peers "
                     + ", ".join(ADAPTER_PEERS) + "); e.g. --peers aimet-onnx runs that peer alone")
+    ap.add_argument("--past-model-dir", type=Path, default=REPO / "artifacts" / "smollm2-past",
+                    help="SmolLM2 exported with a KV cache (edgeq export smollm2 --with-past; made here if missing): "
+                         "what edgeq's HTP-form rows (--static) compile")
     ap.add_argument("--windows", type=int, default=40, help="evaluation windows (of the 40 prepared)")
     ap.add_argument("--latency-repeats", type=int, default=7)
     ap.add_argument("--plot", type=Path, default=None, help="PNG (default: beside --out)")
@@ -472,8 +512,9 @@ def main(argv: list[str] | None = None) -> int:
                     "run finished (artifacts/peers/rows-partial.json); the figures then come from two runs")
     ap.add_argument("--timeout-min", type=float, default=60, help="a peer setting still quantizing after this is a row "
                     "with that error (default 60; edgeq's own compiles are not limited)")
-    ap.add_argument("--only", nargs="+", metavar="TOOL/SETTING", help="run only these adapter-peer settings "
-                    "(e.g. ort-quant/nbits-gptq-b128-asym; edgeq and ort-genai rows are chosen with --peers)")
+    ap.add_argument("--only", nargs="+", metavar="TOOL/SETTING", help="run only these settings of the "
+                    "tools in --peers (e.g. ort-quant/nbits-gptq-b128-asym, edgeq/w8a16-qnn-htp; ort-genai's rows are "
+                    "chosen with --peers alone)")
     ap.add_argument("--reuse", nargs="+", default=[], metavar="TOOL/SETTING", help="take these adapter-peer "
                     "settings' output and measurement from an earlier run in --work instead of quantizing again; "
                     "the row records when and beside what it ran")
@@ -510,7 +551,8 @@ def main(argv: list[str] | None = None) -> int:
         elif peer == "ort-genai":
             got = genai_rows(args.work)
         elif peer == "edgeq":
-            got = edgeq_rows(model, args.work)
+            got = edgeq_rows(model, past_model(args.past_model_dir), args.work,
+                             only={o for o in args.only if o.startswith("edgeq/")} if args.only else None)
         else:
             ap.error(f"unknown peer {peer}")
         add_weight_policy(got)
@@ -540,6 +582,15 @@ def main(argv: list[str] | None = None) -> int:
     print(f"wrote {args.out}", file=sys.stderr)
     plot(args.out, args.plot or args.out.with_suffix(".png"))
     return 0
+
+
+def past_model(folder: Path) -> Path:
+    """``folder/model.onnx``, SmolLM2's KV-cache export, exported first when missing."""
+    if not (folder / "model.onnx").is_file():
+        print(f"exporting SmolLM2 with a KV cache to {folder}", file=sys.stderr)
+        subprocess.run([sys.executable, "-m", "edgeq", "export", "smollm2", "--with-past", "-o", str(folder)],
+                       check=True, cwd=REPO)
+    return folder / "model.onnx"
 
 
 def markdown_table(results: Path) -> str:

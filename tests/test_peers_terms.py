@@ -82,3 +82,17 @@ def test_edgeq_rows_state_their_terms(spec, tmp_path):
         assert "skip_roles = []" in Path(recipe).read_text()
     else:
         assert recipe == spec["recipe"]
+
+
+def test_static_pair_terms_are_read_off_its_prefill_graph(tmp_path):
+    """edgeq's HTP-form rows are static pairs (prefill.onnx, no model.onnx): their terms come from the
+    prefill graph, and they are scored through it (not timed as a 512-token forward pass)."""
+    folder = _save(tmp_path, [helper.make_node("Gather", ["table", "input_ids"], ["h"]),
+                              helper.make_node("MatMul", ["h", "head"], ["logits"])],
+                   [_float("table", (VOCAB, HIDDEN)), numpy_helper.from_array(np.zeros((HIDDEN, VOCAB), np.int8), "head")])
+    (folder / "model.onnx").rename(folder / "prefill.onnx")
+    assert peers._graph_file(folder) == folder / "prefill.onnx"
+    assert peers.weight_policy(folder)["lm_head_bits"] == 8
+    htp_rows = [s for s in peers.EDGEQ_SETTINGS if s.get("static")]
+    assert {s["recipe"] for s in htp_rows} == {"w8a16", "mquant-w4a16"}
+    assert all(s["setting"].endswith("-qnn-htp") and s["activation_bits"] == 16 for s in htp_rows)

@@ -6,6 +6,18 @@ numpy) and the standard library. Subcommands (the contract of benchmarks/peers.p
 
     settings
     quantize --setting S --model FP32_ONNX --calib-ids CALIB.npy --out DIR
+    quantize --setting S --model FP32_ONNX --calib-feeds FEEDS.npz --out DIR
+
+``--calib-feeds`` (instead of ``--calib-ids``) calibrates on recorded input dicts instead of token
+windows: a static graph's runs (a static pair's ``prefill.onnx``, 128-token chunks with the KV
+cache as inputs), as a Qualcomm user quantizes the prompt graph of AI Hub's LLM export; the file
+format is ``_peer_contract.RecordedFeeds`` (``benchmarks/aimet_htp.py`` writes it).
+``--model-type`` is the ``model_type`` AIMET's ``analyze_llm_topology`` gets (``llama`` for SmolLM2,
+``gemma3_text`` for Gemma 3, which AIMET reads by its active norms); only the inputs the graph has
+are fed (Gemma 3's export takes no ``position_ids``). ``--release-session`` drops the sim's
+onnxruntime session before ``to_onnx_qdq`` (memory only: Gemma 3's first attempt without it was
+stopped during the export at 15.4 GB, when the shared 24 GB machine ran out; with it the export
+completed at a 17.3 GB peak).
 
 AIMET-ONNX is Qualcomm's own quantizer for the HTP (Hexagon NPU), the tool a Qualcomm user would
 pick instead of edgeq for the NPU path, so its settings are its documented LLM flows for the HTP
@@ -51,6 +63,13 @@ AIMET for int4/int16). Saved as ``DIR/model.onnx`` + ``model.onnx.data``.
 
 What this export needs (recorded in the quantize notes):
 
+* A static prompt graph (``--calib-feeds``; edgeq's static pair, ``benchmarks/aimet_htp.py``)
+  carries the same -inf mask as 30 float *initializers* (``self_attn/Constant_6x_output_0``)
+  rather than Constant nodes: ``-finite-mask`` sets both kinds. Where ``analyze_llm_topology``
+  cannot read a graph, the W4 settings fall back to naming lm_head (``/lm_head/MatMul``): int8
+  per channel on it, int4 per channel on every other MatMul/Gemm/Conv (what ``configure_llm``
+  sets), without its KV-cache quantizer tying; the notes say which route ran.
+
 * SmolLM2 ties lm_head to the embedding table (the embedding Gather and, through a Transpose, the
   lm_head MatMul read one initializer). AIMET refuses a weight shared by consumers that want
   different encodings ("Found shared parameter(s) with conflicting consumer types") and says to
@@ -68,7 +87,7 @@ import time
 from collections import Counter
 from pathlib import Path
 
-from _peer_contract import fail, model_inputs, quantize_inputs, subcommands  # (before the folder leaves sys.path)
+from _peer_contract import RecordedFeeds, fail, model_inputs, quantize_inputs, subcommands  # (before the folder leaves sys.path)
 
 # This file is named aimet_onnx.py: drop its own folder from sys.path so that "import aimet_onnx"
 # finds the package of the venv, not this adapter.
@@ -193,7 +212,9 @@ def _set_lpbq(sim) -> str:
 
 
 def _finite_mask(model) -> int:
-    """Set every float Constant whose values are all -inf to MASK_VALUE; returns how many.
+    """Set every float Constant or initializer whose values are all -inf to MASK_VALUE; returns how
+    many (the dynamic export holds its mask values in Constant nodes, edgeq's static pair, whose
+    constants are folded, in initializers).
 
     The exported graph masks attention with ``scores + Where(causal, 0, -inf)``. AIMET's min/max
     encoding of a range reaching -inf spans float32's lowest value (a 16-bit step of 5e33, every
@@ -212,7 +233,46 @@ def _finite_mask(model) -> int:
             if value.size and np.all(np.isneginf(value)):
                 attr.t.CopyFrom(numpy_helper.from_array(np.full_like(value, MASK_VALUE), attr.t.name))
                 changed += 1
+    for init in model.graph.initializer:
+        if init.data_type != 1 or init.data_location == 1 or np.prod(init.dims) > 1024:
+            continue  # float, stored in the file, small: the mask constants (weights are not all -inf)
+        value = numpy_helper.to_array(init)
+        if value.size and np.all(np.isneginf(value)):
+            init.CopyFrom(numpy_helper.from_array(np.full_like(value, MASK_VALUE), init.name))
+            changed += 1
     return changed
+
+
+def _static_input_shapes(model) -> dict[str, tuple[int, ...]]:
+    """Graph input name -> its shape, for inputs whose every dim is a fixed number (a static graph)."""
+    shapes = {}
+    for vi in model.graph.input:
+        dims = vi.type.tensor_type.shape.dim
+        if dims and all(d.HasField("dim_value") for d in dims):
+            shapes[vi.name] = tuple(d.dim_value for d in dims)
+    return shapes
+
+
+def _topology(model, notes: list[str], model_type: str = "llama"):
+    """AIMET's analyze_llm_topology(model, model_type), or None (with the reason in the notes) when it
+    cannot read the graph: the caller then names lm_head itself."""
+    from aimet_onnx.llm_topology import analyze_llm_topology
+    try:
+        return analyze_llm_topology(model, model_type=model_type)
+    except Exception as exc:  # noqa: BLE001 - recorded, then the by-name fallback
+        notes.append(f"analyze_llm_topology(model, {model_type}) failed ({type(exc).__name__}: "
+                     f"{' '.join(str(exc).split())[:300]}); lm_head set by name ({LM_HEAD})")
+        return None
+
+
+def _configure_by_name(sim) -> None:
+    """What configure_llm sets for backbone int4 / lm_head int8, with lm_head named rather than found
+    by AIMET's topology (no KV-cache quantizer tying: that needs the topology)."""
+    from aimet_onnx import int4, int8
+    from aimet_onnx.quantsim import set_param_type
+    set_param_type(sim, int8, nodes_to_include=[LM_HEAD])
+    set_param_type(sim, int4, op_types=("Gemm", "MatMul", "Conv"), nodes_to_exclude={LM_HEAD}, strict=False)
+    sim._apply_exception_rules()  # as configure_llm does
 
 
 def _onnx_summary(model) -> str:
@@ -243,7 +303,15 @@ def _ort_error(path: Path) -> str | None:
 
 
 def cmd_quantize(args) -> int:
-    spec, calib, out = quantize_inputs(args, BY_NAME)
+    if bool(args.calib_ids) == bool(args.calib_feeds):
+        fail("quantize takes exactly one of --calib-ids and --calib-feeds")
+    if args.calib_feeds:
+        if args.setting not in BY_NAME:
+            fail(f"unknown setting {args.setting!r}; known: {', '.join(BY_NAME)}")
+        spec, calib, out = BY_NAME[args.setting], None, Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+    else:
+        spec, calib, out = quantize_inputs(args, BY_NAME)
     try:
         import onnx
         from aimet_onnx import int4, int8
@@ -254,8 +322,22 @@ def cmd_quantize(args) -> int:
         from aimet_onnx.utils import duplicate_shared_initializers
     except Exception as exc:  # noqa: BLE001 - report any import problem in one line
         fail(f"cannot import aimet_onnx: {type(exc).__name__}: {exc}")
-    windows = [model_inputs(w) for w in calib]
     notes, timings = [], {}
+    if calib is not None:
+        header = onnx.load(args.model, load_external_data=False)
+        graph_inputs = {vi.name for vi in header.graph.input}
+        del header
+        # only the inputs the graph has (Gemma 3's export takes no position_ids)
+        windows = [{k: v for k, v in model_inputs(w).items() if k in graph_inputs} for w in calib]
+    else:
+        try:
+            header = onnx.load(args.model, load_external_data=False)
+            windows = RecordedFeeds(args.calib_feeds, _static_input_shapes(header))
+            del header
+        except Exception as exc:  # noqa: BLE001
+            fail(f"--calib-feeds {args.calib_feeds}: {type(exc).__name__}: {exc}")
+        notes.append(f"calibration: {len(windows)} recorded feeds of the graph ({args.calib_feeds}; cache inputs "
+                     "zero-padded to the graph's static shape)")
     t0 = time.perf_counter()
     try:
         model = onnx.load(args.model)  # with its external data: the sim needs the weights
@@ -267,24 +349,32 @@ def cmd_quantize(args) -> int:
             n_mask = _finite_mask(model)
             if not n_mask:
                 fail(f"{args.setting}: no all -inf float Constant (the attention mask) found to make finite")
-            notes.append(f"{n_mask} -inf attention-mask Constants set to {MASK_VALUE:g} (same function in float32)")
-        topology = analyze_llm_topology(model, model_type="llama") if spec.get("w4") or spec.get("spinquant") else None
+            notes.append(f"{n_mask} -inf attention-mask constants (Constant nodes or initializers) set to {MASK_VALUE:g} "
+                         "(same function in float32)")
+        topology = _topology(model, notes, args.model_type) if spec.get("w4") or spec.get("spinquant") else None
+        if spec.get("spinquant") and topology is None:
+            fail(f"{args.setting}: apply_spinquant needs AIMET's topology of the graph")
         if spec.get("spinquant"):
             from aimet_onnx.spinquant import apply_spinquant
             t = time.perf_counter()
             apply_spinquant(model, topology=topology)
             timings["spinquant_s"] = round(time.perf_counter() - t, 1)
             notes.append("apply_spinquant(enable_r1=True) on the float graph (R2/R3 off: AIMET's defaults)")
-            topology = analyze_llm_topology(model, model_type="llama")  # of the rotated graph the sim is built on
+            topology = analyze_llm_topology(model, model_type=args.model_type)  # of the rotated graph the sim is built on
         with tempfile.TemporaryDirectory(prefix="aimet-sim-", dir=out) as tmp:
             t = time.perf_counter()
             sim = QuantizationSimModel(model, param_type="int8", activation_type="int16",
                                        quant_scheme=QuantScheme.min_max, config_file=CONFIG, path=tmp)
             del model
-            if spec.get("w4"):
+            if spec.get("w4") and topology is None:
+                _configure_by_name(sim)
+            elif spec.get("w4"):
                 if topology.lm_head != [LM_HEAD]:
                     fail(f"{args.setting}: AIMET's topology names lm_head {topology.lm_head}, expected [{LM_HEAD}]")
                 configure_llm(sim, topology, backbone_weight_type=int4, lm_head_weight_type=int8)
+                notes.append(f"configure_llm with AIMET's topology ({len(topology.blocks)} blocks, lm_head "
+                             f"{topology.lm_head}, {len(topology.past_key_input_names)} key / "
+                             f"{len(topology.past_value_input_names)} value cache inputs tied to their outputs)")
             if spec.get("lpbq"):
                 notes.append("LPBQ via " + _set_lpbq(sim))
             timings["sim_build_s"] = round(time.perf_counter() - t, 1)
@@ -297,10 +387,16 @@ def cmd_quantize(args) -> int:
                 from aimet_onnx import apply_seq_mse
                 n_seq = min(len(windows), args.seqmse_windows) if args.seqmse_windows else len(windows)
                 t = time.perf_counter()
-                apply_seq_mse(sim, windows[:n_seq], num_candidates=SEQMSE_CANDIDATES)
+                apply_seq_mse(sim, list(windows)[:n_seq], num_candidates=SEQMSE_CANDIDATES)
                 timings["seq_mse_s"] = round(time.perf_counter() - t, 1)
                 notes.append(f"apply_seq_mse on {n_seq} of the {len(windows)} calibration windows "
                              f"(num_candidates={SEQMSE_CANDIDATES}); activation encodings from all {len(windows)}")
+            if args.release_session:
+                import gc
+                sim.session = None  # (AIMET itself does this before rebuilding a session)
+                gc.collect()
+                notes.append("the sim's onnxruntime session (weights and activation arena) released before "
+                             "to_onnx_qdq (--release-session: memory only, the encodings are the sim's)")
             t = time.perf_counter()
             qdq = sim.to_onnx_qdq(prequantize_constants=True)
             timings["to_onnx_qdq_s"] = round(time.perf_counter() - t, 1)
@@ -316,14 +412,23 @@ def cmd_quantize(args) -> int:
     except BaseException as exc:  # noqa: BLE001 - contract: one-line reason, non-zero exit
         fail(f"{args.setting}: {type(exc).__name__}: {exc}")
     secs = time.perf_counter() - t0
-    notes.append(f"{len(windows)} calibration windows of {calib.shape[1]} tokens; load + aimet + export + save "
+    what = (f"{len(windows)} calibration windows of {calib.shape[1]} tokens" if calib is not None
+            else f"{len(windows)} recorded calibration feeds")
+    notes.append(f"{what}; load + aimet + export + save "
                  f"{secs:.1f}s ({', '.join(f'{k} {v}' for k, v in timings.items())})")
     print(json.dumps({"version": versions(), "notes": "; ".join(notes), "timings": timings}))
     return 0
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap, _, q = subcommands(__doc__)
+    ap, _, q = subcommands(__doc__, calib_ids_required=False)
+    q.add_argument("--release-session", action="store_true",
+                   help="drop the sim's onnxruntime session before the QDQ export (lower peak memory; Gemma 3)")
+    q.add_argument("--model-type", default="llama",
+                   help="model_type for AIMET's analyze_llm_topology (llama: SmolLM2; gemma3_text: Gemma 3)")
+    q.add_argument("--calib-feeds", default=None,
+                   help="calibrate on recorded input dicts (an .npz of <feed>/<input> arrays, _peer_contract."
+                        "RecordedFeeds) instead of --calib-ids token windows: a static graph's runs")
     q.add_argument("--seqmse-windows", type=int, default=None,
                    help="Sequential MSE on only the first N calibration windows (default: all of them)")
     args = ap.parse_args(argv)

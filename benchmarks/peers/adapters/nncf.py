@@ -209,7 +209,6 @@ def _fold_transposed_weights(model) -> list[str]:
     computes the same function (the embedding Gather keeps the original table). Returns the
     MatMuls changed.
     """
-    import onnx
     from onnx import numpy_helper
 
     inits = {t.name: t for t in model.graph.initializer}

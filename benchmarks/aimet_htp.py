@@ -494,6 +494,17 @@ def _pooled(rows: list[dict]) -> float | None:
     return math.exp(sum(r["nll"] for r in rows) / sum(r["tokens"] for r in rows))
 
 
+
+def _last_json(path: Path) -> dict | None:
+    """The JSON record on the last line of an ``edgeq eval ppl --json`` output file; None while the
+    run has written nothing (or was stopped mid-line)."""
+    if not (path.is_file() and path.stat().st_size):
+        return None
+    try:
+        return json.loads(path.read_text().strip().splitlines()[-1])
+    except (ValueError, IndexError):
+        return None
+
 def summarize(run: Run, settings: list[str], windows: list[int], edgeq_evals: Path) -> None:
     ev = run.work / "evals"
     table = {}
@@ -504,12 +515,9 @@ def summarize(run: Run, settings: list[str], windows: list[int], edgeq_evals: Pa
         for k in windows:
             row = {}
             for prov in PROVIDERS:
-                f = ev / f"{name}-{prov}-{k}.json"
-                if f.is_file() and f.stat().st_size:
-                    try:
-                        row[prov] = json.loads(f.read_text().strip().splitlines()[-1])
-                    except (ValueError, IndexError):
-                        pass
+                got = _last_json(ev / f"{name}-{prov}-{k}.json")
+                if got is not None:
+                    row[prov] = got
             if row:
                 per[k] = row
         if not per:
@@ -536,12 +544,9 @@ def summarize(run: Run, settings: list[str], windows: list[int], edgeq_evals: Pa
     for k in windows:
         row = {}
         for prov in ("cpu", "htp"):
-            f = edgeq_evals / f"w4a16h8-{prov}-{k}.json"
-            if f.is_file() and f.stat().st_size:
-                try:
-                    row[prov] = json.loads(f.read_text().strip().splitlines()[-1])
-                except (ValueError, IndexError):
-                    pass
+            got = _last_json(edgeq_evals / f"w4a16h8-{prov}-{k}.json")
+            if got is not None:
+                row[prov] = got
         if row:
             ref[k] = row
     if ref:

@@ -212,3 +212,89 @@ def test_context_binaries_run_on_the_emulated_htp(tiny_vlm_dir, tmp_path, capsys
     cpu = evaluate_vqa(out, samples=1)
     assert htp["provider"] == "qnn-htp" and htp["samples"] == 1
     assert htp["answers"] == cpu["answers"]
+
+
+def test_w4a16_vlm_recipe_compiles_static_for_the_htp(tiny_vlm_dir, tmp_path, capsys):
+    """mquant-w4a16-vlm (GPTQ int4 in whole blocks of 64, head int8, 16-bit activations, MSQ): the
+    static deployment is clean for qnn-htp on all three graphs, its weights are int4 blocks that
+    divide K (or int4 per channel), and it answers on CPU."""
+    out = tmp_path / "w4a16"
+    assert _compile(tiny_vlm_dir, out, "mquant-w4a16-vlm", 16, "--target", "qnn-htp") == 0
+    report = json.loads((out / "report.json").read_text())
+    checks = report["target"]["check"]
+    assert set(checks) == {"prefill.onnx", "decode.onnx", VISION_FILE}
+    assert all(c["clean"] for c in checks.values()), checks
+    passes = {p["name"]: p for p in report["passes"]}
+    assert passes["gptq"]["modified"] and passes["msq"]["modified"], passes.keys()
+    assert report["static"]["vlm"]["passes_realized_by_layout"] == ["aifs"]
+    model = onnx.load(out / "prefill.onnx", load_external_data=False)
+    inits = {t.name: t for t in model.graph.initializer}
+    blocks = []
+    for node in model.graph.node:
+        if node.op_type == "DequantizeLinear" and node.input[0] in inits:
+            dtype = inits[node.input[0]].data_type
+            block = next((a.i for a in node.attribute if a.name == "block_size"), 0)
+            if dtype == onnx.TensorProto.INT4:
+                k = inits[node.input[0]].dims[0]
+                assert block == 0 or k % block == 0, (node.name, k, block)
+                blocks.append(block)
+            if dtype == onnx.TensorProto.INT16:
+                pytest.fail(f"{node.name}: an int16 weight")
+    assert 64 in blocks, blocks  # int4 weights in blocks of 64 along K
+    acts = {inits[n.input[2]].data_type for n in model.graph.node
+            if n.op_type == "QuantizeLinear" and len(n.input) > 2 and n.input[2] in inits}
+    assert onnx.TensorProto.INT16 in acts, acts
+    capsys.readouterr()
+    assert main(["eval", "vqa", str(out), "--samples", "2", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["samples"] == 2
+
+
+def test_msq_without_aifs_keeps_the_image_at_its_prompt_rows(tiny_vlm_dir, msq_static, tmp_path):
+    """A recipe with msq but no aifs: the prefill keeps the prompt's order, MSQ's visual scale on the
+    image's rows [m, m + V) (m: where every question puts the image); the same scales as with aifs,
+    so the same answers and logits up to float summation order."""
+    recipe = (Path(__file__).resolve().parent.parent / "edgeq" / "recipes" / "mquant-w8a8-vlm.toml").read_text()
+    no_aifs = recipe.replace('[[pass]]\nname = "aifs"', '[[pass]]\nname = "aifs-removed"')
+    no_aifs = no_aifs[:no_aifs.index('[[pass]]\nname = "aifs-removed"')] + no_aifs[no_aifs.index('[[pass]]\nname = "msq"'):]
+    (tmp_path / "msq.toml").write_text(no_aifs)
+    out = tmp_path / "msq-in-order"
+    assert _compile(tiny_vlm_dir, out, str(tmp_path / "msq.toml")) == 0
+    q = load_questions(tiny_vlm_dir / QUESTIONS_FILE)
+    m = q.visual_span(0)[0]
+    vlm = json.loads((out / "report.json").read_text())["static"]["vlm"]
+    assert vlm["order"] == "original" and vlm["visual_rows"] == [m, m + 4] and vlm["passes_realized_by_layout"] == []
+    assert vlm["msq_visual_rows"]["prefill.onnx"] == [m, m + 4]
+    model = onnx.load(out / "prefill.onnx")
+    consts = {t.name: onnx.numpy_helper.to_array(t) for t in model.graph.initializer}
+    gains = [consts[n.input[1]].reshape(-1) for n in model.graph.node
+             if n.op_type == "Mul" and "ModalityRescale" in n.name and n.input[1] in consts]
+    assert gains
+    for gain in gains:
+        assert np.all(gain[m:m + 4] == gain[m]) and gain[m] != 1.0
+        assert np.all(np.delete(gain, np.arange(m, m + 4)) == 1.0)
+    table = np.load(tiny_vlm_dir / EMBED_TABLE_FILE)
+    vision, in_order = open_static_vlm(out, table)
+    _, aifs = open_static_vlm(msq_static, table)
+    tokens = visual_tokens(vision, q.pixels)
+    for i in range(min(len(q), 4)):
+        start = q.visual_span(i)[0]
+        a = static_greedy(in_order, q.prompt(i), start, tokens[q.question_image[i]], 2)
+        b = static_greedy(aifs, q.prompt(i), start, tokens[q.question_image[i]], 2, force_tokens=a.tokens)
+        np.testing.assert_allclose(a.logits, b.logits, rtol=0, atol=2e-2 * np.abs(b.logits).max())
+    with pytest.raises(Exception, match="keeps the image at prompt rows"):
+        static_greedy(in_order, q.prompt(0), m + 1, tokens[q.question_image[0]], 1)
+
+
+def test_answer_logits_of_the_fp32_deployment_are_the_exports(tiny_vlm_dir, fp32_static):
+    """``answer_logits`` (what KL and top-1 against fp32 are computed on): per question, the
+    distributions predicting each gold answer token and the end token, the gold tokens fed back;
+    the fp32 static deployment gives the export's."""
+    from edgeq.evaluate.vqa import answer_logits
+
+    export, static = answer_logits(tiny_vlm_dir, samples=3), answer_logits(fp32_static, samples=3)
+    q = load_questions(tiny_vlm_dir / QUESTIONS_FILE)
+    rows = export["question_rows"]
+    assert static["question_rows"] == rows and export["counts"] == [int(q.answer_len[i]) for i in rows]
+    assert export["logits"].shape == (sum(export["counts"]), len(np.load(tiny_vlm_dir / EMBED_TABLE_FILE)))
+    np.testing.assert_array_equal(export["gold"], np.concatenate([q.gold(i) for i in rows]))
+    np.testing.assert_allclose(static["logits"], export["logits"], rtol=0, atol=1e-4)

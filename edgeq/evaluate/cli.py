@@ -167,7 +167,8 @@ def register(subparsers: Any) -> argparse.ArgumentParser:
         "is correct when the greedy tokens are the gold answer followed by <|im_end|> (the rule the export's "
         "metrics.json uses on eval.npz). onnxruntime on CPU. MODEL may also be a static VLM deployment (edgeq "
         "compile VLM/with-past/model.onnx --static prefill=P,context=C): pixels -> OUT/vision.onnx, the visual "
-        "tokens at the prefill's fixed rows [0, V) and the prompt's text after them at their original positions, "
+        "tokens at the prefill's fixed visual rows (rows [0, V) in AIFS order, the recipes with aifs; the prompt's "
+        "own image rows [m, m+V) for MSQ without aifs) and the prompt's text at its original positions, "
         "greedy decoding through OUT/decode.onnx (docs/static-vlm-deployment.md).",
         epilog="example: edgeq eval vqa artifacts/trained-vlm --samples 200 --json",
     )

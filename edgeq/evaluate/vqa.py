@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import os
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
 
@@ -111,6 +112,12 @@ def answer_greedy(session, questions: VqaQuestions, i: int, visual: np.ndarray, 
                   steps: int) -> np.ndarray:
     """The greedy tokens (``steps`` of them) of the language graph on question ``i`` with its
     image's ``visual`` tokens [tokens, hidden] at the visual span."""
+    return answer_decode(session, questions, i, visual, table, steps).tokens
+
+
+def answer_decode(session, questions: VqaQuestions, i: int, visual: np.ndarray, table: np.ndarray,
+                  steps: int, force_tokens: np.ndarray | None = None) -> GreedyResult:
+    """``answer_greedy`` with each step's logits; ``force_tokens``: fed back instead of the argmax."""
     start, length = questions.visual_span(i)
     if length != len(visual):
         raise UserInputError(f"question {i}: its prompt has a visual span of {length} tokens, vision.onnx gives "
@@ -121,28 +128,49 @@ def answer_greedy(session, questions: VqaQuestions, i: int, visual: np.ndarray, 
     feeds = {"inputs_embeds": embeds, "attention_mask": np.ones((1, seq), np.int64),
              "position_ids": np.arange(seq, dtype=np.int64)[None],
              "visual_start": np.array([start], np.int64), "visual_len": np.array([length], np.int64)}
-    return greedy_decode(session, {k: v for k, v in feeds.items() if k in names}, steps, table).tokens
+    return greedy_decode(session, {k: v for k, v in feeds.items() if k in names}, steps, table, force_tokens)
 
 
-def static_greedy(decoder, prompt: np.ndarray, start: int, visual: np.ndarray, steps: int) -> GreedyResult:
+def static_greedy(decoder, prompt: np.ndarray, start: int, visual: np.ndarray, steps: int,
+                  force_tokens: np.ndarray | None = None) -> GreedyResult:
     """Greedy decoding of ``steps`` tokens on a static VLM deployment (``edgeq.generation.vlm_pair``)
     from a prompt with its image's ``visual`` tokens at ``[start, start + V)``; what
-    ``greedy_decode`` gives on the dynamic graph (tokens and each step's logits)."""
+    ``greedy_decode`` gives on the dynamic graph (tokens and each step's logits; ``force_tokens``:
+    fed back instead of the argmax, as there)."""
     decoder.reset()
     logits = [decoder.prefill_image(prompt, start, visual)]
-    for _ in range(steps - 1):
-        logits.append(decoder.step(int(logits[-1].argmax())))
+    for t in range(steps - 1):
+        logits.append(decoder.step(int(logits[-1].argmax() if force_tokens is None else force_tokens[t])))
     stacked = np.stack(logits).astype(np.float32)
     return GreedyResult(stacked.argmax(-1).astype(np.int64), stacked)
 
 
-def evaluate_vqa(model_dir: str | os.PathLike, questions: str | os.PathLike | None = None, samples: int | None = None,
-                 provider: str = "cpu", threads: int | None = None) -> dict:
-    """Exact-match accuracy of the VLM export folder ``model_dir`` on ``questions`` (default: its
-    ``vqa_eval.npz``), ``samples`` of them spread over the file (default all); see the module
-    docstring. Returns ``accuracy``, ``per_type``, ``samples``, ``answers`` (the greedy answer's text
-    per question, in order, up to the end token), ``correct``, ``gold``, ``question_rows``, and
-    ``model``, ``provider``, ``questions_file``, ``seconds``. Bad input: ``UserInputError``."""
+@dataclass
+class _Run:
+    """What evaluating a VLM folder on some questions needs, opened once (``_open_run``)."""
+
+    folder: Path
+    static: bool
+    questions_path: Path
+    q: VqaQuestions
+    table: np.ndarray
+    tokenizer: object
+    rows: np.ndarray
+    visual: dict  # image row -> visual tokens [V, hidden]
+    language: object  # the fp32 export's model.onnx session, or None
+    decoder: object  # the static deployment's decoder, or None
+    started: float
+
+    def run(self, i: int, steps: int, force_tokens: np.ndarray | None = None) -> GreedyResult:
+        """Question ``i``: ``steps`` greedy tokens (and each step's logits)."""
+        image = self.visual[int(self.q.question_image[i])]
+        if self.decoder is None:
+            return answer_decode(self.language, self.q, i, image, self.table, steps, force_tokens)
+        return static_greedy(self.decoder, self.q.prompt(i), self.q.visual_span(i)[0], image, steps, force_tokens)
+
+
+def _open_run(model_dir: str | os.PathLike, questions: str | os.PathLike | None, samples: int | None,
+              provider: str, threads: int | None) -> _Run:
     from edgeq.runtime.ort_session import open_session
     from edgeq.textdata import load_tokenizer
 
@@ -185,21 +213,52 @@ def evaluate_vqa(model_dir: str | os.PathLike, questions: str | os.PathLike | No
     visual = dict(zip(images.tolist(), visual_tokens(vision, q.pixels[images])))
     del vision
     language = open_session(files["language"], threads=threads) if decoder is None else None
+    return _Run(folder, static, questions_path, q, table, tokenizer, rows, visual, language, decoder, started)
+
+
+def evaluate_vqa(model_dir: str | os.PathLike, questions: str | os.PathLike | None = None, samples: int | None = None,
+                 provider: str = "cpu", threads: int | None = None) -> dict:
+    """Exact-match accuracy of the VLM export folder ``model_dir`` on ``questions`` (default: its
+    ``vqa_eval.npz``), ``samples`` of them spread over the file (default all); see the module
+    docstring. Returns ``accuracy``, ``per_type``, ``samples``, ``answers`` (the greedy answer's text
+    per question, in order, up to the end token), ``correct``, ``gold``, ``question_rows``, and
+    ``model``, ``provider``, ``questions_file``, ``seconds``. Bad input: ``UserInputError``."""
+    r = _open_run(model_dir, questions, samples, provider, threads)
+    q, rows = r.q, r.rows
     steps = int(q.answer_len[rows].max())
     answers, correct, gold = [], [], []
     for i in rows.tolist():
-        image = visual[int(q.question_image[i])]
-        if decoder is None:
-            tokens = answer_greedy(language, q, i, image, table, steps)
-        else:
-            tokens = static_greedy(decoder, q.prompt(i), q.visual_span(i)[0], image, steps).tokens
+        tokens = r.run(i, steps).tokens
         want = q.gold(i)
         correct.append(bool(np.array_equal(tokens[:len(want)], want)))
         ended = np.flatnonzero(tokens == q.end_id)
-        answers.append(tokenizer.decode(tokens[:ended[0] if ended.size else len(tokens)].tolist()).strip())
+        answers.append(r.tokenizer.decode(tokens[:ended[0] if ended.size else len(tokens)].tolist()).strip())
         gold.append(str(q.answer[i]))
     summary = accuracy_by_type(correct, q.qtype[rows])
-    return {"model": str(folder), "provider": provider, "form": "static" if static else "fp32-export", "questions_file": str(questions_path),
+    return {"model": str(r.folder), "provider": provider, "form": "static" if r.static else "fp32-export",
+            "questions_file": str(r.questions_path),
             "samples": summary["questions"], "accuracy": summary["accuracy"], "per_type": summary["per_type"],
             "answers": answers, "correct": correct, "gold": gold, "question_rows": rows.tolist(),
-            "image_size": q.image_size, "seconds": round(time.perf_counter() - started, 2)}
+            "image_size": q.image_size, "seconds": round(time.perf_counter() - r.started, 2)}
+
+
+def answer_logits(model_dir: str | os.PathLike, questions: str | os.PathLike | None = None,
+                  samples: int | None = None, provider: str = "cpu", threads: int | None = None) -> dict:
+    """Teacher-forced next-token logits at the answer positions of ``samples`` questions (the rows
+    ``evaluate_vqa`` takes): per question, the distributions that predict each gold answer token and
+    the end token (the gold tokens fed back: the positions the exact-match rule scores, the same
+    inputs for every model), from pixels as ``evaluate_vqa`` runs. Returns ``logits`` float32
+    [positions, vocab] (questions in order), ``counts`` (positions per question), ``gold`` (the
+    token each position should predict), ``question_rows``, ``model``, ``provider``, ``seconds``.
+    What a quantized deployment's KL divergence and top-1 agreement against fp32 are computed on
+    (``edgeq.evaluate.fidelity.Fidelity``)."""
+    r = _open_run(model_dir, questions, samples, provider, threads)
+    logits, counts, gold = [], [], []
+    for i in r.rows.tolist():
+        want = r.q.gold(i)
+        logits.append(r.run(i, len(want), want[:-1]).logits)
+        counts.append(len(want))
+        gold.append(want)
+    return {"model": str(r.folder), "provider": provider, "question_rows": r.rows.tolist(),
+            "logits": np.concatenate(logits).astype(np.float32), "counts": counts,
+            "gold": np.concatenate(gold).astype(np.int64), "seconds": round(time.perf_counter() - r.started, 2)}

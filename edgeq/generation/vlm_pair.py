@@ -12,6 +12,10 @@ table (``embed_tokens.npy``). A prompt with one image runs as the deployment's c
   scales); so do the generated tokens. A prompt needs its text before the image inside the window
   (``P >= V + m``): a later text token must never precede a cached one.
 
+A deployment of a recipe with msq but no aifs (``order: original`` in its layout) takes the
+prompt in its own order instead: the first P tokens with the image at the graph's visual rows
+``[m, m + V)`` (a prompt with its image elsewhere is refused), positions 0, 1, ...
+
 Everything about the cache (slots, mask, the new entries written back) is ``StaticPairDecoder``'s;
 this class only says which rows go where. The cache slot order is not the position order after
 an AIFS prefill; attention reads every filled slot, so that order does not matter.
@@ -45,6 +49,8 @@ class StaticVlmDecoder(StaticPairDecoder):
         super().__init__(prefill_session, decode_session, labels)
         self.layout = vlm_meta(prefill_session, self.labels["prefill"])
         self.visual_tokens = int(self.layout["visual_tokens"])
+        self.order = self.layout.get("order", "aifs")
+        self.visual_start = int(self.layout.get("visual_rows", [0])[0])
         if table.ndim != 2 or table.shape[1] != int(self.layout["hidden"]):
             raise UserInputError(f"the embedding table has shape {list(table.shape)}, the graphs take rows of "
                                  f"{self.layout['hidden']}")
@@ -69,6 +75,8 @@ class StaticVlmDecoder(StaticPairDecoder):
                                  f"slice takes [{v}, {self.table.shape[1]}]")
         if start < 0 or start + v > prompt.size:
             raise UserInputError(f"the visual span [{start}, {start + v}) lies outside the {prompt.size}-token prompt")
+        if self.order == "original":
+            return self._prefill_in_order(prompt, start, visual)
         if width < v + start:
             raise UserInputError(f"the prompt has {start} text tokens before the image: the prefill window "
                                  f"({width}) holds {width - v} beside the {v} visual rows")
@@ -82,6 +90,26 @@ class StaticVlmDecoder(StaticPairDecoder):
         logits = self._window("prefill", {"inputs_embeds": rows}, positions)
         last = logits[int(np.argmax(positions))]
         for token in prompt[rest]:
+            last = self.step(int(token))
+        return last
+
+
+    def _prefill_in_order(self, prompt: np.ndarray, start: int, visual: np.ndarray) -> np.ndarray:
+        """``prefill_image`` of a deployment in the prompt's order (``order: original``: a recipe with
+        msq but not aifs): the prompt's first P tokens at positions 0.., the image where the graph's
+        visual rows are; the rest through ``decode.onnx``."""
+        v, m = self.visual_tokens, self.visual_start
+        if start != m:
+            raise UserInputError(f"this deployment keeps the image at prompt rows [{m}, {m + v}) (msq without aifs: "
+                                 f"its visual scales are compiled there); the prompt has it at [{start}, {start + v})")
+        self._check_fits(prompt.size)
+        first = min(prompt.size, self.prefill_length)
+        rows = np.zeros((1, self.prefill_length, self.table.shape[1]), np.float32)
+        ids = prompt[:first]
+        rows[0, :first] = self.table[np.where(ids < 0, 0, ids)]
+        rows[0, m:m + v] = visual
+        last = self._window("prefill", {"inputs_embeds": rows}, np.arange(first, dtype=np.int64))[-1]
+        for token in prompt[first:]:
             last = self.step(int(token))
         return last
 

@@ -23,6 +23,11 @@ scales are then a *static* slice. So the static deployment fixes the layout inst
   in-graph permutation reads the padding of an ``attention_mask`` that under the cache contract
   marks cache slots). MSQ then calibrates on the export's calibration samples in their original
   order, which gives each site the same visual and text statistics (every per-token op is row-wise);
+- a recipe with ``msq`` but no ``aifs`` (MSQ without AIFS) keeps the prompt's order instead
+  (``order: original``): the image at its prompt position ``m`` (the one position every question
+  of the export's ``vqa_eval.npz`` puts it at; refused otherwise), MSQ's visual scale on prefill
+  rows ``[m, m + V)``, ``position_ids`` 0, 1, ...: the same scales on the same tokens, but one
+  compiled graph serves that image position only (AIFS's layout serves any);
 - ``vision.onnx`` from the export folder, at batch 1 with its shapes folded (static), goes beside the
   pair over the same weights file, with the embedding table (``embed_tokens.npy``: the host embeds
   text tokens) and the evaluation questions (``vqa_eval.npz``).
@@ -70,21 +75,30 @@ class StaticVlm:
     prefill: int
     side_files: tuple[Path, ...]  # embed_tokens.npy, vqa_eval.npz (when the export has it)
     dropped: tuple[str, ...]  # recipe passes the layout realizes
+    order: str = "aifs"  # "aifs": visual rows [0, V); "original": the prompt's order, the image at visual_start
+    visual_start: int = 0  # m: the prefill's visual rows are [m, m + V)
+
+    @property
+    def visual_rows(self) -> list[int]:
+        return [self.visual_start, self.visual_start + self.visual_tokens]
 
     def metadata(self) -> str:
-        return json.dumps({"visual_rows": [0, self.visual_tokens], "visual_tokens": self.visual_tokens,
+        return json.dumps({"visual_rows": self.visual_rows, "visual_tokens": self.visual_tokens,
                            "image_size": self.image_size, "hidden": self.hidden, "vision": VISION_FILE,
-                           "embed_table": EMBED_TABLE_FILE, "order": "aifs"}, sort_keys=True)
+                           "embed_table": EMBED_TABLE_FILE, "order": self.order}, sort_keys=True)
 
     def report(self) -> dict:
         """report.json's ``static.vlm``: where the span is and what realizes AIFS."""
-        return {"visual_rows": [0, self.visual_tokens], "visual_tokens": self.visual_tokens,
+        layout = ("prefill inputs_embeds rows [0, V) visual, then the prompt's text in order, padding last; "
+                  "position_ids = original positions; causal mask on positions (AIFS, Eq. 5)") if self.order == "aifs" else \
+            (f"prefill inputs_embeds in the prompt's order (no aifs in the recipe): the image at its prompt position, "
+             f"rows [{self.visual_start}, {self.visual_start + self.visual_tokens}), text around it, padding last; "
+             "position_ids = 0, 1, ...; every prompt must put its image there")
+        return {"visual_rows": self.visual_rows, "visual_tokens": self.visual_tokens, "order": self.order,
                 "image_size": self.image_size, "hidden": self.hidden, "vision": VISION_FILE,
-                "source_vision": str(self.vision),
-                "layout": "prefill inputs_embeds rows [0, V) visual, then the prompt's text in order, padding last; "
-                          "position_ids = original positions; causal mask on positions (AIFS, Eq. 5)",
+                "source_vision": str(self.vision), "layout": layout,
                 "passes_realized_by_layout": list(self.dropped),
-                "msq_visual_rows": {"prefill.onnx": [0, self.visual_tokens], "decode.onnx": []}}
+                "msq_visual_rows": {"prefill.onnx": self.visual_rows, "decode.onnx": []}}
 
 
 def is_vlm_graph(model: onnx.ModelProto) -> bool:
@@ -125,10 +139,35 @@ def plan_static_vlm(model_path: Path, model: onnx.ModelProto, recipe, prefill: i
                              f"{size}x{size} image) and one text token: use prefill >= {tokens + 1}")
     _check_calibration(calib, tokens, size)
     questions = next((f / QUESTIONS_FILE for f in (folder, folder.parent) if (f / QUESTIONS_FILE).is_file()), None)
+    names = {s.name for s in recipe.passes}
+    order, start = "aifs", 0
+    if "msq" in names and "aifs" not in names:  # MSQ without AIFS: the visual scale at the image's own rows
+        order, start = "original", _image_position(questions, recipe.name)
+        if prefill < start + tokens + 1:
+            raise UserInputError(f"--static prefill={prefill}: recipe '{recipe.name}' (msq without aifs) keeps the image "
+                                 f"at prompt rows [{start}, {start + tokens}); use prefill >= {start + tokens + 1}")
     dropped = tuple(s.name for s in recipe.passes if s.name in DROPPED_PASSES)
     run = dataclasses.replace(recipe, passes=tuple(s for s in recipe.passes if s.name not in DROPPED_PASSES))
-    layout = StaticVlm(vision, size, tokens, hidden, prefill, tuple(p for p in (embed, questions) if p), dropped)
+    layout = StaticVlm(vision, size, tokens, hidden, prefill, tuple(p for p in (embed, questions) if p), dropped,
+                       order, start)
     return layout, run
+
+
+def _image_position(questions: Path | None, recipe: str) -> int:
+    """The one prompt position of the image in the export's questions (``vqa_eval.npz``): where a
+    recipe with msq but without aifs fixes its visual rows (one compiled shape, one slice)."""
+    from edgeq.evaluate.vqa_questions import load_questions
+
+    if questions is None:
+        raise UserInputError(f"recipe '{recipe}' has msq without aifs: the static deployment keeps the image at its "
+                             f"prompt position, read from the export's {QUESTIONS_FILE}, which is not beside the model; "
+                             "add aifs to the recipe (visual rows first, any position)")
+    q = load_questions(questions)
+    starts = sorted({q.visual_span(i)[0] for i in range(len(q))})
+    if len(starts) != 1:
+        raise UserInputError(f"recipe '{recipe}' has msq without aifs, which fixes the image's prompt position, but "
+                             f"{questions} puts it at positions {starts[:6]}: add aifs to the recipe")
+    return starts[0]
 
 
 def _vision_shape(vision: Path) -> tuple[int, int, int]:
@@ -241,7 +280,8 @@ def role_graph(layout: StaticVlm, model: onnx.ModelProto, role: str) -> onnx.Mod
                              "float export in one compile")
     if "visual_mask" in msq:
         rows = np.zeros((1, width), bool)
-        rows[0, :layout.visual_tokens if role == "prefill" else 0] = True
+        if role == "prefill":
+            rows[0, layout.visual_start:layout.visual_start + layout.visual_tokens] = True
         mask = graph.tensors()[msq["visual_mask"]]
         fixed = gs.Constant(f"{mask.name}/{role}_rows", rows)
         for consumer in list(mask.outputs):

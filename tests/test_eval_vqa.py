@@ -17,7 +17,7 @@ import pytest
 
 from edgeq.cli import main
 from edgeq.evaluate.vqa import answer_greedy, evaluate_vqa, visual_tokens
-from edgeq.evaluate.vqa_questions import PAD_ID, load_questions
+from edgeq.files.vqa_questions import PAD_ID, load_questions
 from edgeq.files.vlm_folder import PIXELS_INPUT, QUESTIONS_FILE, VISION_FILE, VISUAL_OUTPUT
 from edgeq.runtime.ort_session import open_session
 

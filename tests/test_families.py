@@ -27,7 +27,6 @@ import sys
 from collections import Counter
 
 import numpy as np
-import onnx
 import pytest
 from toy import random_feeds
 

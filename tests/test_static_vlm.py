@@ -24,7 +24,7 @@ import pytest
 from edgeq.cli import main
 from edgeq.evaluate.generate import greedy_decode
 from edgeq.evaluate.vqa import evaluate_vqa, prompt_embeds, static_greedy, visual_tokens
-from edgeq.evaluate.vqa_questions import load_questions, write_questions
+from edgeq.files.vqa_questions import load_questions, write_questions
 from edgeq.files.vlm_folder import EMBED_TABLE_FILE, QUESTIONS_FILE, VISION_FILE
 from edgeq.generation.vlm_pair import open_static_vlm
 from edgeq.runtime.ort_session import open_session

@@ -254,7 +254,7 @@ def test_quick_export_evaluates_from_pixels(trained_vlm_quick_dir):
     float16 as the training cache holds them: a rare element may round the other way), and
     ``edgeq eval vqa`` from pixels scores the questions as the teacher-forced eval.npz does."""
     from edgeq.evaluate.vqa import evaluate_vqa, spread_rows, visual_tokens
-    from edgeq.evaluate.vqa_questions import load_questions
+    from edgeq.files.vqa_questions import load_questions
     from edgeq.files.vlm_folder import QUESTIONS_FILE, VISION_FILE
     from edgeq.models.embeds_export import ort_session
     from edgeq.models.trained_vlm import load_eval, vqa_accuracy

@@ -67,7 +67,7 @@ def run(sizes, rows: int, dtypes, with_variants: bool = False) -> list[dict]:
                     verr = (yv.double() - ref_d).abs().max().item() / scale
                     name = "_".join(f"{k}={v}" for k, v in kn.items())
                     variants[name] = {"ms": _bench(lambda kn=kn: hadamard_transform(x, **kn)), "rel_err": verr}
-            t_dense = _bench(lambda: x @ h)
+            t_dense = _bench(lambda h=h: x @ h)
             t_kron = _bench(lambda: (hkt @ (x.view(rows, K, P) @ hpn)).view(rows, n))
             y_copy = torch.empty_like(x)
             t_copy = _bench(lambda: y_copy.copy_(x))  # the memory-bound floor: read x, write y

@@ -179,7 +179,7 @@ def register(subparsers: Any) -> argparse.ArgumentParser:
     vqa.add_argument("--questions", metavar="FILE", default=None,
                      help="questions with their images, an .npz of the form MODEL/vqa_eval.npz has (pixels "
                      "[images, S, S, 3] at the model's image size, RGB floats in [0, 1] or uint8; prompt_ids with -1 "
-                     "at the visual span; answer_ids ending with end_id; texts; see edgeq.evaluate.vqa_questions); "
+                     "at the visual span; answer_ids ending with end_id; texts; see edgeq.files.vqa_questions); "
                      "default: MODEL/vqa_eval.npz, the export's evaluation split")
     vqa.add_argument("--samples", type=positive_int, default=None, metavar="N",
                      help="evaluate N questions spread evenly over the file (default: all)")

@@ -10,7 +10,7 @@ computed in torch at export. A deployment starts from pixels, so this runs what 
 A question counts as correct when the greedy tokens are the gold answer's tokens followed by the
 end token (``<|im_end|>``): the same rule as the teacher-forced argmax on ``eval.npz``
 (``edgeq.models.trained_vlm.vqa_correct``), which greedy decoding reproduces token for token.
-The questions (``vqa_eval.npz``, ``edgeq.evaluate.vqa_questions``) default to the export's
+The questions (``vqa_eval.npz``, ``edgeq.files.vqa_questions``) default to the export's
 evaluation split.
 
 A static deployment (``edgeq compile VLM/with-past/model.onnx --static ...``: ``vision.onnx``,
@@ -34,7 +34,7 @@ import numpy as np
 
 from edgeq.errors import UserInputError
 from edgeq.evaluate.generate import GreedyResult, greedy_decode
-from edgeq.evaluate.vqa_questions import VqaQuestions, load_questions
+from edgeq.files.vqa_questions import VqaQuestions, load_questions
 from edgeq.files.vlm_folder import EMBED_TABLE_FILE, PIXELS_INPUT, QUESTIONS_FILE, VISION_FILE, VISUAL_OUTPUT
 from edgeq.files.npzfile import NumpyFileError, read_npy
 

@@ -12,4 +12,4 @@ VISION_FILE = "vision.onnx"  # pixels -> visual tokens (backbone and projector)
 PIXELS_INPUT = "pixels"  # its input: float32 [batch, S, S, 3], RGB in [0, 1]
 VISUAL_OUTPUT = "visual_tokens"  # its output: [batch, tokens, hidden]
 EMBED_TABLE_FILE = "embed_tokens.npy"  # the input embedding table [vocab, hidden]: text tokens -> inputs_embeds
-QUESTIONS_FILE = "vqa_eval.npz"  # the evaluation questions with their images (edgeq.evaluate.vqa_questions)
+QUESTIONS_FILE = "vqa_eval.npz"  # the evaluation questions with their images (edgeq.files.vqa_questions)

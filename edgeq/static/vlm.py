@@ -156,7 +156,7 @@ def plan_static_vlm(model_path: Path, model: onnx.ModelProto, recipe, prefill: i
 def _image_position(questions: Path | None, recipe: str) -> int:
     """The one prompt position of the image in the export's questions (``vqa_eval.npz``): where a
     recipe with msq but without aifs fixes its visual rows (one compiled shape, one slice)."""
-    from edgeq.evaluate.vqa_questions import load_questions
+    from edgeq.files.vqa_questions import load_questions
 
     if questions is None:
         raise UserInputError(f"recipe '{recipe}' has msq without aifs: the static deployment keeps the image at its "

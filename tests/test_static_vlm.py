@@ -26,6 +26,7 @@ from edgeq.evaluate.generate import greedy_decode
 from edgeq.evaluate.vqa import evaluate_vqa, prompt_embeds, static_greedy, visual_tokens
 from edgeq.files.vqa_questions import load_questions, write_questions
 from edgeq.files.vlm_folder import EMBED_TABLE_FILE, QUESTIONS_FILE, VISION_FILE
+from edgeq.graph.facts import VISUAL_SPAN_INPUTS
 from edgeq.generation.vlm_pair import open_static_vlm
 from edgeq.runtime.ort_session import open_session
 
@@ -63,6 +64,8 @@ def test_fp32_deployment_holds_three_static_graphs_and_says_where_the_span_is(fp
     for name in ("prefill.onnx", "decode.onnx", VISION_FILE):
         model = onnx.load(fp32_static / name, load_external_data=False)
         shapes[name] = {i.name: [d.dim_value for d in i.type.tensor_type.shape.dim] for i in model.graph.input}
+        keys = {p.key for p in model.metadata_props}
+        assert VISUAL_SPAN_INPUTS.key not in keys, name  # it would name inputs the static graphs lack
     assert shapes[VISION_FILE] == {"pixels": [1, 32, 32, 3]}
     assert shapes["prefill.onnx"]["inputs_embeds"] == [1, 16, 64]
     assert shapes["decode.onnx"]["inputs_embeds"] == [1, 1, 64]

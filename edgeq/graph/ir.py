@@ -312,6 +312,13 @@ def set_graph_metadata(graph: gs.Graph, key: str, value: str) -> None:
     attrs["metadata"] = [(k, v) for k, v in attrs["metadata"] if k != key] + [(key, value)]
 
 
+def drop_graph_metadata(graph: gs.Graph, key: str) -> None:
+    """Remove a fact that no longer holds for the graph (e.g. inputs a specialization removed)."""
+    attrs = _kept_model_attrs(graph)
+    if attrs is not None:
+        attrs["metadata"] = [(k, v) for k, v in attrs["metadata"] if k != key]
+
+
 def nodes_with_graphs(graph: gs.Graph) -> Iterator[tuple[gs.Graph, gs.Node]]:
     """(graph holding it, node) for every node, depth first into If / Loop / Scan bodies: the one
     walker lowering passes use to reach nodes inside subgraphs."""

@@ -294,6 +294,6 @@ def role_graph(layout: StaticVlm, model: onnx.ModelProto, role: str) -> onnx.Mod
         raise UserInputError(f"--static of a VLM: the compiled graph still reads {', '.join(left)} (a pass that "
                              "follows the span at run time); the fixed layout cannot replace it")
     graph.inputs = [t for t in graph.inputs if t.name not in span]
-    ir.drop_graph_metadata(graph, facts.VISUAL_SPAN_INPUTS.key)  # the inputs it names are gone  # the inputs it names are gone
+    ir.drop_graph_metadata(graph, facts.VISUAL_SPAN_INPUTS.key)  # the inputs it names are gone
     ir.set_graph_metadata(graph, VLM_KEY, layout.metadata())
     return ir.to_model(graph)

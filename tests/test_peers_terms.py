@@ -16,6 +16,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "benchmarks"))
 
 import peers  # noqa: E402
+import peers_scoring  # noqa: E402
 
 VOCAB, HIDDEN = 16, 8
 
@@ -39,7 +40,7 @@ def test_float_head_and_embedding(tmp_path):
                               helper.make_node("Transpose", ["table"], ["table_t"], perm=[1, 0]),
                               helper.make_node("MatMul", ["h", "table_t"], ["logits"])],
                    [_float("table", [VOCAB, HIDDEN])])
-    assert peers.weight_policy(folder) == {"lm_head_bits": 32, "embedding_bits": 32, "group_size": None,
+    assert peers_scoring.weight_policy(folder) == {"lm_head_bits": 32, "embedding_bits": 32, "group_size": None,
                                            "accuracy_level": None}
 
 
@@ -50,7 +51,7 @@ def test_qdq_int8_head_behind_transpose(tmp_path):
                               helper.make_node("Transpose", ["table_dq"], ["w"], perm=[1, 0]),
                               helper.make_node("MatMul", ["h", "w"], ["logits"])],
                    [_float("table", [VOCAB, HIDDEN]), q, numpy_helper.from_array(np.ones([VOCAB], np.float32), "s")])
-    terms = peers.weight_policy(folder)
+    terms = peers_scoring.weight_policy(folder)
     assert (terms["lm_head_bits"], terms["embedding_bits"]) == (8, 32)
 
 
@@ -65,11 +66,11 @@ def test_matmulnbits_and_quantized_embedding(tmp_path):
              numpy_helper.from_array(np.zeros([VOCAB, blocks, 4], np.uint8), "wq"),
              numpy_helper.from_array(np.ones([VOCAB * blocks], np.float32), "ws")]
     folder = _save(tmp_path, nodes, inits)
-    assert peers.weight_policy(folder) == {"lm_head_bits": 8, "embedding_bits": 4, "group_size": 4, "accuracy_level": 4}
+    assert peers_scoring.weight_policy(folder) == {"lm_head_bits": 8, "embedding_bits": 4, "group_size": 4, "accuracy_level": 4}
 
     copy = peers.with_accuracy_level(folder, tmp_path / "level0", 0)
-    assert peers.weight_policy(copy)["accuracy_level"] == 0
-    assert peers.weight_policy(folder)["accuracy_level"] == 4  # the source is left as it was
+    assert peers_scoring.weight_policy(copy)["accuracy_level"] == 0
+    assert peers_scoring.weight_policy(folder)["accuracy_level"] == 4  # the source is left as it was
 
 
 @pytest.mark.parametrize("spec", peers.EDGEQ_SETTINGS, ids=lambda s: s["setting"])
@@ -91,8 +92,8 @@ def test_static_pair_terms_are_read_off_its_prefill_graph(tmp_path):
                               helper.make_node("MatMul", ["h", "head"], ["logits"])],
                    [_float("table", (VOCAB, HIDDEN)), numpy_helper.from_array(np.zeros((HIDDEN, VOCAB), np.int8), "head")])
     (folder / "model.onnx").rename(folder / "prefill.onnx")
-    assert peers._graph_file(folder) == folder / "prefill.onnx"
-    assert peers.weight_policy(folder)["lm_head_bits"] == 8
+    assert peers_scoring.graph_file(folder) == folder / "prefill.onnx"
+    assert peers_scoring.weight_policy(folder)["lm_head_bits"] == 8
     htp_rows = [s for s in peers.EDGEQ_SETTINGS if s.get("static")]
     assert {s["recipe"] for s in htp_rows} == {"w8a16", "mquant-w4a16"}
     assert all(s["setting"].endswith("-qnn-htp") and s["activation_bits"] == 16 for s in htp_rows)

@@ -41,7 +41,7 @@ import numpy as np
 
 from edgeq.errors import UserInputError
 from edgeq.kv_cache import PAST_PREFIX
-from edgeq.files.npzfile import NumpyFileError, read_npy, read_npz
+from edgeq.files.npzfile import NumpyFileError, read_npy, read_user_npz
 
 TOKEN_INPUTS = ("input_ids", "attention_mask", "position_ids")
 CACHE_PREFIX = PAST_PREFIX  # KV-cache inputs; calibration runs the prefill with them empty
@@ -418,12 +418,7 @@ def load_npz_samples(npz_path: str | os.PathLike, input_specs: Sequence[Any]) ->
     have one value across all inputs of a sample.
     """
     path = Path(npz_path)
-    if not path.is_file():
-        raise UserInputError(f"npz file not found: {path}")
-    try:
-        arrays = read_npz(path)
-    except NumpyFileError as exc:
-        raise UserInputError(f"cannot read {path} as .npz of model inputs: {exc}") from None
+    arrays = read_user_npz(path, ".npz of model inputs")
 
     specs = {spec.name: spec for spec in input_specs}
     # a KV-cache graph calibrates on prefill: cache inputs absent from the npz start empty

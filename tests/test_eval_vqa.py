@@ -143,7 +143,7 @@ def bad_inputs(tiny_vlm_dir, tmp_path) -> dict:
     return {
         "missing folder": (["eval", "vqa", str(tmp_path / "absent")], "not found"),
         "no vision.onnx": (["eval", "vqa", str(without_vision)], "vision.onnx not found"),
-        "questions not an npz": (["eval", "vqa", model, "--questions", str(tmp_path / "wrong.npz")], "not a VQA questions file"),
+        "questions not an npz": (["eval", "vqa", model, "--questions", str(tmp_path / "wrong.npz")], "as a VQA questions file"),
         "questions of another form": (["eval", "vqa", model, "--questions", str(tmp_path / "form.npz")], "no pixels"),
         "questions missing": (["eval", "vqa", model, "--questions", str(tmp_path / "none.npz")], "not found"),
         "images of another size": (["eval", "vqa", model, "--questions", str(tmp_path / "size.npz")], "64x64"),

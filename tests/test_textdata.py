@@ -260,7 +260,7 @@ def test_npz_symbolic_dims_must_agree(tmp_path):
 
 
 def test_npz_not_found_or_not_npz(tmp_path):
-    with pytest.raises(UserInputError, match="npz file not found"):
+    with pytest.raises(UserInputError, match=r"\.npz of model inputs not found"):
         load_npz_samples(tmp_path / "x.npz", NPZ_SPECS)
     npy = tmp_path / "a.npy"
     np.save(npy, np.zeros(3))

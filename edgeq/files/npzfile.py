@@ -16,6 +16,8 @@ import zlib
 
 import numpy as np
 
+from edgeq.errors import UserInputError
+
 # what np.load raises on a damaged file (its header is parsed with ast.literal_eval, its members
 # read through zipfile and zlib)
 _DAMAGED = (OSError, ValueError, EOFError, KeyError, TypeError, SyntaxError, UnicodeError, zipfile.BadZipFile,
@@ -50,6 +52,17 @@ def read_npz(path: str | os.PathLike) -> dict[str, np.ndarray]:
     except _DAMAGED as exc:
         raise NumpyFileError(_first_line(exc)) from None
     return arrays
+
+
+def read_user_npz(path: str | os.PathLike, kind: str) -> dict[str, np.ndarray]:
+    """A user's ``.npz`` (``kind`` names what it should be): every member, or the one-line
+    ``UserInputError`` for a missing or unreadable file, worded the same for every kind."""
+    if not os.path.isfile(path):
+        raise UserInputError(f"{kind} not found: {path}")
+    try:
+        return read_npz(path)
+    except NumpyFileError as exc:
+        raise UserInputError(f"cannot read {path} as {kind}: {exc}") from None
 
 
 def read_npy(path: str | os.PathLike) -> np.ndarray:

@@ -33,7 +33,7 @@ from typing import Sequence
 import numpy as np
 
 from edgeq.errors import UserInputError
-from edgeq.files.npzfile import NumpyFileError, read_npz
+from edgeq.files.npzfile import read_user_npz
 from edgeq.files.vlm_folder import QUESTIONS_FILE
 
 VISUAL_ID = -1
@@ -112,12 +112,7 @@ def write_questions(path: str | os.PathLike, pixels: np.ndarray, image_index: Se
 def load_questions(path: str | os.PathLike) -> VqaQuestions:
     """The questions file at ``path``, checked; ``UserInputError`` (one line) for anything else."""
     path = Path(path)
-    if not path.is_file():
-        raise UserInputError(f"questions file not found: {path}")
-    try:
-        arrays = read_npz(path)
-    except NumpyFileError as exc:
-        raise UserInputError(f"{path} is not a VQA questions file: {exc}") from None
+    arrays = read_user_npz(path, "a VQA questions file")
     missing = [k for k in KEYS if k not in arrays]
     if missing:
         raise UserInputError(f"{path} is not a VQA questions file: no {', '.join(missing)} "

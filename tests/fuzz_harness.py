@@ -208,6 +208,12 @@ def _handles_signals(pid: int) -> bool:
 
 def _run_subprocess(case: Case, fz: Fuzz) -> Outcome:
     env = {**os.environ, "EDGEQ_PROGRESS": "0", "EDGEQ_CACHE_DIR": str(fz.cache), "TMPDIR": str(fz.systmp)}
+    # An in-process export earlier in this pytest process (models/hf_export.py's private_torch_cache)
+    # points TORCHINDUCTOR_CACHE_DIR at its own temporary folder for the rest of the process, and
+    # removes the folder. A subprocess inheriting that stale name takes it for the user's choice and
+    # leaves it alone; an interrupted torch import then creates it in systmp. A user's shell holds
+    # no such variable: neither does the case's unless the case sets it.
+    env.pop("TORCHINDUCTOR_CACHE_DIR", None)
     for k, v in case.env.items():
         if v is None:
             env.pop(k, None)

@@ -85,6 +85,12 @@ def test_parts_in_sequence_equal_the_whole_graph(tiny_pair, budget_kb):
         assert set().union(*held) == large
         once = large & _read_once(model)
         assert sum(len(h & once) for h in held) == len(once)
+        # each part names the blocks whose weights it holds: in order, block 0 first, the last block
+        # (1) last, a block cut in two shared by the neighbours (the embedding and head are no block)
+        spans = [[int(b) for b in p.blocks.split("-")] if p.blocks else [] for p in parts]
+        ends = [(s[0], s[-1]) for s in spans if s]
+        assert ends[0][0] == 0 and ends[-1][1] == 1, [p.blocks for p in parts]
+        assert all(a[1] <= b[0] for a, b in zip(ends, ends[1:])), [p.blocks for p in parts]
 
 
 def test_a_block_larger_than_the_budget_is_named(tiny_pair):
@@ -116,6 +122,8 @@ def test_cuts_take_the_quantized_hidden_state_when_there_is_one():
     assert boundaries_of(parts) == ["q0", "q1", "q2"]
     assert [p.weight_bytes for p in parts] == [1024 + 6] + [4096 + 6] * 3  # (+ the activation scale and zero point)
     assert parts[1].model.graph.input[0].type.tensor_type.elem_type == TensorProto.UINT16
+    # a part's blocks are those whose weights it holds (the next block's QuantizeLinear it ends on holds none)
+    assert [p.blocks for p in parts] == ["", "0", "1", "2"]
 
 
 def test_a_graph_without_a_single_stream_cannot_be_split():

@@ -48,7 +48,7 @@ class Part:
     inputs: list[str]
     outputs: list[str]
     weight_bytes: int
-    blocks: str  # the decoder blocks it holds, e.g. "0-9" ("" when none)
+    blocks: str  # the decoder blocks whose weights it holds, e.g. "0-9" or "3" ("" when none)
 
     def file_name(self, role: str, index: int, count: int) -> str:
         return f"{role}_part{index}of{count}.onnx"
@@ -238,7 +238,7 @@ def split_graph(model: onnx.ModelProto, budget_bytes: int, role: str,
     for k in range(len(plan)):
         inputs = ([boundaries[k - 1]] if k else []) + graph_inputs
         outputs = outputs_by_part[k] + ([boundaries[k]] if k < len(plan) - 1 else [])
-        parts.append(_extract(model, inputs, outputs, role, k, len(plan), stream.relevant))
+        parts.append(_extract(model, inputs, outputs, role, k, len(plan)))
     return parts
 
 
@@ -272,11 +272,31 @@ def _outputs_by_part(graph: onnx.GraphProto, stream: _Stream, plan) -> list[list
     return result
 
 
-def _extract(model: onnx.ModelProto, inputs: list[str], outputs: list[str], role: str, index: int, count: int,
-             relevant: set[str]) -> Part:
+def _layer_of(node: onnx.NodeProto, readers: dict[str, list[onnx.NodeProto]], constant: set[str],
+              hops: int = 3) -> int | None:
+    """The decoder block a weight-reading node belongs to: its own name's ``layers.N``; for a node
+    that computes on weights alone (a weight's DequantizeLinear is named after the weight,
+    ``onnx::MatMul_8767_..._DequantizeLinear``), that of the first node its value reaches within
+    ``hops`` (the MatMul it feeds carries the block). A node reading activations with no block in its
+    name (the embedding's Gather, the head) belongs to none."""
+    frontier, known = [node], set(constant)
+    for _ in range(hops + 1):
+        for n in frontier:
+            m = _LAYER.search(n.name)
+            if m:
+                return int(m.group(1))
+        weight_side = [n for n in frontier if all(not i or i in known for i in n.input)]
+        known.update(o for n in weight_side for o in n.output)
+        frontier = [r for n in weight_side for o in n.output for r in readers.get(o, ())]
+    return None
+
+
+def _extract(model: onnx.ModelProto, inputs: list[str], outputs: list[str], role: str, index: int,
+             count: int) -> Part:
     """The sub-graph computing ``outputs`` from ``inputs`` (graph inputs it does not read dropped),
-    with the whole graph's metadata and its own ``edgeq.part`` record (its blocks: those of its
-    residual-stream nodes; the mask and rotary nodes it recomputes may carry block 0's name)."""
+    with the whole graph's metadata and its own ``edgeq.part`` record (its blocks: those whose
+    weights it holds, so a part cut inside a block shares that block with its neighbour; the mask
+    and rotary nodes every part recomputes carry block 0's name but no weights)."""
     import json
 
     graph = model.graph
@@ -308,9 +328,15 @@ def _extract(model: onnx.ModelProto, inputs: list[str], outputs: list[str], role
     part.functions.extend(model.functions)
     for prop in model.metadata_props:
         part.metadata_props.add(key=prop.key, value=prop.value)
-    blocks = sorted({int(m.group(1)) for n in nodes if any(o in relevant for o in n.output)
-                     for m in [_LAYER.search(n.name)] if m})
-    span = f"{blocks[0]}-{blocks[-1]}" if blocks else ""
+    weights = {t.name for t in initializers if initializer_bytes(t) >= _SMALL}
+    readers: dict[str, list[onnx.NodeProto]] = {}
+    for n in nodes:
+        for i in n.input:
+            readers.setdefault(i, []).append(n)
+    constant = {t.name for t in initializers}
+    layers = (_layer_of(n, readers, constant) for n in nodes if any(i in weights for i in n.input))
+    blocks = sorted({layer for layer in layers if layer is not None})
+    span = "" if not blocks else str(blocks[0]) if blocks[0] == blocks[-1] else f"{blocks[0]}-{blocks[-1]}"
     record = {"role": role, "index": index + 1, "count": count, "blocks": span,
               "inputs": [vi.name for vi in part_inputs], "outputs": outputs}
     part.metadata_props.add(key=PART_KEY, value=json.dumps(record))

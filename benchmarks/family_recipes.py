@@ -3,10 +3,13 @@ fp32 with onnxruntime's defaults and with exact QDQ, beside SmolLM2's figures.
 
 Protocol: WikiText-2 test, first ``--windows`` windows of 512 tokens, each led by BOS (the Gemma
 tokenizer adds it: ``edgeq.textdata.window_convention``); calibration on WikiText-2 valid with each
-recipe's own window count (BOS-led too). One recipe at a time, resumable: a recipe already in
-``--out`` is skipped. The machine is stamped into the file.
+recipe's own window count (BOS-led too), or ``--calib-windows N`` for every recipe (the peers' 16, to
+stand beside AIMET-ONNX on the same windows). One recipe at a time, resumable: a recipe already in
+``--out`` is skipped. Each compile's wall time and peak RSS come from GNU time (``measure.py``). The
+machine is stamped into the file.
 
 Usage: python benchmarks/family_recipes.py --model-dir artifacts/gemma3 --out F [--recipes a,b] [--windows 40]
+                                           [--calib-windows N]
        python benchmarks/family_recipes.py --out F --table   (the docs/model-families.md table: F beside SmolLM2's
        ratios in edgeq/accuracy/measured.toml)
 """
@@ -17,7 +20,6 @@ import argparse
 import json
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -25,6 +27,7 @@ DATA = REPO / "data" / "wikitext-2"
 sys.path.insert(0, str(REPO / "benchmarks"))
 
 from foundation import save_results  # noqa: E402
+from measure import run_measured  # noqa: E402
 
 
 def _edgeq(*args: str) -> str:
@@ -59,6 +62,8 @@ def main() -> None:
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--recipes", default="mquant-w8a8,w8a8,w8a16")
     ap.add_argument("--windows", type=int, default=40)
+    ap.add_argument("--calib-windows", type=int, default=None,
+                    help="calibration windows for every recipe (default: each recipe's own)")
     ap.add_argument("--table", action="store_true", help="print the markdown table of --out and stop")
     args = ap.parse_args()
     if args.table:
@@ -82,14 +87,15 @@ def main() -> None:
         if recipe in results["recipes"]:
             continue
         out = args.work / recipe
-        started = time.perf_counter()
-        try:
-            _edgeq("compile", str(model), "--recipe", recipe_arg, "--calib", str(DATA / "valid.txt"), "-o", str(out), "--force")
-        except subprocess.CalledProcessError as exc:
-            results["recipes"][recipe] = {"exit": exc.returncode, "error": (exc.stderr or "").strip().splitlines()[-1:]}
+        windows = ["--calib-windows", str(args.calib_windows)] if args.calib_windows else []
+        step = run_measured([sys.executable, "-m", "edgeq", "compile", str(model), "--recipe", recipe_arg, "--calib",
+                             str(DATA / "valid.txt"), *windows, "-o", str(out), "--force"])
+        if step["code"] != 0:
+            results["recipes"][recipe] = {"exit": step["code"], "error": step["stderr"].strip().splitlines()[-1:]}
             save_results(args.out, results)
             continue
-        row = {"compile_seconds": round(time.perf_counter() - started, 1), "weight_bytes": weight_bytes(out / "model.onnx")}
+        row = {"compile_seconds": step["seconds"], "compile_peak_rss_mb": step["peak_rss_mb"],
+               "calib_windows": args.calib_windows or "the recipe's", "weight_bytes": weight_bytes(out / "model.onnx")}
         for mode, exact in (("default", False), ("exact_qdq", True)):
             row[mode] = _ppl(out / "model.onnx", args.model_dir, args.windows, exact)
             row[f"{mode}_x_fp32"] = row[mode]["ppl"] / results["fp32"]["ppl"]

@@ -264,3 +264,18 @@ def test_shape_of_a_constant_too_large_to_fold_through_is_folded():
     folded = specialize._fold(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]))
     assert [node.op for node in folded.nodes] == ["Reshape"]
     assert folded.nodes[0].inputs[1].values.tolist() == [n]
+
+
+def test_a_kv_cache_graph_without_position_ids_is_named(tiny_past):
+    """optimum's Gemma export takes no position_ids (it derives positions from the cache length, which a
+    fixed-size cache makes wrong): refused with a line that says so, not "export it with --with-past"."""
+    from edgeq.errors import UserInputError
+    from edgeq.static.specialize import cache_layout
+
+    model = onnx.load(str(tiny_past / "model" / "model.onnx"), load_external_data=False)
+    kept = [vi for vi in model.graph.input if vi.name != "position_ids"]
+    del model.graph.input[:]
+    model.graph.input.extend(kept)
+    with pytest.raises(UserInputError, match=r"needs the token positions as an input \(position_ids\)") as info:
+        cache_layout(model, 8, 48)
+    assert "\n" not in str(info.value) and "--with-past`" not in str(info.value)

@@ -117,6 +117,11 @@ def cache_layout(model: onnx.ModelProto, prefill: int, context: int) -> StaticSh
             if len(dims) != 4 or dims[1] is None or dims[3] is None:
                 raise UserInputError(f"--static: cache input {name} has shape {dims}, expected [batch, kv_heads, past, head_dim]")
             pasts[(int(match.group(1)), match.group(2))] = (dims[1], dims[3])
+    if pasts and missing == ["position_ids"]:
+        raise UserInputError("--static needs the token positions as an input (position_ids), and this KV-cache graph "
+                             "derives them inside from the cache length, which a fixed-size cache makes wrong (optimum "
+                             "exports Gemma this way): not supported yet; --static takes exports with position_ids "
+                             "(edgeq export smollm2 --with-past, tiny llama/qwen2/gpt2 --with-past)")
     if not pasts or missing:
         what = f"inputs {', '.join(missing)} missing" if missing else "no past_key_values.{i}.key/.value inputs"
         raise UserInputError(f"--static needs a decoder exported with a KV cache ({what}): "

@@ -207,9 +207,10 @@ def merge_records(per_block: list[list[dict]]) -> list[dict]:
             first[key] = _merge([r[key] for r in recs])
         first["summary"] = _merge([r["summary"] for r in recs])
         if len(recs) > 1:
-            first["summary_scope"] = (f"summed over {len(recs)} block models, each the prologue, one layer and the "
-                                      "epilogue: what a pass counts in the embedding, final norm and head (or their "
-                                      "stand-ins) is counted once per block")
+            first["summary_scope"] = (f"summed over {len(recs)} block models (a max_/min_/mean_ figure: the "
+                                      "blocks' max, min or mean), each the prologue, one layer and the epilogue: what "
+                                      "a pass counts in the embedding, final norm and head (or their stand-ins) is "
+                                      "counted once per block")
         na = [r["not_applicable"] for r in recs if "not_applicable" in r]
         if na and len(na) == len(recs):
             first["not_applicable"] = na[0]
@@ -219,14 +220,23 @@ def merge_records(per_block: list[list[dict]]) -> list[dict]:
     return merged
 
 
-def _merge(values: list):
+def _merge(values: list, key: str = ""):
+    """``values`` (one per block) as one: a count summed, but a number named as an extreme
+    (``max_*`` / ``*_max``, ``min_*`` / ``*_min``) its extreme over the blocks and one named as a
+    mean (``mean_*`` / ``*_mean``) the blocks' unweighted mean: summing those would be meaningless."""
     if all(isinstance(v, bool) for v in values):
         return any(values)
     if all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in values):
+        if key.startswith("max_") or key.endswith("_max"):
+            return max(values)
+        if key.startswith("min_") or key.endswith("_min"):
+            return min(values)
+        if key.startswith("mean_") or key.endswith("_mean"):
+            return round(sum(values) / len(values), 6)
         return round(sum(values), 6)
     if all(isinstance(v, dict) for v in values):
         keys = list(dict.fromkeys(k for v in values for k in v))
-        return {k: _merge([v[k] for v in values if k in v]) for k in keys}
+        return {k: _merge([v[k] for v in values if k in v], k) for k in keys}
     if all(isinstance(v, list) for v in values):
         return [x for v in values for x in v]
     distinct = list(dict.fromkeys(map(str, values)))

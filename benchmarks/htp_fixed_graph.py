@@ -48,21 +48,14 @@ def fixed_graph(compiled: Path, out: Path, tokens: int) -> dict:
     """``compiled``'s graph with every input [1, tokens], folded to static shapes, saved in ``out``."""
     import onnx
 
-    from edgeq.graph import ir
-    from edgeq.static.specialize import _drop_nan_guards, _fold, _with_static_shapes
+    from edgeq.static.specialize import fold_static
 
     model = onnx.load(str(compiled / "model.onnx"))
     for vi in model.graph.input:
         for dim, value in zip(vi.type.tensor_type.shape.dim, [1, tokens]):
             dim.Clear()
             dim.dim_value = value
-    for vi in model.graph.output:
-        vi.type.tensor_type.ClearField("shape")
-    del model.graph.value_info[:]
-    graph = _fold(model)
-    _drop_nan_guards(graph)
-    graph.cleanup(remove_unused_graph_inputs=False).toposort()
-    model = _with_static_shapes(ir.to_model(graph))
+    model = fold_static(model, drop_nan_guards=True)
     out.mkdir(parents=True, exist_ok=True)
     onnx.save_model(model, str(out / "model.onnx"), save_as_external_data=True, all_tensors_to_one_file=True,
                     location="model.onnx.data")

@@ -279,3 +279,23 @@ def test_a_kv_cache_graph_without_position_ids_is_named(tiny_past):
     with pytest.raises(UserInputError, match=r"needs the token positions as an input \(position_ids\)") as info:
         cache_layout(model, 8, 48)
     assert "\n" not in str(info.value) and "--with-past`" not in str(info.value)
+
+
+def test_fold_static_drops_the_nan_guards_when_asked(tiny_models):
+    """A decoder without a cache at a fixed shape (benchmarks/htp_fixed_graph.py): folded static, the
+    exporter's Where(IsNaN(softmax)) guards dropped as the pair drops them; without the option they
+    stay and the graph is refused (IsNaN is not an op a static graph may hold)."""
+    from edgeq.static.specialize import fold_static
+
+    def fixed():
+        model = onnx.load(str(tiny_models["llama"]))
+        for vi in model.graph.input:
+            for dim, value in zip(vi.type.tensor_type.shape.dim, [1, 16]):
+                dim.Clear()
+                dim.dim_value = value
+        return model
+
+    folded = fold_static(fixed(), drop_nan_guards=True)
+    assert not [n for n in folded.graph.node if n.op_type in ("IsNaN", "Shape", "Range")]
+    with pytest.raises(RuntimeError, match="IsNaN"):
+        fold_static(fixed())

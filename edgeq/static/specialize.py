@@ -346,14 +346,18 @@ def build_pair(model: onnx.ModelProto, shape: StaticShape, kv_scales: dict[str, 
             for role in progress(ROLES, desc="static graphs")}
 
 
-def fold_static(model: onnx.ModelProto) -> onnx.ModelProto:
+def fold_static(model: onnx.ModelProto, drop_nan_guards: bool = False) -> onnx.ModelProto:
     """``model`` (its inputs' shapes fixed by the caller) with its shape machinery folded and every
     value's shape static, as ``specialize`` leaves a decoder: for graphs beside the pair (a VLM's
-    vision graph at batch 1). ``model`` is changed."""
+    vision graph at batch 1), or a decoder without a cache at a fixed shape. ``drop_nan_guards``:
+    also drop the exporter's ``Where(IsNaN(softmax))`` guards, as ``specialize`` does (exact when no
+    attention row is fully masked). ``model`` is changed."""
     for vi in model.graph.output:
         vi.type.tensor_type.ClearField("shape")
     del model.graph.value_info[:]
     graph = _fold(model)
+    if drop_nan_guards:
+        _drop_nan_guards(graph)
     graph.cleanup(remove_unused_graph_inputs=False).toposort()
     return _with_static_shapes(ir.to_model(graph))
 

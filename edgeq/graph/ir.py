@@ -28,7 +28,7 @@ from google.protobuf.message import DecodeError
 
 from edgeq.errors import UserInputError
 from edgeq.graph.loadcheck import FiniteScan
-from edgeq.graph.modelcheck import check_structure, tensor_bytes
+from edgeq.graph.modelcheck import check_structure, check_types, tensor_bytes
 from edgeq.graph.session_files import constants_as_external_data, temporary_files
 from edgeq.files.output_dir import honour_umask
 
@@ -74,9 +74,15 @@ def load_model_and_locations(path: str | os.PathLike, load_external: bool = True
     if not model.graph.node and not model.graph.output:
         raise UserInputError(f"{path} is not an ONNX model (no graph found)")
     check_ir_version(model, path)
-    check_structure(model, path)
+    check_structure(model, path, types=False)
+    _external_constants_as_initializers(model)
     base = model_folder(path)
     extents = _check_external_data(model, base)
+    try:  # (before the type check: onnx's inference cannot read a Constant's value from a file)
+        _read_external_data(_read_at_load(model, extents), base)
+    except OSError as exc:
+        raise UserInputError(f"cannot read external data of {path}: {exc.strerror or exc}") from None
+    check_types(model, path)
     scan = FiniteScan(model, path) if finite else None
     try:
         if load_external:
@@ -179,6 +185,54 @@ def _check_external_data(model: onnx.ModelProto, base: Path) -> dict[str, list[t
                                  f"{offset}..{offset + length} but the file has {size}")
         extents.setdefault(location, []).append((tensor, offset, size - offset if length is None else length))
     return extents
+
+
+def _external_constants_as_initializers(model: onnx.ModelProto) -> None:
+    """Every top-level Constant node whose value is stored as external data becomes an initializer
+    of the same name (its output's), the node dropped: what onnxruntime does at load, so the graph
+    computes the same. optimum writes every weight of a model above 2 GB this way (Constant nodes,
+    their values in ``model.onnx_data``); as initializers they are read (or, block-wise, streamed
+    block by block) like any other weight instead of all at load."""
+    nodes = model.graph.node
+    keep = []
+    moved = False
+    for node in nodes:
+        value = node.attribute[0] if node.op_type == "Constant" and node.domain in ("", "ai.onnx") \
+            and len(node.attribute) == 1 and node.attribute[0].name == "value" and len(node.output) == 1 else None
+        if value is None or value.t.data_location != onnx.TensorProto.EXTERNAL:
+            keep.append(node)
+            continue
+        tensor = model.graph.initializer.add()
+        tensor.CopyFrom(value.t)
+        tensor.name = node.output[0]
+        moved = True
+    if moved:
+        del nodes[:]
+        nodes.extend(keep)
+
+
+# external initializers up to this size are read in at load even without the weights: shape and
+# axes tensors, which type inference and every graph rewrite read as values
+SMALL_EXTERNAL_BYTES = 1 << 16
+
+
+def _read_at_load(model: onnx.ModelProto, extents: dict[str, list[tuple[onnx.TensorProto, int, int]]]
+                  ) -> dict[str, list[tuple[onnx.TensorProto, int, int]]]:
+    """The external tensors every load reads in, whatever ``load_external`` says, taken out of
+    ``extents``: every tensor that is not an initializer (a Constant node's value, any other
+    attribute's tensor: optimum stores them outside the proto for models above 2 GB, and
+    ``onnx.save_model(..., convert_attribute=True)`` does for any model), and the initializers up to
+    ``SMALL_EXTERNAL_BYTES``. Read in, they travel with the graph to wherever it is written or handed
+    to onnxruntime (a temporary folder), where a reference to the input's data file would point at
+    nothing; the weights stay external until read (block-wise: block by block)."""
+    initializers = {id(t) for t in model.graph.initializer}
+    taken: dict[str, list[tuple[onnx.TensorProto, int, int]]] = {}
+    for location, tensors in extents.items():
+        now = [e for e in tensors if id(e[0]) not in initializers or e[2] <= SMALL_EXTERNAL_BYTES]
+        if now:
+            taken[location] = now
+            tensors[:] = [e for e in tensors if id(e[0]) in initializers and e[2] > SMALL_EXTERNAL_BYTES]
+    return taken
 
 
 def _read_external_data(extents: dict[str, list[tuple[onnx.TensorProto, int, int]]], base: Path,
@@ -489,6 +543,9 @@ def proto_bytes(model: onnx.ModelProto) -> int:
 # models at least this large reach onnxruntime through a temporary file when the caller gives
 # them up (``consume``): serialized bytes beside the proto and onnxruntime's copy would triple them
 CONSUME_VIA_FILE_BYTES = 64 * 2**20
+# models at least this large reach onnxruntime through a temporary folder: serialized bytes are
+# limited to 2 GB by protobuf
+VIA_FILE_BYTES = 1_800_000_000
 
 
 def make_session(model: onnx.ModelProto, optimize: bool = False, threads: int | None = None, consume: bool = False):
@@ -510,7 +567,7 @@ def make_session(model: onnx.ModelProto, optimize: bool = False, threads: int | 
                             location="model.onnx" + EXTERNAL_DATA_SUFFIX, size_threshold=1024, convert_attribute=False)
             model.Clear()  # (saving moved the weights to the file; nothing else is left worth keeping)
             return ort.InferenceSession(str(path), so, providers=["CPUExecutionProvider"])
-    if size < 1_800_000_000:
+    if size < VIA_FILE_BYTES:
         return ort.InferenceSession(model.SerializeToString(), so, providers=["CPUExecutionProvider"])
     with tempfile.TemporaryDirectory(prefix="edgeq-session-") as tmp:
         path = save_model(model, Path(tmp) / "model.onnx")

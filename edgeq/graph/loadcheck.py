@@ -253,13 +253,16 @@ class FiniteScan:
 _EXTENSION_DOMAINS = frozenset({"edgeq.ort", "ai.onnx.contrib", "com.microsoft.extensions"})
 
 
-def check_onnxruntime(model: onnx.ModelProto, path: str | os.PathLike) -> None:
+def check_onnxruntime(model: onnx.ModelProto, path: str | os.PathLike, external: bool = False) -> None:
     """Build (and drop) one onnxruntime CPU session on the model at ``path`` (``model``: that file
     as read, best without its weights: ``load_external=False``): graph optimizations and
     prepacking off, one thread, log level fatal only. onnxruntime-extensions' library (the edgeq
     kernels) is registered when the model has nodes of its domains without a function body in the
     model and it is installed. The session is built on the file itself, or on a copy of ``model``
-    (``_session_source``) when it needs more than the file gives onnxruntime. A refusal is
+    (``_session_source``) when it needs more than the file gives onnxruntime; ``external`` (the
+    file has external data) always takes the copy: the loader read its attribute and small tensors
+    in (``edgeq.graph.ir``), which onnxruntime cannot read from a file for some operators
+    (a ConstantOfShape's value). A refusal is
     ``UserInputError("MODEL: onnxruntime cannot load this model: <its first line>")``."""
     import onnxruntime as ort
 
@@ -278,7 +281,7 @@ def check_onnxruntime(model: onnx.ModelProto, path: str | os.PathLike) -> None:
         if has_ort_kernels():
             ort_kernel_session_options(so)
     folder = Path(path).parent.resolve()  # (edgeq.graph.ir.model_folder)
-    source = _session_source(model, path, folder, any(n.domain == "edgeq" for n in nodes))
+    source = _session_source(model, path, folder, any(n.domain == "edgeq" for n in nodes), external)
     if isinstance(source, bytes):  # the external data locations resolve against the model's folder
         so.add_session_config_entry("session.model_external_initializers_file_folder_path", str(folder))
     try:
@@ -290,7 +293,7 @@ def check_onnxruntime(model: onnx.ModelProto, path: str | os.PathLike) -> None:
     del session
 
 
-def _session_source(model: onnx.ModelProto, path, folder: Path, has_edgeq_ops: bool) -> str | bytes:
+def _session_source(model: onnx.ModelProto, path, folder: Path, has_edgeq_ops: bool, external: bool = False) -> str | bytes:
     """What the session is built on: the file at ``path``, or a copy of ``model`` serialized with
     (a) the function body of every edgeq op it uses that the model lacks (compile adds them:
     ``edgeq.graph.ir.to_model``), and (b) its small external tensors (up to ``_INLINE_BYTES``) read in:
@@ -312,7 +315,7 @@ def _session_source(model: onnx.ModelProto, path, folder: Path, has_edgeq_ops: b
         from edgeq.runtime_ops.schema import DOMAIN, used_ops
 
         missing = not used_ops(model) <= {f.name for f in model.functions if f.domain == DOMAIN}
-    if not missing and not any(small_external(t) for t in _get_all_tensors(model)):
+    if not missing and not external and not any(small_external(t) for t in _get_all_tensors(model)):
         return str(path)
     copy = onnx.ModelProto()
     copy.CopyFrom(model)

@@ -58,14 +58,16 @@ def tensor_bytes(tensor: onnx.TensorProto) -> int | None:
     return None if bits is None else (math.prod(tensor.dims) * bits + 7) // 8
 
 
-def check_structure(model: onnx.ModelProto, path: str | os.PathLike) -> None:
+def check_structure(model: onnx.ModelProto, path: str | os.PathLike, types: bool = True) -> None:
     """Raise a one-line ``UserInputError`` for the first structural fault of ``model`` (see the
-    module docstring); ``path`` names the model in the message."""
+    module docstring); ``path`` names the model in the message. ``types=False`` leaves the type
+    check (``check_types``) to the caller: it needs the values of external Constant tensors read in."""
     _check_text(model, path)
     _check_wiring(model.graph, path)
     _check_operators(model, path)
     _check_initializers(model.graph, path)
-    _check_types(model, path)
+    if types:
+        check_types(model, path)
 
 
 # -- text ------------------------------------------------------------------------------------------
@@ -300,7 +302,8 @@ def _typed_skeleton(model: onnx.ModelProto) -> onnx.ModelProto:
     return skeleton
 
 
-def _check_types(model: onnx.ModelProto, path) -> None:
+def check_types(model: onnx.ModelProto, path) -> None:
+    """Graph inputs of tensor types, and the graph type-checks under onnx's strict inference."""
     for vi in model.graph.input:
         if vi.type.HasField("tensor_type") and vi.type.tensor_type.elem_type not in _DATA_TYPES:
             raise UserInputError(f"{path}: graph input '{vi.name}' has element type {vi.type.tensor_type.elem_type}, "

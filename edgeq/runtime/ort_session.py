@@ -60,4 +60,28 @@ def open_session(
         return ort.InferenceSession(model, sess_options=opts, providers=["CPUExecutionProvider"])
     except Exception as exc:  # onnxruntime raises its own pybind types (Fail, InvalidGraph, ...)
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        if isinstance(model, str) and _EXTERNAL_ATTRIBUTE_REFUSAL in first:
+            return _open_with_attributes_read_in(Path(model), opts, label)
+        raise UserInputError(f"onnxruntime cannot load {label}: {first}") from None
+
+
+# what onnxruntime says of a model whose attribute tensor (a ConstantOfShape's value) is external data
+_EXTERNAL_ATTRIBUTE_REFUSAL = "Cannot parse data from external tensors"
+
+
+def _open_with_attributes_read_in(path: Path, opts: Any, label: str) -> Any:
+    """The session onnxruntime refuses on the file itself (it reads some operators' attribute
+    tensors only from the proto): built on the model as edgeq's loader reads it without its weights
+    (attribute tensors and small initializers read in, ``edgeq.graph.ir.load_model``), the weights
+    still mapped from their files in the model's folder."""
+    import onnxruntime as ort
+
+    from edgeq.graph.ir import load_model, model_folder
+
+    source = load_model(path, load_external=False).SerializeToString()
+    opts.add_session_config_entry("session.model_external_initializers_file_folder_path", str(model_folder(path)))
+    try:
+        return ort.InferenceSession(source, sess_options=opts, providers=["CPUExecutionProvider"])
+    except Exception as exc:  # noqa: BLE001 (onnxruntime's pybind types)
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise UserInputError(f"onnxruntime cannot load {label}: {first}") from None

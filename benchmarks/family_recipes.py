@@ -64,6 +64,9 @@ def main() -> None:
     ap.add_argument("--windows", type=int, default=40)
     ap.add_argument("--calib-windows", type=int, default=None,
                     help="calibration windows for every recipe (default: each recipe's own)")
+    ap.add_argument("--target", default=None,
+                    help="compile every recipe for this target (a row named RECIPE@TARGET); ort-genai: "
+                    "--model-dir is the --with-past export and the folder is evaluated through onnxruntime-genai")
     ap.add_argument("--table", action="store_true", help="print the markdown table of --out and stop")
     args = ap.parse_args()
     if args.table:
@@ -84,20 +87,26 @@ def main() -> None:
         save_results(args.out, results)
     for recipe_arg in args.recipes.split(","):
         recipe = Path(recipe_arg).stem if recipe_arg.endswith(".toml") else recipe_arg  # a recipe file: its name
+        if args.target:
+            recipe = f"{recipe}@{args.target}"
         if recipe in results["recipes"]:
             continue
-        out = args.work / recipe
+        out = args.work / recipe.replace("@", "-at-")
         windows = ["--calib-windows", str(args.calib_windows)] if args.calib_windows else []
+        target = ["--target", args.target] if args.target else []
         step = run_measured([sys.executable, "-m", "edgeq", "compile", str(model), "--recipe", recipe_arg, "--calib",
-                             str(DATA / "valid.txt"), *windows, "-o", str(out), "--force"])
+                             str(DATA / "valid.txt"), *windows, *target, "-o", str(out), "--force"])
         if step["code"] != 0:
             results["recipes"][recipe] = {"exit": step["code"], "error": step["stderr"].strip().splitlines()[-1:]}
             save_results(args.out, results)
             continue
+        genai = args.target == "ort-genai"  # the folder, run by onnxruntime-genai (which has no exact-QDQ switch)
+        compiled = out if genai else out / "model.onnx"
         row = {"compile_seconds": step["seconds"], "compile_peak_rss_mb": step["peak_rss_mb"],
-               "calib_windows": args.calib_windows or "the recipe's", "weight_bytes": weight_bytes(out / "model.onnx")}
-        for mode, exact in (("default", False), ("exact_qdq", True)):
-            row[mode] = _ppl(out / "model.onnx", args.model_dir, args.windows, exact)
+               "calib_windows": args.calib_windows or "the recipe's",
+               "weight_bytes": weight_bytes(out / "model.onnx"), **({"runtime": "onnxruntime-genai"} if genai else {})}
+        for mode, exact in (("default", False),) + (() if genai else (("exact_qdq", True),)):
+            row[mode] = _ppl(compiled, args.model_dir, args.windows, exact)
             row[f"{mode}_x_fp32"] = row[mode]["ppl"] / results["fp32"]["ppl"]
         results["recipes"][recipe] = row
         save_results(args.out, results)

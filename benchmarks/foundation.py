@@ -48,12 +48,38 @@ def latency_ms(model: Path, seq_len: int = 512, repeats: int = 10, threads: int 
     return interleaved_latency_ms({"model": model}, seq_len, repeats, threads)["model"]
 
 
+def run_stamp() -> dict:
+    """What a reader needs to rerun a results file: the command line, the commit (and whether the
+    tree had uncommitted changes), the date, and the versions of the packages the figures depend on."""
+    from importlib import metadata
+
+    repo = Path(__file__).resolve().parents[1]
+
+    def git(*args: str) -> str:
+        try:
+            return subprocess.run(["git", *args], cwd=repo, capture_output=True, text=True, check=True).stdout.strip()
+        except (OSError, subprocess.CalledProcessError):
+            return "unknown"
+
+    versions = {}
+    for dist in ("edgeq", "onnx", "onnxruntime", "onnxruntime-qnn", "onnxruntime-genai", "onnx-graphsurgeon", "numpy",
+                 "torch", "transformers", "optimum-onnx"):
+        try:
+            versions[dist] = metadata.version(dist)
+        except metadata.PackageNotFoundError:
+            pass
+    return {"command": " ".join(["python", *[a if a else "''" for a in sys.argv]]), "commit": git("rev-parse", "HEAD"),
+            "dirty": bool(git("status", "--porcelain", "--untracked-files=no")),
+            "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "versions": versions}
+
+
 def save_results(path: Path, results: dict) -> None:
     """Write the JSON results file (creating its folder) and print it, stamped with the machine
     (CPU model, ISA flags, the u8s8 kernel they select, onnxruntime version)."""
     from edgeq.evaluate.machine import machine_info
 
     results.setdefault("machine", machine_info())
+    results.setdefault("run", run_stamp())
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(results, indent=1))
     print(json.dumps(results, indent=1))

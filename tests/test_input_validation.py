@@ -527,10 +527,10 @@ def test_a_single_lrn_of_size_zero_is_refused(tmp_path, capsys):
 
 @pytest.mark.parametrize("with_bias", [False, True], ids=["file", "copy"])
 def test_onnxruntime_check_maps_the_weights_instead_of_copying_them(tmp_path, monkeypatch, with_bias):
-    """The session is built on the model file (onnxruntime maps its external data), or on a copy
-    with only the small external tensors read in (the bias; onnxruntime's type inference reads
-    such constants), never the 256 KiB weight; prepacking off (no weight touched), graph
-    optimizations off, one thread."""
+    """The session is built on the model file (onnxruntime maps its external data), or, for a file
+    whose external tensors the loader read in (``external``: the bias; onnxruntime's type inference
+    reads such constants), on a copy of the graph as loaded, never holding the 256 KiB weight;
+    prepacking off (no weight touched), graph optimizations off, one thread."""
     import onnxruntime as ort
 
     from edgeq.graph.loadcheck import check_onnxruntime
@@ -549,7 +549,7 @@ def test_onnxruntime_check_maps_the_weights_instead_of_copying_them(tmp_path, mo
         return real(source, sess_options=sess_options, **kwargs)
 
     monkeypatch.setattr(ort, "InferenceSession", spy)
-    check_onnxruntime(ir.load_model(path, load_external=False), path)
+    check_onnxruntime(ir.load_model(path, load_external=False), path, external=with_bias)
     [(source, so)] = seen
     if with_bias:
         assert isinstance(source, bytes) and 1024 < len(source) < w.nbytes // 4

@@ -128,8 +128,8 @@ def input_model_record(path: Path, locations: set[str] | None = None) -> dict:
     files' names when the caller read the model already; else read from its structure)."""
     path = Path(path)
     if locations is None:
-        model = ir.load_model(path, load_external=False)  # validates locations: inside the folder, present
-        locations = {loc for _, loc in ir.external_data_locations(model)}
+        # validates locations (inside the folder, present); every data file, also one whose tensors it read in
+        locations = ir.load_model_and_locations(path, load_external=False)[1]
     files = {path.name: _entry(path)}
     for location in sorted(locations):
         files[location] = _entry(path.parent / location)

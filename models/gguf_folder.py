@@ -54,3 +54,22 @@ def record_add_bos(gguf: Path, out_dir: Path) -> None:
     data = json.loads(settings.read_text())
     data["add_bos_token"] = add_bos
     settings.write_text(json.dumps(data, indent=2, ensure_ascii=False) + "\n")
+
+
+def export_gguf(gguf: Path, out_dir, name: str, force: bool = False, task: str = "text-generation") -> Path:
+    """Export ``gguf`` (dequantized to fp32) to ``out_dir`` as ``edgeq export NAME`` does: the
+    folder written atomically and marked as edgeq's (``with_past`` for a ``*-with-past`` task), the
+    GGUF's ``add_bos_token`` recorded. Shared by the real models' exporters (Gemma 3, Qwen2.5)."""
+    import tempfile
+
+    from edgeq.files.output_dir import atomic_output_dir
+    from edgeq.models.hf_export import export_to, require_export_deps
+
+    require_export_deps("gguf")
+    marker = {"export": name, **({"with_past": True} if task.endswith("-with-past") else {})}
+    with atomic_output_dir(out_dir, force=force, marker=marker) as tmp, \
+            tempfile.TemporaryDirectory(prefix=f"edgeq-{name}-") as hf:
+        save_hf_folder(gguf, Path(hf))
+        export_to(Path(hf), tmp, task=task)
+        record_add_bos(gguf, tmp)
+    return Path(out_dir).resolve()

@@ -21,9 +21,7 @@ import tempfile
 from pathlib import Path
 
 from edgeq.errors import UserInputError
-from edgeq.files.output_dir import atomic_output_dir
-from edgeq.models.gguf_folder import record_add_bos, save_hf_folder
-from edgeq.models.hf_export import export_to, require_export_deps
+from edgeq.models.gguf_folder import export_gguf
 from edgeq.models.package_files import package_file
 
 NAME = "qwen2.5-coder-0.5b"
@@ -75,12 +73,4 @@ def gguf_path() -> Path:
 def export_qwen25(out_dir: str | os.PathLike, force: bool = False, task: str = "text-generation") -> Path:
     """Export Qwen2.5-Coder-0.5B-Instruct to ``out_dir`` (model.onnx + model.onnx_data, config,
     tokenizer); atomic."""
-    gguf = gguf_path()
-    require_export_deps("gguf")
-    marker = {"export": NAME, **({"with_past": True} if task.endswith("-with-past") else {})}
-    with atomic_output_dir(out_dir, force=force, marker=marker) as tmp, \
-            tempfile.TemporaryDirectory(prefix="edgeq-qwen25-") as hf:
-        save_hf_folder(gguf, Path(hf))
-        export_to(Path(hf), tmp, task=task)
-        record_add_bos(gguf, tmp)
-    return Path(out_dir).resolve()
+    return export_gguf(gguf_path(), out_dir, NAME, force=force, task=task)

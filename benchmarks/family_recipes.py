@@ -117,13 +117,19 @@ def markdown_table(results: dict) -> str:
     import tomllib
 
     smol = tomllib.loads((REPO / "edgeq" / "accuracy" / "measured.toml").read_text())["llama"]["ratios"]
-    rows = ["| recipe | Gemma 3 ppl (default / exact) | Gemma 3 x fp32 (default / exact) | SmolLM2 x fp32 (its results file) |",
+    name = {"gemma3": "Gemma 3", "qwen25": "Qwen2.5-0.5B"}.get(results["model"], results["model"])
+    rows = [f"| recipe | {name} ppl (default / exact) | {name} x fp32 (default / exact) | SmolLM2 x fp32 (its results file) |",
             "| --- | --- | --- | --- |",
             f"| fp32 | {results['fp32']['ppl']:.2f} | 1.000 | 1.000 |"]
     for recipe, row in results["recipes"].items():
-        other = f"{smol[recipe]['x_fp32']:.3f} (`{Path(smol[recipe]['results']).name}`)" if recipe in smol else "not measured"
+        base = recipe.split("@")[0]
+        other = f"{smol[base]['x_fp32']:.3f} (`{Path(smol[base]['results']).name}`)" if base in smol else "not measured"
         if "default" not in row:
             rows.append(f"| `{recipe}` | exit {row['exit']}: {' '.join(row['error'])} | | {other} |")
+            continue
+        if "exact_qdq" not in row:  # (onnxruntime-genai: no exact-QDQ switch; weight-only rows need none)
+            rows.append(f"| `{recipe}` ({row.get('runtime', 'onnxruntime')}) | {row['default']['ppl']:.2f} | "
+                        f"{row['default_x_fp32']:.3f} | {other} |")
             continue
         rows.append(f"| `{recipe}` | {row['default']['ppl']:.2f} / {row['exact_qdq']['ppl']:.2f} | "
                     f"{row['default_x_fp32']:.3f} / {row['exact_qdq_x_fp32']:.3f} | {other} |")

@@ -68,7 +68,9 @@ def run_stamp() -> dict:
             versions[dist] = metadata.version(dist)
         except metadata.PackageNotFoundError:
             pass
-    return {"command": " ".join(["python", *[a if a else "''" for a in sys.argv]]), "commit": git("rev-parse", "HEAD"),
+    script = Path(sys.argv[0]).resolve()
+    argv = [str(script.relative_to(repo)) if script.is_relative_to(repo) else sys.argv[0], *sys.argv[1:]]
+    return {"command": " ".join(["python", *[a if a else "''" for a in argv]]), "commit": git("rev-parse", "HEAD"),
             "dirty": bool(git("status", "--porcelain", "--untracked-files=no")),
             "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "versions": versions}
 

@@ -124,7 +124,7 @@ def main() -> None:
 
     model = args.model_dir / "model.onnx"
     calib = DATA / "valid.txt"
-    results = {"command": " ".join(sys.argv), "vendor": f"onnxruntime-qnn {vendor_version()}", "static": STATIC,
+    results = {"command": " ".join(["python", str(Path(sys.argv[0]).resolve().relative_to(REPO)), *sys.argv[1:]]), "vendor": f"onnxruntime-qnn {vendor_version()}", "static": STATIC,
                "ppl_protocol": f"WikiText-2 test, first {args.windows} windows of {args.seq_len} tokens, teacher-forced "
                                "through the prefill graph (batch 1), the same graphs on both providers",
                "recipes": {}}

@@ -7,7 +7,8 @@ onnxruntime-qnn (the HTP emulated on x86-64), per recipe:
 - on the first ``--windows`` test windows, teacher-forced through the prefill graph (128-token
   chunks): logits agreement of the HTP (the context binaries) with onnxruntime CPU on the same
   graphs, and the perplexity of each (the HTP emulator's speed, about 1-2 minutes per 128-token
-  chunk on 2 cores, decides how many windows).
+  chunk on 2 cores for SmolLM2, about 10 for Qwen2.5-0.5B, decides how many windows; each window
+  is written as it is measured, and a rerun resumes after the last).
 
 Usage: python benchmarks/qnn_htp.py --model-dir artifacts/smollm2-past --out F [--recipes a,b]
        [--windows N] [--before]
@@ -71,43 +72,55 @@ def _windows(tokenizer: Path, n: int, seq_len: int) -> np.ndarray:
     return token_windows(DATA / "test.txt", tokenizer, seq_len=seq_len, windows=n)
 
 
-def _on_both(pair: Path, ids: np.ndarray) -> dict:
+def _on_both(pair: Path, ids: np.ndarray, done: list[dict], save) -> dict:
     """Each window teacher-forced through the prefill graph on onnxruntime CPU and on the HTP (its
-    context binaries), one window at a time: logits agreement and both perplexities."""
+    context binaries), one window at a time: logits agreement and both perplexities. ``done``: the
+    windows measured by an earlier run (kept and skipped: an HTP window of a 0.5B model takes most of
+    an hour on 2 cores); each new window is appended and ``save()`` called, so a run resumes."""
     from edgeq.generation.decoders import open_decoder
     from edgeq.generation.teacher_forced import window_logits
     from edgeq.runtime.nll import window_nll
 
-    cpu, htp = open_decoder(pair), open_decoder(pair, provider="qnn-htp")
-    diffs, scales, top1, kls, nll, per_window = [], [], [], [], {"cpu": 0.0, "qnn-htp": 0.0}, []
-    seconds = {"cpu": 0.0, "qnn-htp": 0.0}
-    for row in ids:
-        logits = {}
-        for name, decoder in (("cpu", cpu), ("qnn-htp", htp)):
+    decoders = None
+    for row in ids[len(done):]:
+        if decoders is None:
+            decoders = {"cpu": open_decoder(pair), "qnn-htp": open_decoder(pair, provider="qnn-htp")}
+        logits, seconds = {}, {}
+        for name, decoder in decoders.items():
             started = time.perf_counter()
             logits[name] = window_logits(decoder, row, "prefill").astype(np.float64)
-            seconds[name] += time.perf_counter() - started
+            seconds[name] = round(time.perf_counter() - started, 1)
         a, b = logits["cpu"], logits["qnn-htp"]
-        diffs.append(float(np.abs(a - b).max()))
-        scales.append(float(np.abs(a).max()))
-        top1.append(float((a.argmax(-1) == b.argmax(-1)).mean()))
         la = a - a.max(-1, keepdims=True); la -= np.log(np.exp(la).sum(-1, keepdims=True))
         lb = b - b.max(-1, keepdims=True); lb -= np.log(np.exp(lb).sum(-1, keepdims=True))
-        kls.append(float((np.exp(la) * (la - lb)).sum(-1).mean()))
-        window = {}
-        for name in nll:
-            window[name] = window_nll(logits[name].astype(np.float32), np.asarray(row, np.int64))
-            nll[name] += window[name]
-        per_window.append(float(np.exp((window["qnn-htp"] - window["cpu"]) / (len(row) - 1))))
-    tokens = ids.shape[0] * (ids.shape[1] - 1)
-    return {"windows": int(ids.shape[0]), "tokens": int(tokens),
+        done.append({"tokens": int(len(row) - 1),
+                     "nll": {name: float(window_nll(v.astype(np.float32), np.asarray(row, np.int64)))
+                             for name, v in logits.items()},
+                     "max_abs_logit_diff": float(np.abs(a - b).max()), "max_abs_logit": float(np.abs(a).max()),
+                     "top1": float((a.argmax(-1) == b.argmax(-1)).mean()),
+                     "kl_cpu_to_htp": float((np.exp(la) * (la - lb)).sum(-1).mean()), "seconds": seconds})
+        save()
+    return _pooled(done)
+
+
+def _pooled(windows: list[dict]) -> dict:
+    """The figures over the measured windows: pooled perplexities and their ratio, per-window ratios."""
+    tokens = sum(w["tokens"] for w in windows)
+    nll = {name: sum(w["nll"][name] for w in windows) for name in ("cpu", "qnn-htp")}
+    return {"windows": len(windows), "tokens": tokens,
             "ppl": {name: float(np.exp(v / tokens)) for name, v in nll.items()},
             "htp_over_cpu": float(np.exp((nll["qnn-htp"] - nll["cpu"]) / tokens)),
-            "htp_over_cpu_per_window": per_window,
-            "top1_per_window": top1,
-            "seconds": {k: round(v, 1) for k, v in seconds.items()},
-            "max_abs_logit_diff": max(diffs), "max_abs_logit": max(scales),
-            "top1_agreement": float(np.mean(top1)), "kl_cpu_to_htp": float(np.mean(kls))}
+            "htp_over_cpu_per_window": [float(np.exp((w["nll"]["qnn-htp"] - w["nll"]["cpu"]) / w["tokens"]))
+                                        for w in windows],
+            "top1_per_window": [w["top1"] for w in windows],
+            "seconds": {name: round(sum(w["seconds"][name] for w in windows), 1) for name in ("cpu", "qnn-htp")},
+            "seconds_per_128_token_call": {name: round(sum(w["seconds"][name] for w in windows)
+                                                       / sum(-(-(w["tokens"] + 1) // 128) for w in windows), 1)
+                                           for name in ("cpu", "qnn-htp")},
+            "max_abs_logit_diff": max(w["max_abs_logit_diff"] for w in windows),
+            "max_abs_logit": max(w["max_abs_logit"] for w in windows),
+            "top1_agreement": float(np.mean([w["top1"] for w in windows])),
+            "kl_cpu_to_htp": float(np.mean([w["kl_cpu_to_htp"] for w in windows]))}
 
 
 def main() -> None:
@@ -128,8 +141,9 @@ def main() -> None:
                "ppl_protocol": f"WikiText-2 test, first {args.windows} windows of {args.seq_len} tokens, teacher-forced "
                                "through the prefill graph (batch 1), the same graphs on both providers",
                "recipes": {}}
-    if args.out.exists():
-        results = json.loads(args.out.read_text())
+    if args.out.exists():  # resumed: the earlier rows stay, the stamp names the latest command
+        results = {**json.loads(args.out.read_text()), "command": results["command"]}
+        results.pop("run", None)
     for recipe in args.recipes.split(","):
         rec = results["recipes"].setdefault(recipe, {})
         pair = args.work / recipe
@@ -150,8 +164,10 @@ def main() -> None:
                              "--target", str(_old_profile(Path(tmp))), "-o", str(Path(tmp) / "pair"))
                 rec["before"] = {"compile_seconds": round(old, 1), **_verdicts(Path(tmp) / "pair")}
             save_results(args.out, results)
-        if "htp_vs_cpu" not in rec:
-            rec["htp_vs_cpu"] = _on_both(pair, _windows(args.model_dir, args.windows, args.seq_len))
+        if rec.get("htp_vs_cpu", {}).get("windows", 0) < args.windows:
+            done = rec.setdefault("htp_vs_cpu_windows", [])
+            rec["htp_vs_cpu"] = _on_both(pair, _windows(args.model_dir, args.windows, args.seq_len), done,
+                                         lambda: save_results(args.out, results))
             save_results(args.out, results)
     if "fp32" not in results:  # the exported with-past graph, same windows, same route
         from edgeq.generation.teacher_forced import perplexity_through

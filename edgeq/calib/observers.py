@@ -266,23 +266,38 @@ class HessianObserver(Observer):
         x = np.asarray(x)
         flat = np.asarray(x, np.float64).reshape(-1, x.shape[-1])
         xtx = flat.T @ flat
-        self.xtx = xtx if self.xtx is None else self.xtx + xtx
+        if self.xtx is None:
+            self.xtx = xtx
+        else:  # (in place: at K = 8960 a sum would hold a third K x K for the moment)
+            self.xtx += xtx
+        del xtx
         self.count += flat.shape[0]
         if self.track_first and x.ndim >= 3:
             first = np.asarray(x[:, 0], np.float64).reshape(-1, x.shape[-1])
             ftx = first.T @ first
-            self.first_xtx = ftx if self.first_xtx is None else self.first_xtx + ftx
+            if self.first_xtx is None:
+                self.first_xtx = ftx
+            else:
+                self.first_xtx += ftx
             self.first_count += first.shape[0]
 
     @property
     def hessian(self) -> np.ndarray:
         return 2.0 * self.xtx / max(self.count, 1)
 
-    def hessian_with_sink(self, weight: float) -> np.ndarray:
-        """The Hessian with each sequence's first token counted ``weight`` times (1: plain)."""
-        if weight == 1.0 or self.first_xtx is None:
-            return self.hessian
-        return 2.0 * (self.xtx + (weight - 1.0) * self.first_xtx) / max(self.count, 1)
+    def hessian_with_sink(self, weight: float, consume: bool = False) -> np.ndarray:
+        """The Hessian with each sequence's first token counted ``weight`` times (1: plain).
+        ``consume``: the observer's last use; the Hessian is made in its own accumulator, which it
+        then gives up (no K x K copy)."""
+        sink = weight != 1.0 and self.first_xtx is not None
+        if not consume:
+            return 2.0 * (self.xtx + (weight - 1.0) * self.first_xtx) / max(self.count, 1) if sink else self.hessian
+        h, self.xtx = self.xtx, None
+        if sink:
+            h += (weight - 1.0) * self.first_xtx
+        self.first_xtx = None
+        h *= 2.0 / max(self.count, 1)
+        return h
 
     def state(self):
         first = self.first_xtx if self.first_xtx is not None else np.zeros((0, 0))

@@ -169,7 +169,9 @@ class GptqRewrite(Pass):
                 w = np.asarray(index.constant_value(index.tensors[lin.weight]), np.float32)
                 stored_nk = lin.op == "Gemm" and lin.weight_transposed
                 w_kn = w.T if lin.weight_transposed else w  # the math's [K, N]
-                h = hessians[lin.input].hessian_with_sink(cfg.sink_weight if lin.role in cfg.sink_roles else 1.0)
+                # (the input's last reader takes the observer's own array: a K x K float64 less)
+                h = hessians[lin.input].hessian_with_sink(cfg.sink_weight if lin.role in cfg.sink_roles else 1.0,
+                                                          consume=readers_left[lin.input] == 1)
                 spec = self.spec(False, w_kn.shape[0])
                 if self.partial_block(w_kn.shape[0]):  # per channel: any column order is free at run time
                     per_channel.append(lin.node)

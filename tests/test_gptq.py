@@ -201,6 +201,48 @@ def test_hessian_observer_weights_the_first_token():
     np.testing.assert_array_equal(flat_only.hessian_with_sink(64.0), flat_only.hessian)
 
 
+def test_hessian_observer_consumed_by_its_last_reader_gives_the_same_hessian():
+    """``consume=True`` builds the Hessian in the observer's own accumulator (no K x K copy) and
+    leaves the observer empty: same values as the copying form, with and without the sink term."""
+    from edgeq.calib.observers import HessianObserver
+
+    rng = np.random.default_rng(4)
+    for weight in (1.0, 16.0):
+        obs = HessianObserver()
+        for _ in range(2):
+            obs.update(rng.standard_normal((2, 4, 5)).astype(np.float32))
+        want = obs.hessian_with_sink(weight)
+        np.testing.assert_array_equal(obs.hessian_with_sink(weight, consume=True), want)
+        assert obs.xtx is None and obs.first_xtx is None
+
+
+@pytest.mark.parametrize("k", [5, 256, 300, 777])
+def test_inverse_hessian_factor_is_the_upper_cholesky_factor_of_the_inverse(k):
+    """The in-place factor (one Cholesky of the reversed Hessian, a blocked triangular inverse)
+    equals the textbook chain (damp, Cholesky, inverse, Cholesky of the inverse) in any visiting
+    order, dead inputs (zero rows) given a unit diagonal; the Hessian passed in is not changed."""
+    from edgeq.passes.methods.gptq import inverse_hessian_factor
+
+    rng = np.random.default_rng(k)
+    x = rng.standard_normal((2 * k, k)) * rng.uniform(0.1, 10.0, k)
+    h = 2.0 * x.T @ x / len(x)
+    h[1] = h[:, 1] = 0.0
+    before = h.copy()
+    perm = rng.permutation(k)
+    want = h[np.ix_(perm, perm)].copy()
+    dead = np.diag(want) == 0
+    want[dead, dead] = 1.0
+    want[np.diag_indices(k)] += 0.01 * np.mean(np.diag(want))
+    want = np.linalg.cholesky(np.linalg.inv(want)).T
+    u, got_dead = inverse_hessian_factor(h, perm, 0.01)
+    np.testing.assert_array_equal(got_dead, dead)
+    np.testing.assert_allclose(u, want, rtol=0, atol=1e-9 * np.abs(want).max())
+    np.testing.assert_array_equal(np.triu(u), u)  # upper triangular
+    np.testing.assert_array_equal(h, before)
+    with pytest.raises(np.linalg.LinAlgError):
+        inverse_hessian_factor(-np.eye(k), np.arange(k), 0.0)
+
+
 @pytest.mark.parametrize("kwargs,needle", [
     ({"order": "random"}, "order"),
     ({"order": "gar", "weight_granularity": "channel"}, "gar"),

@@ -75,13 +75,19 @@ def run_stamp() -> dict:
             "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "versions": versions}
 
 
+# what ran: the stamp as the benchmark started (a run of an hour must not be credited to a commit
+# made while it ran, nor called dirty for an edit made after it had read its code)
+STARTED = run_stamp()
+
+
 def save_results(path: Path, results: dict) -> None:
     """Write the JSON results file (creating its folder) and print it, stamped with the machine
-    (CPU model, ISA flags, the u8s8 kernel they select, onnxruntime version)."""
+    (CPU model, ISA flags, the u8s8 kernel they select, onnxruntime version) and the run as it
+    started (``STARTED``), with the time of this write (``saved``)."""
     from edgeq.evaluate.machine import machine_info
 
     results.setdefault("machine", machine_info())
-    results.setdefault("run", run_stamp())
+    results.setdefault("run", dict(STARTED))["saved"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(results, indent=1))
     print(json.dumps(results, indent=1))

@@ -9,7 +9,7 @@ binary bytes and prepare/load seconds, whether the HTP took each part whole, the
 its per-block seconds, output bytes, peak RSS over the fp32 weights. Written whole by this script.
 
 Usage: python benchmarks/htp_parts.py --preset qwen2.5-1.5b --max-context-mb 800 --out F
-       [--recipe mquant-w4a16] [--work artifacts/htp-parts] [--calib-windows 2]
+       [--recipe mquant-w4a16] [--work artifacts/htp-parts] [--calib-windows 2] [--model-dir DIR]
 """
 
 from __future__ import annotations
@@ -35,6 +35,9 @@ def _bytes(folder: Path, pattern: str) -> int:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--preset", default="qwen2.5-1.5b")
+    ap.add_argument("--model-dir", type=Path, default=None,
+                    help="a with-past export to compile instead of the random preset (a real model: "
+                         "`edgeq export qwen2.5-coder-0.5b --with-past -o DIR`); its tokenizer is its own")
     ap.add_argument("--recipe", default="mquant-w4a16")
     ap.add_argument("--max-context-mb", type=float, default=800)
     ap.add_argument("--calib-windows", type=int, default=2)
@@ -44,10 +47,13 @@ def main() -> None:
     ap.add_argument("--work", type=Path, default=REPO / "artifacts" / "htp-parts")
     ap.add_argument("--out", type=Path, required=True)
     args = ap.parse_args()
-    model_dir = args.work / f"{args.preset}-past"
-    out = args.work / f"{args.preset}-{args.recipe}"
-    results: dict = {"issue": "a real-shaped random model compiled for the HTP in parts: memory and time only",
-                     "preset": args.preset, "recipe": args.recipe, "steps": {}}
+    model_dir = args.model_dir or args.work / f"{args.preset}-past"
+    name = model_dir.name if args.model_dir else args.preset
+    out = args.work / f"{name}-{args.recipe}"
+    tokenizer = args.model_dir or args.tokenizer
+    results: dict = {"issue": "a model compiled for the HTP in parts: memory and time (random weights: never accuracy)",
+                     "model": str(model_dir) if args.model_dir else f"random {args.preset}", "recipe": args.recipe,
+                     "steps": {}}
     if not (model_dir / "model.onnx").is_file():
         step = run_measured([sys.executable, "-m", "edgeq", "export", "random", args.preset, "--with-past",
                              "-o", str(model_dir), "--force"])
@@ -56,7 +62,7 @@ def main() -> None:
         results["steps"]["export"] = {k: step[k] for k in ("seconds", "peak_rss_mb")}
     fp32_bytes = _bytes(model_dir, "model.onnx*")
     compile_cmd = [sys.executable, "-m", "edgeq", "compile", str(model_dir / "model.onnx"), "--recipe", args.recipe,
-                   "--calib", str(DATA / "valid.txt"), "--tokenizer", str(args.tokenizer),
+                   "--calib", str(DATA / "valid.txt"), "--tokenizer", str(tokenizer),
                    "--calib-windows", str(args.calib_windows), "--seq-len", str(args.seq_len),
                    "--static", "prefill=128,context=1024", "--target", "qnn-htp", "--context-binary",
                    "--max-context-mb", str(args.max_context_mb), "-o", str(out), "--force"]
@@ -68,7 +74,7 @@ def main() -> None:
         raise SystemExit(1)
     report = json.loads((out / "report.json").read_text())
     blocks = [float(m.group(1)) for m in re.finditer(r"block \d+/\d+: ([\d.]+) s", step["stderr"])]
-    results["model"] = {"fp32_bytes_on_disk": fp32_bytes}
+    results["fp32_bytes_on_disk"] = fp32_bytes
     results["compile"] = {"seconds": step["seconds"], "peak_rss_mb": step["peak_rss_mb"],
                           "peak_rss_over_fp32": round(step["peak_rss_mb"] * 2**20 / fp32_bytes, 3),
                           "peak_rss_note": "GNU time's maximum resident set size of the compile process and its "

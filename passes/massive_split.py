@@ -33,7 +33,7 @@ from edgeq.graph import ir
 from edgeq.calib.observers import PerChannelAbsMaxObserver
 from edgeq.errors import UserInputError
 from edgeq.passmanager.passbase import Exactness, PassConfig, PassContext, PassNotApplicable, PassResult, Reason
-from edgeq.runtime_ops.online_hadamard import OP_TYPE, hadamard_matrix_for_fold
+from edgeq.runtime_ops.online_hadamard import OP_TYPE, hadamard_times
 from edgeq.passes.methods.side_branch import SideBranchPass, add_branch, check_branch, quantize_branches
 from edgeq.structure import analyze
 from edgeq.passes.methods.weights import LinearEditor
@@ -98,7 +98,7 @@ class MassiveSplitPass(SideBranchPass, name="massive-split", per_block=True, exa
             if not len(chans):
                 continue
             w = editor.weight(lin).astype(np.float64)
-            w_eff = hadamard_matrix_for_fold(lin.k) @ w if hadamard is not None else w
+            w_eff = hadamard_times(w) if hadamard is not None else w
             b = _split(graph, index, nodes[name], lin, site, hadamard, chans,
                        w_eff[chans].astype(editor.dtype(lin)))
             branches.append(b)

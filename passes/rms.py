@@ -27,7 +27,7 @@ from edgeq.calib.observers import MinMaxObserver
 from edgeq.passes.methods.eq9 import eq9_columns
 from edgeq.errors import UserInputError
 from edgeq.passmanager.passbase import Exactness, PassConfig, PassContext, PassNotApplicable, PassResult, Reason
-from edgeq.runtime_ops.online_hadamard import OP_TYPE, hadamard_matrix_for_fold
+from edgeq.runtime_ops.online_hadamard import OP_TYPE, hadamard_times
 from edgeq.passes.methods.side_branch import SideBranchPass, add_branch, branch_quantized, check_branch, quantize_branches
 from edgeq.structure import analyze
 from edgeq.passes.methods.weights import LinearEditor
@@ -58,7 +58,7 @@ class RmsPass(SideBranchPass, name="rms", per_block=True, exactness=Exactness.FL
             if lin.quantized or producer is None or producer.op != OP_TYPE:
                 continue
             w_r = editor.weight(lin)
-            w_pre = hadamard_matrix_for_fold(lin.k) @ w_r  # the weight before H^T was folded in
+            w_pre = hadamard_times(w_r)  # the weight before H^T was folded in
             meeting = int(eq9_columns(w_pre).sum())
             eq9[lin.node] = meeting
             if cfg.mode == "eq9" and meeting == 0:

@@ -37,6 +37,7 @@ from edgeq.runtime_ops.hadamard import (
 from edgeq.runtime_ops.online_hadamard import (
     OP_TYPE as ONLINE_HADAMARD,
     hadamard_matrix_for_fold,
+    hadamard_times,
     insert_online_hadamard,
     make_online_hadamard_node,
     online_hadamard_constants,
@@ -79,6 +80,7 @@ __all__ = [
     "hadamard_factors",
     "hadamard_matrix",
     "hadamard_matrix_for_fold",
+    "hadamard_times",
     "insert_online_hadamard",
     "is_hadamard_size",
     "make_online_hadamard_node",

@@ -76,6 +76,23 @@ def hadamard_matrix_for_fold(n: int) -> np.ndarray:
     return hadamard_matrix(n) / np.sqrt(n)
 
 
+def hadamard_times(w: np.ndarray, transpose: bool = False) -> np.ndarray:
+    """``H @ w`` (``H^T @ w`` with ``transpose``) in float64 for the H of ``hadamard_matrix_for_fold``
+    (n = w's first dim), through its Kronecker factors: ``kron(A, B) @ W`` is ``A`` on the K axis
+    and ``B`` on the P axis of W viewed as [K, P, N]. Two arrays of w's size instead of the dense
+    n x n H (at a 1.5B model's down_proj, n = 8960: 0.6 GB, and more while kron builds it).
+    Raises ValueError when n has no construction."""
+    n = w.shape[0]
+    hk, hp = normalized_hadamard_factors(n)
+    if transpose:
+        hk, hp = hk.T, hp.T
+    w3 = np.asarray(w, np.float64).reshape(hk.shape[0], hp.shape[0], -1)
+    z = np.matmul(hp, w3)  # B on the P axis, for each K
+    del w3
+    out = (hk @ z.reshape(hk.shape[0], -1)).reshape(w.shape)  # A on the K axis
+    return out
+
+
 def online_hadamard_constants(n: int, dtype=np.float32) -> tuple[np.ndarray, np.ndarray]:
     """The op's ``h_k`` and ``h_p`` inputs for size n (normalized factors, cast to ``dtype``)."""
     hk, hp = normalized_hadamard_factors(n)
@@ -140,6 +157,7 @@ __all__ = [
     "DOMAIN_VERSION",
     "OP_TYPE",
     "hadamard_matrix_for_fold",
+    "hadamard_times",
     "insert_online_hadamard",
     "make_online_hadamard_node",
     "online_hadamard_constants",

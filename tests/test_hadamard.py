@@ -86,6 +86,21 @@ def test_kron_layout_and_normalization():
         np.testing.assert_array_equal(hadamard_matrix_for_fold(n), H)
 
 
+def test_hadamard_times_equals_the_dense_product():
+    """``hadamard_times`` (the folds of rotate, rms and massive-split) is ``H @ w`` / ``H^T @ w``
+    for the dense H, without building it, for power-of-two, Paley and Kronecker sizes."""
+    from edgeq.runtime_ops import hadamard_times
+
+    rng = np.random.default_rng(0)
+    for n in (64, 576, 1536, 4864):
+        w = rng.standard_normal((n, 7)).astype(np.float32)
+        H = hadamard_matrix_for_fold(n)
+        np.testing.assert_allclose(hadamard_times(w), H @ w, rtol=0, atol=1e-12)
+        np.testing.assert_allclose(hadamard_times(w, transpose=True), H.T @ w, rtol=0, atol=1e-12)
+    with pytest.raises(ValueError):
+        hadamard_times(np.ones((7, 2)))
+
+
 def test_wrong_goethals_seidel_set_fails_loudly(monkeypatch):
     """The build verifies itself: one wrong position in a defining set must raise."""
     bad = dict(hd._GS_SETS)

@@ -15,7 +15,7 @@ from edgeq.passes.methods.stream import transform_stream_input
 from edgeq.passes.methods.weights import LinearEditor
 from edgeq.quantize.quant import column_blocks
 from edgeq.runtime_ops.hadamard import is_hadamard_size, randomized_hadamard
-from edgeq.runtime_ops.online_hadamard import hadamard_matrix_for_fold, insert_online_hadamard
+from edgeq.runtime_ops.online_hadamard import hadamard_matrix_for_fold, hadamard_times, insert_online_hadamard
 
 
 def fold_online_rotations(graph: gs.Graph, stream, editor: LinearEditor, writers_w: dict[str, np.ndarray],
@@ -30,7 +30,7 @@ def fold_online_rotations(graph: gs.Graph, stream, editor: LinearEditor, writers
         node = nodes[lin.node]
         if is_hadamard_size(n):
             node.inputs[0] = insert_online_hadamard(graph, node.inputs[0], n, f"{lin.node}_online_hadamard")
-            h = hadamard_matrix_for_fold(n)
+            h = None  # H^T @ W through H's Kronecker factors (hadamard_times), never the dense n x n
             online[lin.node] = "hadamard"
         else:
             h, _ = randomized_hadamard(n, seed=seed + 1)
@@ -40,7 +40,7 @@ def fold_online_rotations(graph: gs.Graph, stream, editor: LinearEditor, writers
             node.inputs[0] = out
             online[lin.node] = "dense-random-orthogonal"
         w = writers_w.get(lin.node, editor.weight(lin))
-        writers_w[lin.node] = h.T @ w
+        writers_w[lin.node] = hadamard_times(w, transpose=True) if h is None else h.T @ w
     return online
 
 

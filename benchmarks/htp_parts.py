@@ -72,36 +72,45 @@ def main() -> None:
         results["compile"] = {"exit": step["code"], "error": step["stderr"].strip().splitlines()[-3:]}
         save_results(args.out, results)
         raise SystemExit(1)
-    report = json.loads((out / "report.json").read_text())
     blocks = [float(m.group(1)) for m in re.finditer(r"block \d+/\d+: ([\d.]+) s", step["stderr"])]
     results["fp32_bytes_on_disk"] = fp32_bytes
     results["compile"] = {"seconds": step["seconds"], "peak_rss_mb": step["peak_rss_mb"],
                           "peak_rss_over_fp32": round(step["peak_rss_mb"] * 2**20 / fp32_bytes, 3),
                           "peak_rss_note": "GNU time's maximum resident set size of the compile process and its "
                                            "children (the QNN preparation runs in child processes)",
-                          "compile_path": report.get("compile_path"), "block_seconds": blocks}
+                          "block_seconds": blocks}
+    save_results(args.out, results)  # (the measured compile first: what follows only reads its output)
+    results.update(summarize(out))
+    results["max_context_mb"] = args.max_context_mb
+    save_results(args.out, results)
+
+
+def summarize(out: Path) -> dict:
+    """What the compile's own report.json and output folder say: the path, each part (weight
+    bytes, blocks, context binary bytes, prepare and load seconds, taken whole or not), bytes."""
+    import onnx
+
+    report = json.loads((out / "report.json").read_text())
     parts = report.get("static", {}).get("parts", {})
     graphs = report.get("qnn_context", {}).get("graphs", {})
-    import onnx
 
     def whole(graph: dict) -> bool:
         """The HTP took the graph whole: its context model is one EPContext node (CPU fallback is off)."""
         ctx = out / graph["files"][0]
         return [n.op_type for n in onnx.load(str(ctx), load_external_data=False).graph.node] == ["EPContext"]
 
-    results["parts"] = {role: [{"file": p["file"], "weight_bytes": p["weight_bytes"], "blocks": p["blocks"],
-                                "context_binary_bytes": graphs[p["file"]]["bytes"],
-                                "prepare_seconds": graphs[p["file"]]["prepare_seconds"],
-                                "load_seconds": graphs[p["file"]]["load_seconds"],
-                                "taken_whole": whole(graphs[p["file"]])}
-                               for p in plist] for role, plist in parts.items() if isinstance(plist, list)}
-    results["max_context_mb"] = args.max_context_mb
-    results["every_part_taken_whole"] = bool(results["parts"]) and all(
-        p["taken_whole"] for plist in results["parts"].values() for p in plist)
-    results["qnn_context"] = {k: v for k, v in report.get("qnn_context", {}).items() if k != "graphs"}
-    results["output_bytes"] = _bytes(out, "**/*")
-    save_results(args.out, results)
-
+    summary: dict = {"compile_path": report.get("compile_path"), "boundaries": parts.get("boundaries"),
+                     "parts": {role: [{"file": p["file"], "weight_bytes": p["weight_bytes"], "blocks": p["blocks"],
+                                       "context_binary_bytes": graphs[p["file"]]["bytes"],
+                                       "prepare_seconds": graphs[p["file"]]["prepare_seconds"],
+                                       "load_seconds": graphs[p["file"]]["load_seconds"],
+                                       "taken_whole": whole(graphs[p["file"]])}
+                                      for p in parts[role]] for role in ("prefill", "decode") if role in parts}}
+    summary["every_part_taken_whole"] = bool(summary["parts"]) and all(
+        p["taken_whole"] for plist in summary["parts"].values() for p in plist)
+    summary["qnn_context"] = {k: v for k, v in report.get("qnn_context", {}).items() if k != "graphs"}
+    summary["output_bytes"] = _bytes(out, "**/*")
+    return summary
 
 if __name__ == "__main__":
     main()

@@ -72,7 +72,7 @@ import numpy as np
 import onnx
 
 from edgeq.graph import ir
-from edgeq.artifacts.encodings import strict_json
+from edgeq.artifacts.encodings import write_strict_json
 from edgeq.errors import UserInputError
 from edgeq.quantize.qdq_encodings import ENCODINGS_VERSION, STORAGE_RANGES, collect_encodings
 
@@ -106,9 +106,13 @@ def write_aimet(path, model_or_encodings, version: str = "1.0.0", strict: bool =
     """Write ``export_aimet(...)`` as JSON to ``path`` (replaced atomically); returns the path."""
     path = Path(path)
     encodings = _as_encodings(model_or_encodings)
-    text = strict_json(_export(encodings, version, strict), encodings)
+    exported = _export(encodings, version, strict)
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    tmp.write_text(text)
+    try:
+        write_strict_json(tmp, exported, encodings)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
     os.replace(tmp, path)
     return path
 

@@ -19,6 +19,19 @@ def strict_json(data: dict, encodings: dict | None = None) -> str:
     made of it (AIMET's layout), where a quantization parameter that is not finite means a broken
     model (a NaN or inf in its weights, or its scales): a one-line ``UserInputError`` naming the
     tensor. Elsewhere (``report.json``: an exact step's SQNR is inf) pass ``json_safe(data)``."""
+    _check_finite(encodings)
+    return json.dumps(data, indent=1, allow_nan=False)
+
+
+def write_strict_json(path, data: dict, encodings: dict | None = None) -> None:
+    """``strict_json(data, encodings)`` written to ``path`` as it is encoded, never held whole: a
+    1.5B model's int4 block encodings are a 0.6 GB text."""
+    _check_finite(encodings)
+    with open(path, "w") as f:
+        json.dump(data, f, indent=1, allow_nan=False)
+
+
+def _check_finite(encodings: dict | None) -> None:
     bad = [(side[:-1], name) for side in ("activations", "weights") for name, enc in (encodings or {}).get(side, {}).items()
            if not all(math.isfinite(v) for v in (*enc["scale"], *enc["zero_point"]))]
     if bad:
@@ -26,7 +39,6 @@ def strict_json(data: dict, encodings: dict | None = None) -> str:
         more = f" ({len(bad)} tensors in all)" if len(bad) > 1 else ""
         raise UserInputError(f"{side} '{name}' has a non-finite scale or zero point (NaN or inf){more}: "
                              "a NaN or inf in the model's weights or quantization parameters")
-    return json.dumps(data, indent=1, allow_nan=False)
 
 
 def json_safe(value, default=None):

@@ -28,7 +28,7 @@ import onnx
 from edgeq.graph import ir
 from edgeq.files import output_dir
 from edgeq.artifacts.aimet import aimet_unsupported, write_aimet
-from edgeq.artifacts.encodings import json_safe, strict_json
+from edgeq.artifacts.encodings import json_safe, strict_json, write_strict_json
 from edgeq.artifacts.manifest import write_manifest
 from edgeq.artifacts.report import CompileReport, OutputRecord
 from edgeq.runtime.peak_rss import peak_rss_mb
@@ -179,7 +179,7 @@ def write_records(tmp: Path, report: CompileReport, encodings: dict, recipe, inp
                   started: float, output_bytes: int) -> None:
     """What every output folder gets after its graphs: encodings (ours and AIMET's), report (with
     time, peak RSS and sizes; serialized here, once) and, last, the manifest hashing the final file set."""
-    (tmp / "encodings.json").write_text(strict_json(encodings, encodings))
+    write_strict_json(tmp / "encodings.json", encodings, encodings)
     write_aimet(tmp / "aimet_encodings.json", encodings, version="1.0.0", strict=False)
     report.output = OutputRecord(
         quantized_tensors={"activations": len(encodings["activations"]), "weights": len(encodings["weights"])},

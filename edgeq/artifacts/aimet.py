@@ -108,10 +108,12 @@ def write_aimet(path, model_or_encodings, version: str = "1.0.0", strict: bool =
     encodings = _as_encodings(model_or_encodings)
     exported = _export(encodings, version, strict)
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    ours = not tmp.exists()  # (only a temporary file this call made is removed on failure)
     try:
         write_strict_json(tmp, exported, encodings)
     except BaseException:
-        tmp.unlink(missing_ok=True)
+        if ours:
+            tmp.unlink(missing_ok=True)
         raise
     os.replace(tmp, path)
     return path

@@ -97,7 +97,7 @@ FAMILIES: tuple[Family, ...] = (
            genai=True, real=("smollm2", "random llama-3.2-1b", "random llama-3.2-3b")),
     Family("qwen2", "qwen2", "Qwen2Config", "Qwen2ForCausalLM", "text-generation", _DECODER,
            layer_scope="/model/layers", norm="rms", activation="silu", gated_mlp=True, tiny_with_past=True,
-           real=("random qwen2.5-0.5b", "random qwen2.5-1.5b")),
+           genai=True, real=("qwen2.5-coder-0.5b", "random qwen2.5-0.5b", "random qwen2.5-1.5b")),
     Family("qwen3", "qwen3", "Qwen3Config", "Qwen3ForCausalLM", "text-generation",
            dict(_DECODER, head_dim=TINY_HIDDEN // TINY_HEADS),
            layer_scope="/model/layers", norm="rms", activation="silu", gated_mlp=True, head_norms=True),

@@ -59,6 +59,10 @@ def read_config(model_path: Path) -> tuple[dict, dict]:
         raise UserInputError("--target ort-genai: biased attention/MLP linears are not mapped")
     gen_path = folder / "generation_config.json"
     generation = json.loads(gen_path.read_text(encoding="utf-8")) if gen_path.is_file() else {}
+    for key in ("bos_token_id", "eos_token_id"):  # genai's config parser takes numbers only, no null
+        if generation.get(key, config.get(key)) is None:
+            raise UserInputError(f"--target ort-genai: {key} is not in {path} or generation_config.json "
+                                 f"(onnxruntime-genai's genai_config.json needs it)")
     return config, generation
 
 

@@ -256,7 +256,7 @@ def genai_config(config: dict, generation: dict, filename: str = "model.onnx") -
             },
             "eos_token_id": eos,
             "pad_token_id": pad if pad is not None else (eos[0] if isinstance(eos, list) else eos),
-            "type": "llama",
+            "type": config.get("model_type", "llama"),  # genai's own type for the family (llama, qwen2)
             "vocab_size": int(config["vocab_size"]),
         },
         "search": {

@@ -49,11 +49,13 @@ bench: install $(ART)/smollm2/model.onnx
 
 # edgeq against the tools users would pick instead (each peer in its own venv under .venvs/,
 # versions in benchmarks/peers/pins.toml); a peer that cannot be installed is a row with its error
-# PEERS_MODEL=qwen25: the same tables on Qwen2.5-Coder-0.5B (its exports are made first)
+# PEERS_MODEL=qwen25: the README's W8A8 and HTP-form tables on Qwen2.5-Coder-0.5B (its two exports
+# are made first; hours on 2 cores: each of its 40-window evaluations is minutes, AIMET's SeqMSE longer)
 PEERS_MODEL ?= smollm2
+PEERS_OPTIONS = $(if $(filter qwen25,$(PEERS_MODEL)),--export-source qwen2.5-coder-0.5b --tables w8a8 htp,)
 peers: install $(ART)/$(PEERS_MODEL)/model.onnx
 	$(PY) benchmarks/peers.py --model-dir $(ART)/$(PEERS_MODEL) --past-model-dir $(ART)/$(PEERS_MODEL)-past --work $(ART)/peers$(if $(filter smollm2,$(PEERS_MODEL)),,-$(PEERS_MODEL)) \
-		--out benchmarks/results/peers$(if $(filter smollm2,$(PEERS_MODEL)),,-$(PEERS_MODEL))-$$(date +%F).json
+		$(PEERS_OPTIONS) --out benchmarks/results/peers$(if $(filter smollm2,$(PEERS_MODEL)),,-$(PEERS_MODEL))-$$(date +%F).json
 
 $(ART)/qwen25/model.onnx: | install
 	$(EDGEQ) export qwen2.5-coder-0.5b -o $(ART)/qwen25

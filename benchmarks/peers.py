@@ -1,4 +1,4 @@
-"""edgeq side by side with the tools users would pick instead, in one run, on SmolLM2-135M.
+"""edgeq side by side with the tools users would pick instead, in one run, on SmolLM2-135M (or another model).
 
 The same fp32 ONNX model (``artifacts/smollm2/model.onnx``), the same calibration windows of
 WikiText-2 valid (the first 16 for every tool and setting; the first 64 as well for edgeq's GPTQ,
@@ -35,6 +35,9 @@ peer installs still gets the edgeq rows and exit 0.
 
     python benchmarks/peers.py --out benchmarks/results/peers-DATE.json     (or: make peers)
     python benchmarks/peers.py --peers aimet-onnx edgeq      (only these tools; --only TOOL/SETTING narrows further)
+    python benchmarks/peers.py --model-dir artifacts/qwen25 --past-model-dir artifacts/qwen25-past
+        --export-source qwen2.5-coder-0.5b --tables w8a8 htp   (the README's W8A8 and HTP-form tables on
+        Qwen2.5-Coder-0.5B: make peers PEERS_MODEL=qwen25)
 """
 
 from __future__ import annotations
@@ -92,6 +95,16 @@ EDGEQ_SETTINGS = [
 ]
 G32_CAVEAT = ("group 32: SmolLM2's weights come from a Q4_1 GGUF (asymmetric 4-bit blocks of 32 along K), so a "
               "block-32 4-bit grid partly recovers that grid; not comparable with group 128")
+# the settings of each README table (``--tables``): what ``make peers PEERS_MODEL=qwen25`` runs on
+# another model, the README's tables and nothing else (the weight-only table's settings are SmolLM2's)
+README_TABLES = {
+    "w8a8": ("edgeq/mquant-w8a8", "nncf/ptq-sq-openvino", "nncf/ptq-sq-onnx-rope-ignored", "quark/int8-transformer-sq",
+             "ort-quant/static-u8s8-smoothquant-rope-excluded", "ort-quant/static-u8s8-smoothquant"),
+    "htp": ("edgeq/w8a16-qnn-htp", "edgeq/mquant-w4a16-qnn-htp", "aimet-onnx/w8a16-finite-mask",
+            "aimet-onnx/w4a16-lpbq-seqmse-finite-mask", "aimet-onnx/w4a16-lpbq-finite-mask",
+            "aimet-onnx/w4a16-pcq-finite-mask"),
+}
+EXPORT_SOURCES = ("smollm2", "qwen2.5-coder-0.5b")  # `edgeq export SOURCE` for a --model-dir not made yet
 CALIB_WINDOWS = (16, 64)
 # what every row states so that rows compare like for like (None where it does not apply):
 # calibration windows (None: data-free), W4 group size, lm_head / embedding bits (32: float),
@@ -339,8 +352,13 @@ def main(argv: list[str] | None = None) -> int:
                     help="the tools to run, in this order (edgeq, ort-genai and the adapter peers "
                     + ", ".join(ADAPTER_PEERS) + "); e.g. --peers aimet-onnx runs that peer alone")
     ap.add_argument("--past-model-dir", type=Path, default=REPO / "artifacts" / "smollm2-past",
-                    help="SmolLM2 exported with a KV cache (edgeq export smollm2 --with-past; made here if missing): "
+                    help="the model exported with a KV cache (edgeq export SOURCE --with-past; made here if missing): "
                          "what edgeq's HTP-form rows (--static) compile")
+    ap.add_argument("--export-source", choices=EXPORT_SOURCES, default="smollm2",
+                    help="the model of --model-dir and --past-model-dir, exported there when missing (default smollm2)")
+    ap.add_argument("--tables", nargs="+", choices=sorted(README_TABLES), metavar="TABLE",
+                    help="run only the settings of these README tables (" + ", ".join(sorted(README_TABLES))
+                    + "): the tools of --peers that have a row in them, those rows alone")
     ap.add_argument("--windows", type=int, default=40, help="evaluation windows (of the 40 prepared)")
     ap.add_argument("--latency-repeats", type=int, default=7)
     ap.add_argument("--plot", type=Path, default=None, help="PNG (default: beside --out)")
@@ -361,10 +379,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.table:
         print(markdown_table(args.table))
         return 0
-    model = args.model_dir / "model.onnx"
-    if not model.is_file():
-        print(f"exporting SmolLM2 to {args.model_dir}", file=sys.stderr)
-        subprocess.run([sys.executable, "-m", "edgeq", "export", "smollm2", "-o", str(args.model_dir)], check=True, cwd=REPO)
+    if args.tables:
+        wanted = [name for table in args.tables for name in README_TABLES[table]]
+        args.only = sorted(set(args.only or []) | set(wanted)) if args.only else wanted
+        args.peers = [p for p in args.peers if any(name.startswith(f"{p}/") for name in args.only)]
+    model = export_if_missing(args.model_dir, args.export_source)
     args.work.mkdir(parents=True, exist_ok=True)
     calib, evaluation = data_files(args.work, args.model_dir)
     windows = np.load(evaluation)[: args.windows]
@@ -387,7 +406,7 @@ def main(argv: list[str] | None = None) -> int:
         elif peer == "ort-genai":
             got = genai_rows(args.work)
         elif peer == "edgeq":
-            got = edgeq_rows(model, past_model(args.past_model_dir), args.work,
+            got = edgeq_rows(model, export_if_missing(args.past_model_dir, args.export_source, with_past=True), args.work,
                              only={o for o in args.only if o.startswith("edgeq/")} if args.only else None)
         else:
             ap.error(f"unknown peer {peer}")
@@ -420,12 +439,13 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def past_model(folder: Path) -> Path:
-    """``folder/model.onnx``, SmolLM2's KV-cache export, exported first when missing."""
+def export_if_missing(folder: Path, source: str, with_past: bool = False) -> Path:
+    """``folder/model.onnx``, exported first from ``source`` (``edgeq export SOURCE [--with-past]``)
+    when the folder has none."""
     if not (folder / "model.onnx").is_file():
-        print(f"exporting SmolLM2 with a KV cache to {folder}", file=sys.stderr)
-        subprocess.run([sys.executable, "-m", "edgeq", "export", "smollm2", "--with-past", "-o", str(folder)],
-                       check=True, cwd=REPO)
+        past = ["--with-past"] if with_past else []
+        print(f"exporting {source}{' with a KV cache' if with_past else ''} to {folder}", file=sys.stderr)
+        subprocess.run([sys.executable, "-m", "edgeq", "export", source, *past, "-o", str(folder)], check=True, cwd=REPO)
     return folder / "model.onnx"
 
 

@@ -97,3 +97,18 @@ def test_static_pair_terms_are_read_off_its_prefill_graph(tmp_path):
     htp_rows = [s for s in peers.EDGEQ_SETTINGS if s.get("static")]
     assert {s["recipe"] for s in htp_rows} == {"w8a16", "mquant-w4a16"}
     assert all(s["setting"].endswith("-qnn-htp") and s["activation_bits"] == 16 for s in htp_rows)
+
+
+def test_readme_table_settings_exist():
+    """``--tables`` (make peers PEERS_MODEL=qwen25) names settings by TOOL/SETTING: each must be one
+    that edgeq's list or the peer's adapter offers, or the run would silently drop that row."""
+    import json
+    import subprocess
+
+    offered = {f"edgeq/{s['setting']}" for s in peers.EDGEQ_SETTINGS}
+    for peer, adapter in peers.ADAPTER_FILES.items():
+        listed = subprocess.run([sys.executable, str(peers.PEERS_DIR / "adapters" / adapter), "settings"],
+                                capture_output=True, text=True, check=True)
+        offered |= {f"{peer}/{s['setting']}" for s in json.loads(listed.stdout)}
+    named = [name for table in peers.README_TABLES.values() for name in table]
+    assert named and set(named) <= offered, set(named) - offered

@@ -6,7 +6,7 @@ optimum writes a model above 2 GB with every weight a Constant node whose value 
 write one file per tensor. A tiny model saved each of these ways must compile (in memory, block-wise,
 ``--static``, ``--target ort-genai``, ``--context-binary``), evaluate and check to the same outputs as
 the same model with its weights inline. The real model this stands for (Qwen2.5-0.5B, 2.5 GB) is
-measured in benchmarks/qwen25.py.
+measured by benchmarks/family_recipes.py (benchmarks/results/qwen25-recipes-2026-12-02.json).
 """
 
 from __future__ import annotations

@@ -188,6 +188,10 @@ def plan_compile(req: CompileRequest) -> tuple[CompilePlan, onnx.ModelProto]:
     model, locations = ir.load_model_and_locations(req.model, load_external=False)
     ir.check_opset(model)
     _check_context_binary(req, profile)
+    if req.max_context_mb is not None:  # a table no part can hold: refused now, not after the blocks
+        from edgeq.static.split import check_tables_fit, stored_table_bits
+
+        check_tables_fit(model, int(req.max_context_mb * 2**20), stored_table_bits(lowering))
     _check_genai(req, profile, recipe)
     static_shape = None
     if req.static is not None:

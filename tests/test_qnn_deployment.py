@@ -86,6 +86,8 @@ def test_shared_weights_are_one_binary_and_refused_to_run_here(tiny_past, tmp_pa
 
 @pytest.mark.parametrize("extra, message", [
     (["--context-binary", "--max-context-mb", "0.05"], "block 0 holds"),
+    # the embedding table at the 16 bits the HTP lowering stores it in: refused before any work
+    (["--context-binary", "--max-context-mb", "0.001"], "as the target stores it (16-bit), more than one part may hold"),
     (["--max-context-mb", "64"], "--max-context-mb is a setting of --context-binary"),
     (["--share-weights"], "--share-weights is a setting of --context-binary"),
     (["--context-binary", "--max-context-mb", "0"], "positive"),

@@ -38,6 +38,8 @@ PART_KEY = "edgeq.part"
 _LAYER = re.compile(r"layers\.(\d+)")
 _SOURCE, _SINK = "input_ids", "logits"
 _SMALL = 1024  # bytes: an initializer this small (an activation's scale, zero point) is not a weight to place
+_TABLE_ROWS = 16  # a float Gather table with fewer rows is shape bookkeeping, not a lookup table (gather-table-qdq's)
+_FLOATS = (onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16, onnx.TensorProto.BFLOAT16)
 
 
 @dataclass(frozen=True)
@@ -164,6 +166,32 @@ def _block_name(graph: onnx.GraphProto, nodes: list[int]) -> str:
         return f"block {layers.most_common(1)[0][0]}"
     named = [graph.node[i].name for i in nodes if graph.node[i].name]
     return f"'{named[0]}'" if named else "a stretch of the graph"
+
+
+def stored_table_bits(lowering: list) -> int:
+    """Bits per value a lookup table ends up with after the target's ``lowering`` passes
+    (gather-table-qdq's integer type; 32 when no pass rewrites float tables)."""
+    for p in lowering:
+        if p.name == "gather-table-qdq":
+            return int(np.dtype(p.config.dtype).itemsize * 8)
+    return 32
+
+
+def check_tables_fit(model: onnx.ModelProto, budget_bytes: int, table_bits: int) -> None:
+    """Before any work: refuse, in one line, a budget that a float lookup table (the token
+    embedding, read by a Gather) cannot fit once the target stores it at ``table_bits`` per value.
+    The same refusal ``plan_parts`` makes after the compile, made before it (a 1.5B model's blocks
+    take half an hour) where the table's size is already known from its shape."""
+    initializers = {t.name: t for t in model.graph.initializer}
+    for node in model.graph.node:
+        table = initializers.get(node.input[0]) if node.op_type == "Gather" and node.input else None
+        if table is None or len(table.dims) != 2 or table.dims[0] < _TABLE_ROWS or table.data_type not in _FLOATS:
+            continue
+        size = int(table.dims[0]) * int(table.dims[1]) * table_bits // 8
+        if size > budget_bytes:
+            raise UserInputError(f"--max-context-mb {budget_bytes / 2**20:.3g}: the table of {node.name or node.output[0]} "
+                                 f"holds {_mb(size)} as the target stores it ({table_bits}-bit), more than one part "
+                                 f"may hold: give at least {size / 2**20:.1f}")
 
 
 def plan_parts(model: onnx.ModelProto, budget_bytes: int) -> list[tuple[int, int]]:

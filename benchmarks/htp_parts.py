@@ -10,6 +10,14 @@ its per-block seconds, output bytes, peak RSS over the fp32 weights. Written who
 
 Usage: python benchmarks/htp_parts.py --preset qwen2.5-1.5b --max-context-mb 800 --out F
        [--recipe mquant-w4a16] [--work artifacts/htp-parts] [--calib-windows 2] [--model-dir DIR]
+       [--prepare-split MB ...]
+
+``--prepare-split MB``: where the compile's peak lies when it is Qualcomm's preparation. With the
+compile a run without it left in --work, the compiled prefill graph is cut again at each MB
+(``edgeq.static.split``, the cut the compile makes) and each part prepared alone as the compile
+prepares it (``python -m edgeq.targets.qnn_vendor --context``, one child per part), its peak RSS
+from outside (GNU time); the compile's own parts are prepared the same way. Into ``prepare_alone``
+of its own --out file.
 """
 
 from __future__ import annotations
@@ -46,11 +54,19 @@ def main() -> None:
                     help="a tokenizer folder for the calibration text (random presets carry none)")
     ap.add_argument("--work", type=Path, default=REPO / "artifacts" / "htp-parts")
     ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--prepare-split", type=float, nargs="+", metavar="MB", default=None,
+                    help="with the compile a run without it left in --work: prepare its parts, and its prefill graph cut at each "
+                         "MB, one part at a time, peak RSS of each (no compile)")
     args = ap.parse_args()
     model_dir = args.model_dir or args.work / f"{args.preset}-past"
     name = model_dir.name if args.model_dir else args.preset
     out = args.work / f"{name}-{args.recipe}"
     tokenizer = args.model_dir or args.tokenizer
+    if args.prepare_split:  # a results file of its own, from the compile a run without it left in --work
+        save_results(args.out, {"issue": "where the peak RSS of a compile in parts lies: Qualcomm's preparation of "
+                                "each part alone (random weights: never accuracy)", "compiled": str(out),
+                                "recipe": args.recipe, "prepare_alone": prepare_alone(out, args.prepare_split)})
+        return
     results: dict = {"issue": "a model compiled for the HTP in parts: memory and time (random weights: never accuracy)",
                      "model": str(model_dir) if args.model_dir else f"random {args.preset}", "recipe": args.recipe,
                      "steps": {}}
@@ -83,6 +99,48 @@ def main() -> None:
     results.update(summarize(out))
     results["max_context_mb"] = args.max_context_mb
     save_results(args.out, results)
+
+
+def prepare_alone(out: Path, budgets_mb: list[float]) -> dict:
+    """Each part of the compiled pair's prefill graph (the compile's own, then cut again at each of
+    ``budgets_mb``) prepared alone for the HTP in a measured child: weight bytes, blocks, peak RSS,
+    seconds. The cut parts are written beside the pair (over its weights file) and removed after."""
+    import onnx
+
+    from edgeq.static.split import split_graph
+
+    report = json.loads((out / "report.json").read_text())
+    arch = str(report.get("qnn_context", {}).get("htp_arch", 79))
+    own = [(p["file"], p["weight_bytes"], p["blocks"]) for p in report["static"]["parts"]["prefill"]]
+    prefill = onnx.load(str(out / "prefill.onnx"), load_external_data=False)
+    runs: dict = {"the compile's parts": own}
+    for mb in budgets_mb:
+        parts = split_graph(prefill, int(mb * 2**20), "prefill")
+        runs[f"cut at {mb:g} MB"] = []
+        for k, part in enumerate(parts):
+            name = f"prepare-alone_{mb:g}mb_{k + 1}of{len(parts)}.onnx"
+            onnx.save_model(part.model, str(out / name))
+            runs[f"cut at {mb:g} MB"].append((name, part.weight_bytes, part.blocks))
+    measured: dict = {"htp_arch": int(arch), "how": "python -m edgeq.targets.qnn_vendor --context PART CTX ARCH "
+                      "under GNU time, one part at a time (what the compile runs for each part)", "runs": {}}
+    with __import__("tempfile").TemporaryDirectory() as tmp:
+        for label, files in runs.items():
+            rows = []
+            for file, weight_bytes, blocks in files:
+                step = run_measured([sys.executable, "-m", "edgeq.targets.qnn_vendor", "--context", str(out / file),
+                                     str(Path(tmp) / f"{Path(file).stem}_ctx.onnx"), arch])
+                answer = json.loads(step["stdout"].strip().splitlines()[-1]) if step["stdout"].strip() else {}
+                rows.append({"file": file, "weight_bytes": weight_bytes, "blocks": blocks, "ok": answer.get("ok"),
+                             "peak_rss_mb": step["peak_rss_mb"], "seconds": step["seconds"]})
+                print(f"{label}: {file} {weight_bytes / 2**20:.0f} MiB blocks {blocks}: {step['peak_rss_mb']:.0f} MB",
+                      file=sys.stderr)
+                for ctx in Path(tmp).iterdir():
+                    ctx.unlink()
+            measured["runs"][label] = rows
+    for files in list(runs.values())[1:]:
+        for file, _, _ in files:
+            (out / file).unlink()
+    return measured
 
 
 def summarize(out: Path) -> dict:

@@ -103,6 +103,31 @@ def _on_both(pair: Path, ids: np.ndarray, done: list[dict], save) -> dict:
     return _pooled(done)
 
 
+def _graph_digests(pair: Path) -> dict[str, str]:
+    """SHA-256 of the pair's two QDQ graphs and their weights (what both providers run)."""
+    import hashlib
+
+    digests = {}
+    for path in sorted(pair.glob("*.onnx*")):
+        h = hashlib.sha256()
+        with path.open("rb") as f:
+            for chunk in iter(lambda: f.read(1 << 24), b""):
+                h.update(chunk)
+        digests[path.name] = h.hexdigest()
+    return digests
+
+
+def _check_same_pair(rec: dict, pair: Path) -> None:
+    """A recompiled pair must be the one the earlier windows were measured on: its digests are kept
+    on first compile and compared on every later one (edgeq's compile is deterministic)."""
+    digests = _graph_digests(pair)
+    if "graph_sha256" not in rec:
+        rec["graph_sha256"] = digests
+    elif rec["graph_sha256"] != digests:
+        sys.exit(f"qnn_htp.py: the recompiled {pair} differs from the pair measured before; "
+                 "move the results file aside to measure the new one")
+
+
 def _pooled(windows: list[dict]) -> dict:
     """The figures over the measured windows: pooled perplexities and their ratio, per-window ratios."""
     tokens = sum(w["tokens"] for w in windows)
@@ -147,11 +172,14 @@ def main() -> None:
     for recipe in args.recipes.split(","):
         rec = results["recipes"].setdefault(recipe, {})
         pair = args.work / recipe
+        if not (pair / "report.json").exists():  # a resumed run on a fresh machine compiles the pair again
+            seconds = round(_edgeq("compile", str(model), "--recipe", recipe, "--calib", str(calib),
+                                   "--static", STATIC, "--target", "qnn-htp", "--context-binary",
+                                   "-o", str(pair), "--force"), 1)
+            rec.setdefault("compile_seconds", seconds)
+            _check_same_pair(rec, pair)
+            save_results(args.out, results)
         if "after" not in rec:
-            if not (pair / "report.json").exists():
-                rec["compile_seconds"] = round(_edgeq("compile", str(model), "--recipe", recipe, "--calib", str(calib),
-                                                      "--static", STATIC, "--target", "qnn-htp", "--context-binary",
-                                                      "-o", str(pair), "--force"), 1)
             report = json.loads((pair / "report.json").read_text())
             rec["compile_report_seconds"] = report["seconds_total"]
             rec["context_binaries"] = report["qnn_context"]

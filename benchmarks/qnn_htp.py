@@ -72,6 +72,11 @@ def _windows(tokenizer: Path, n: int, seq_len: int) -> np.ndarray:
     return token_windows(DATA / "test.txt", tokenizer, seq_len=seq_len, windows=n)
 
 
+def _log_softmax(logits: np.ndarray) -> np.ndarray:
+    shifted = logits - logits.max(-1, keepdims=True)
+    return shifted - np.log(np.exp(shifted).sum(-1, keepdims=True))
+
+
 def _on_both(pair: Path, ids: np.ndarray, done: list[dict], save) -> dict:
     """Each window teacher-forced through the prefill graph on onnxruntime CPU and on the HTP (its
     context binaries), one window at a time: logits agreement and both perplexities. ``done``: the
@@ -91,8 +96,7 @@ def _on_both(pair: Path, ids: np.ndarray, done: list[dict], save) -> dict:
             logits[name] = window_logits(decoder, row, "prefill").astype(np.float64)
             seconds[name] = round(time.perf_counter() - started, 1)
         a, b = logits["cpu"], logits["qnn-htp"]
-        la = a - a.max(-1, keepdims=True); la -= np.log(np.exp(la).sum(-1, keepdims=True))
-        lb = b - b.max(-1, keepdims=True); lb -= np.log(np.exp(lb).sum(-1, keepdims=True))
+        la, lb = _log_softmax(a), _log_softmax(b)
         done.append({"tokens": int(len(row) - 1),
                      "nll": {name: float(window_nll(v.astype(np.float32), np.asarray(row, np.int64)))
                              for name, v in logits.items()},

@@ -239,7 +239,7 @@ def markdown(results: dict) -> str:
         out.append(f"| activations | {head} |\n| --- |" + " --- | --- | --- |" * len(bits))
         names = {"single": "single static scale per site", "msq": "MSQ without AIFS (interleaved)",
                  "msq+aifs": "MSQ + AIFS (mquant-*-vlm recipe)", "token": "per-token dynamic (reference)"}
-        out.append(f"| fp32 | " + " | ".join(f"{acc['fp32']['accuracy']:.3f} | - | -" for _ in bits) + " |")
+        out.append("| fp32 | " + " | ".join(f"{acc['fp32']['accuracy']:.3f} | - | -" for _ in bits) + " |")
         for v in VARIANTS:
             cells = []
             for b in bits:

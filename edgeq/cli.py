@@ -169,7 +169,7 @@ def _run_compile(args) -> int:
         graphs = "" if report.static is None else " (all three graphs)" if "vlm" in report.static else " (both graphs)"
         print(f"  target {report.target.name}: {len(report.target.lowering)} lowering pass(es), clean{graphs}")
     qnn = report.qnn_context or {}
-    for graph, rec in qnn.get("graphs", {}).items():
+    for _graph, rec in qnn.get("graphs", {}).items():
         if rec.get("load_seconds") is None:
             print(f"  qnn context {rec['files'][-1]} over the shared {rec['binary']}, prepared in "
                   f"{rec['prepare_seconds']:.1f} s (HTP v{qnn['htp_arch']}; not loadable on x86-64, not loaded back)")

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from types import MappingProxyType
-from typing import Mapping
+from collections.abc import Mapping
 
 # Sizes of the tiny models: small but non-degenerate (several heads, GQA, an FFN wider than the
 # hidden size), exported in about a second.

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
-from typing import Mapping
+from collections.abc import Mapping
 
 import numpy as np
 
@@ -69,7 +69,7 @@ class VisualCacheSpec:
         return SCHEMES[self.scheme]
 
     @classmethod
-    def from_model(cls, model) -> "VisualCacheSpec":
+    def from_model(cls, model) -> VisualCacheSpec:
         """The spec a ``kvquant`` decode graph was compiled for (its metadata)."""
         for prop in model.metadata_props:
             if prop.key == METADATA_KEY:

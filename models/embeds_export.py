@@ -12,7 +12,8 @@ import os
 import warnings
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Iterator, Sequence
+from typing import Any
+from collections.abc import Iterator, Sequence
 
 from edgeq.modality_mask import DEFAULT_SPAN_INPUTS, SPAN_METADATA_KEY
 

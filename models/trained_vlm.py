@@ -52,7 +52,7 @@ import tempfile
 import time
 from dataclasses import asdict
 from pathlib import Path
-from typing import Sequence
+from collections.abc import Sequence
 
 import numpy as np
 

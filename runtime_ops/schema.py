@@ -14,7 +14,7 @@ a runtime or an NPU SDK with a native kernel can match the op by domain and name
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable
+from collections.abc import Callable
 
 import numpy as np
 import onnx

@@ -101,7 +101,7 @@ def test_library_output_is_passed_on_after_success_only():
     def export(fail: bool) -> None:
         lib.warning("the library says")
         lib.warning("`torch_dtype` is deprecated! Use `dtype` instead!")  # NOISE
-        warnings.warn("careful", UserWarning)
+        warnings.warn("careful", UserWarning, stacklevel=2)
         if fail:
             raise UserInputError("bad input")
 

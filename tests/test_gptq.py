@@ -140,7 +140,8 @@ def test_gptq_whole_blocks_quantizes_a_k_blocks_do_not_divide_per_channel(tiny_m
     assert len(records[0]["summary"]["per_channel_partial_k"]) == sum(k == 64 for k, _, _ in dqs)
     partial, _ = Pipeline([_gptq(group_size=128)]).run(model, ctx)
     assert all(block == 128 for _, block, _ in _weight_dqs(partial))
-    rule = lambda m: [v for v in check_model(m, load_target("qnn-htp")).violations if v.rule == "partial-block"]
+    def rule(m):
+        return [v for v in check_model(m, load_target("qnn-htp")).violations if v.rule == "partial-block"]
     assert len(rule(partial)) == sum(k == 64 for k, _, _ in _weight_dqs(partial)) and not rule(whole)
     for bad in ({"whole_blocks": True, "weight_granularity": "channel"},
                 {"whole_blocks": True, "lowering": "matmulnbits"}):

@@ -98,7 +98,7 @@ def _ratio_ok(ratio: str, top: str, bottom: str) -> bool:
     return lo - er <= r <= hi + er
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _load(path: Path) -> tuple[dict | None, str | None]:
     """(record, problem) of one results file."""
     if not path.is_file():
@@ -114,7 +114,7 @@ def _load(path: Path) -> tuple[dict | None, str | None]:
     return record, None
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _file_numbers(paths: tuple[Path, ...]) -> frozenset[float]:
     return frozenset(round(n, 6) for path in paths for n in _numbers(_load(path)[0]))
 

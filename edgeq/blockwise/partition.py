@@ -12,7 +12,7 @@ from edgeq.families import LAYER_CONTAINERS
 
 # decoder layer index in an exporter's node names (/model/layers.3/..., /transformer/h.3/...): the
 # declared families' layer containers (``Family.layer_scope``), and timm-style ``/blocks.N/``
-LAYER_NAME = re.compile(r"/(?:%s)\.(\d+)/" % "|".join((*LAYER_CONTAINERS, "blocks")))
+LAYER_NAME = re.compile(r"/(?:{})\.(\d+)/".format("|".join((*LAYER_CONTAINERS, "blocks"))))
 # ops whose output does not depend on their input's values (shape machinery)
 SHAPE_ONLY = frozenset({"Shape", "Size"})
 

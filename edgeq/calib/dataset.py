@@ -34,7 +34,7 @@ class InputLimits:
     image: tuple[int | None, int, int] | None = None
 
     @classmethod
-    def of(cls, model: onnx.ModelProto, model_path: str | os.PathLike) -> "InputLimits":
+    def of(cls, model: onnx.ModelProto, model_path: str | os.PathLike) -> InputLimits:
         from edgeq.textdata import image_dims
 
         tables = {t.name: t for t in model.graph.initializer}

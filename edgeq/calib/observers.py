@@ -27,7 +27,7 @@ class Observer(abc.ABC):
 
     @classmethod
     @abc.abstractmethod
-    def from_state(cls, state: dict[str, np.ndarray]) -> "Observer":
+    def from_state(cls, state: dict[str, np.ndarray]) -> Observer:
         """Inverse of ``state``."""
 
     @abc.abstractmethod

@@ -22,7 +22,7 @@ import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
+from collections.abc import Callable
 
 import numpy as np
 import onnx
@@ -128,7 +128,7 @@ class Calibrator:
         # block-wise calibration's hidden-state carry; only set on a view made by ``streaming``
         self.carry: StreamCarry | None = None
 
-    def streaming(self, carry: StreamCarry) -> "Calibrator":
+    def streaming(self, carry: StreamCarry) -> Calibrator:
         """A view of this calibrator for a block-wise compile: the same data, cache, log and
         fingerprints, observing one block at a time through ``carry``. Why a view, not a switch:
         the compile plan holds this calibrator frozen, and a mode set on it from outside would

@@ -23,7 +23,8 @@ import math
 import os
 import time
 from pathlib import Path
-from typing import Any, Callable, Iterable, Mapping, Sequence, Union
+from typing import Any
+from collections.abc import Callable, Iterable, Mapping, Sequence
 
 import numpy as np
 import onnx
@@ -210,7 +211,7 @@ def _run(session: Any, names: list[str], feeds: dict, label: str) -> list[np.nda
 def compare(
     model_a: str | os.PathLike,
     model_b: str | os.PathLike,
-    feeds_list: Union[Sequence[Mapping[str, np.ndarray]], Callable[[Any], Sequence[Mapping[str, np.ndarray]]]],
+    feeds_list: Sequence[Mapping[str, np.ndarray]] | Callable[[Any], Sequence[Mapping[str, np.ndarray]]],
     per_layer: bool = False,
     max_layers: int | None = 256,
     threads: int | None = None,

@@ -5,7 +5,7 @@ kind can live in a file of its own without importing the module that opens them 
 from __future__ import annotations
 
 import abc
-from typing import Sequence
+from collections.abc import Sequence
 
 import numpy as np
 

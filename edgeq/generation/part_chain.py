@@ -11,7 +11,8 @@ from __future__ import annotations
 import json
 import re
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
+from collections.abc import Callable
 
 from edgeq.errors import UserInputError
 from edgeq.static.split import PART_KEY

@@ -19,7 +19,7 @@ import os
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator
+from collections.abc import Iterator
 
 import numpy as np
 import onnx
@@ -275,7 +275,7 @@ class Boundary:
     in_subgraphs: frozenset[str]
 
     @classmethod
-    def of(cls, graph: gs.Graph) -> "Boundary":
+    def of(cls, graph: gs.Graph) -> Boundary:
         return cls(frozenset(t.name for t in graph.inputs), frozenset(t.name for t in graph.outputs),
                    frozenset(subgraph_reads(graph)))
 

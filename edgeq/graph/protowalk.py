@@ -3,7 +3,7 @@ and ``edgeq.runtime_ops`` both use it, and ``edgeq.graph.ir`` itself imports ``r
 
 from __future__ import annotations
 
-from typing import Iterable, Iterator
+from collections.abc import Iterable, Iterator
 
 import onnx
 

@@ -43,7 +43,8 @@ import abc
 import dataclasses
 import enum
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
+from collections.abc import Callable
 
 import onnx_graphsurgeon as gs
 
@@ -140,14 +141,14 @@ class PassContext:
     """What a pass may use besides the graph: calibration, and the int8 weight range the
     deployment allows (chosen by the target, never silently). Seeds are pass config (``rotate.seed``)."""
 
-    calibrator: "Calibrator | None" = None
+    calibrator: Calibrator | None = None
     int8_weights: str = "u8s8-safe"
 
     @property
     def u8s8_safe(self) -> bool:
         return self.int8_weights == "u8s8-safe"
 
-    def require_calibrator(self, pass_name: str) -> "Calibrator":
+    def require_calibrator(self, pass_name: str) -> Calibrator:
         from edgeq.errors import UserInputError
 
         if self.calibrator is None:
@@ -245,7 +246,7 @@ class Pass(abc.ABC):
     # checked against it, the pipeline against markers and this run's outcomes, the harness runs them first.
     requires: ClassVar[tuple[str, ...]] = ()
     # The marker this pass leaves (an edgeq.graph.facts fact); present -> the pipeline skips the pass.
-    establishes: ClassVar["Fact | None"] = None
+    establishes: ClassVar[Fact | None] = None
     # True when the marker is left even where the pass does not apply (the pipeline writes it, with
     # the reason), so its absence means the pass never ran: passes requiring it are refused instead
     # of skipped, and skipped with the recorded reason where it did not apply.

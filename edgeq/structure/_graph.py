@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import re
 from collections import deque
-from typing import Any, Callable, Hashable, Iterable, Iterator
+from typing import Any
+from collections.abc import Callable, Hashable, Iterable, Iterator
 
 import numpy as np
 import onnx_graphsurgeon as gs

@@ -94,7 +94,7 @@ from _peer_contract import RecordedFeeds, fail, model_inputs, quantize_inputs, s
 _HERE = Path(__file__).resolve().parent
 sys.path[:] = [p for p in sys.path if Path(p or os.getcwd()).resolve() != _HERE]
 
-import numpy as np
+import numpy as np  # noqa: E402  (after the path is cleaned above)
 
 DOCS_QUANTSIM = "https://quic.github.io/aimet-pages/releases/latest/apiref/onnx/quantsim.html"
 DOCS_LLM = "https://github.com/quic/ai-hub-models/blob/main/qai_hub_models/models/_shared/llm/model.py"

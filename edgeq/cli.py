@@ -185,6 +185,7 @@ def _run_compile(args) -> int:
     if parts:
         written += f" + {len(parts['prefill'])} parts of each graph"
     out = report.output
+    assert out is not None  # (a compile's report always carries its output record)
     print(f"wrote {args.out}/{written} in {out.seconds_total:.1f} s (peak RSS {out.peak_rss_mb:.0f} MB, "
           f"model {out.input_size_mb:.0f} MB -> {out.output_size_mb:.0f} MB)")
     return 0
@@ -346,7 +347,7 @@ def _deliver_again(signum: int) -> None:
 def _interrupt_main_later(signum: int, run: int) -> None:
     time.sleep(0.01)
     if _RUN == [run, True]:  # (not once the run is over: the host's handlers are back)
-        _thread.interrupt_main(signum)
+        _thread.interrupt_main(signal.Signals(signum))
 
 
 _RUN = [0, False]  # the current run's number, whether it is still on (_signals_unwind)
@@ -417,7 +418,7 @@ def _stopped(signum: int) -> int:
     return 128 + signum
 
 
-def one_line(exc: BaseException) -> str:
+def one_line(exc: BaseException | str) -> str:
     """``exc``'s message on one line: its lines (a library's message can have several) joined by "; "."""
     return "; ".join(line.strip() for line in str(exc).splitlines() if line.strip())
 

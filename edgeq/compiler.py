@@ -40,6 +40,7 @@ import shutil
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import onnx
 
@@ -56,6 +57,10 @@ from edgeq.errors import UserInputError
 from edgeq.graph.fingerprint import model_fingerprint
 from edgeq.graph.loadcheck import check_onnxruntime
 from edgeq.passmanager.passbase import Pass, PassContext
+if TYPE_CHECKING:  # (imported where the route runs: the block-wise and static modules load only when used)
+    from edgeq.blockwise.partition import Partition
+    from edgeq.static.specialize import StaticShape
+    from edgeq.static.vlm import StaticVlm
 from edgeq.passmanager.pipeline import Pipeline, PipelineOptions
 from edgeq.quantize.qdq_encodings import collect_encodings
 from edgeq.recipes import DEFAULT_RECIPE, Recipe, load_recipe
@@ -124,10 +129,10 @@ class CompilePlan:
     sample: dict | None
     started: float
     route: Route
-    partition: object | None = None  # edgeq.blockwise.Partition when compiling block-wise
+    partition: Partition | None = None  # when compiling block-wise
     blockwise_reason: str = ""  # why this path was chosen (report.json)
-    static_shape: object | None = None  # edgeq.static.specialize.StaticShape with --static
-    static_vlm: object | None = None  # edgeq.static.vlm.StaticVlm: --static of a VLM (the fixed visual slice)
+    static_shape: StaticShape | None = None  # with --static
+    static_vlm: StaticVlm | None = None  # --static of a VLM (the fixed visual slice)
 
 
 def compile_model(req: CompileRequest) -> CompileReport:
@@ -141,8 +146,8 @@ def compile_model(req: CompileRequest) -> CompileReport:
     except OSError as exc:
         raise UserInputError(f"cannot write beside the output folder {req.out_dir}: {exc.strerror or exc}") from None
     try:  # block-wise (a plain compile, or --static's with-past graph): the weights stream into staging
-        route = {Route.BLOCKWISE: compile_blockwise, Route.STATIC: compile_static}
-        return write(route[plan.route](plan, model, staging / "model.onnx.data"))
+        streamed = compile_blockwise if plan.route is Route.BLOCKWISE else compile_static
+        return write(streamed(plan, model, staging / "model.onnx.data"))
     except OSError as exc:  # disk full while the weights stream out: nothing half-written is left
         if exc.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
             raise UserInputError(f"cannot write the output in {req.out_dir.resolve().parent}: {exc.strerror or exc}") from None
@@ -243,12 +248,13 @@ def _plan_static_vlm(req: CompileRequest, model: onnx.ModelProto, recipe: Recipe
 
     if not is_vlm_graph(model):
         return None
+    assert req.static is not None  # (planned only with --static)
     return plan_static_vlm(req.model, model, recipe, req.static[0], req.calib,
                            split=req.max_context_mb is not None, shared=req.share_weights)
 
 
 def choose_route(req: CompileRequest, profile: TargetProfile | None, skeleton: onnx.ModelProto,
-                 passes: list[Pass], locations: set[str]) -> tuple[Route, object | None, str]:
+                 passes: list[Pass], locations: set[str]) -> tuple[Route, Partition | None, str]:
     """(route, partition, reason) for this compile, decided once: ``--target ort-genai`` compiles
     the whole with-past graph in memory (``--blockwise on`` is refused with it); ``--static``
     compiles its with-past graph block-wise from ``STATIC_BLOCKWISE_MIN_BYTES`` (or with
@@ -268,7 +274,7 @@ def choose_route(req: CompileRequest, profile: TargetProfile | None, skeleton: o
 
 
 def _choose_path(req: CompileRequest, skeleton: onnx.ModelProto, passes: list[Pass], locations: set[str],
-                 min_bytes: int = BLOCKWISE_MIN_BYTES):
+                 min_bytes: int = BLOCKWISE_MIN_BYTES) -> tuple[Partition | None, str]:
     """(partition, reason): a ``Partition`` to compile block-wise, or None for the in-memory path
     (under ``--blockwise auto``, models under ``min_bytes`` on disk)."""
     from edgeq.blockwise import NotPartitionable, partition
@@ -296,7 +302,7 @@ def _choose_path(req: CompileRequest, skeleton: onnx.ModelProto, passes: list[Pa
 
 
 def run_plan(plan: CompilePlan, model: onnx.ModelProto, external_data: Path | None = None
-             ) -> tuple[onnx.ModelProto, dict, dict | None, dict | None, dict | None]:
+             ) -> tuple[onnx.ModelProto, dict, dict, TargetSection | None, Any]:
     """The pipeline on ``model`` (consumed), the encodings (read once) and the target check;
     returns (model, records by stage, encodings, target summary, u8s8 measured block by block).
     Block-wise, the weights go to ``external_data``."""
@@ -307,6 +313,7 @@ def run_plan(plan: CompilePlan, model: onnx.ModelProto, external_data: Path | No
                               allow_partial=req.allow_partial, recipe=plan.recipe.name)
     measured = None
     if plan.partition is not None:
+        assert external_data is not None  # (the block-wise routes stream their weights into a file)
         model, records, measured = _run_blocks(plan, model, ctx, options, external_data)
     else:
         model, records = Pipeline(plan.passes, options).run(model, ctx, plan.sample, consume=True)
@@ -316,7 +323,7 @@ def run_plan(plan: CompilePlan, model: onnx.ModelProto, external_data: Path | No
     ir.set_metadata(model, "edgeq.version", edgeq.__version__)
     ir.set_metadata(model, "edgeq.recipe", plan.recipe.name)
     if plan.route is Route.STATIC:  # the static graphs are read and checked once specialized
-        return model, stages, None, None, None
+        return model, stages, {}, None, None
     encodings = collect_encodings(model, str(external_data.parent) if external_data is not None else "")
     if plan.profile is not None and external_data is not None:
         # the target checks read weights from the graph: bring the streamed ones back (output-sized)
@@ -358,6 +365,7 @@ def compile_static(plan: CompilePlan, model: onnx.ModelProto, external_data: Pat
     from edgeq.static.specialize import build_pair
 
     shape = plan.static_shape
+    assert shape is not None  # (the static route is planned with its shape)
     model, stages, _, _, measured = run_plan(plan, model, external_data)
     weights_dir = external_data.parent if external_data is not None else None
     scales = None
@@ -423,6 +431,7 @@ def qnn_genai_config(tmp: Path, report: CompileReport, graphs: StaticGraphs) -> 
            if (report.static or {}).get("cache_dtype", "float32") != "float32" else "")
     if why:
         return {"written": False, "why": why}
+    assert report.static is not None and report.qnn_context is not None  # (the writer calls this after both)
     return {"written": True, **write_genai_qnn_config(tmp, report.static, report.qnn_context)}
 
 
@@ -490,6 +499,7 @@ def _run_blocks(plan: CompilePlan, skeleton: onnx.ModelProto, ctx: PassContext, 
     from edgeq.runtime.progress import _enabled
 
     part = plan.partition
+    assert part is not None  # (called for block-wise plans only)
     carry = None
     if plan.calibrator is not None:  # the plan's calibrator is left as it is: blocks calibrate on a streaming view
         carry = StreamCarry(cut=None, capture=part.stream[1], spill_dir=external_data.parent / "carry")
@@ -526,7 +536,7 @@ def build_report(plan: CompilePlan, stages: dict, target: TargetSection | None, 
     calibration = plan.calibration
     if plan.calibrator is not None:
         log = plan.calibrator.log
-        calibration = {**calibration, "onnxruntime_runs": log.runs, "cache_hits": log.cache_hits,
+        calibration = {**(calibration or {}), "onnxruntime_runs": log.runs, "cache_hits": log.cache_hits,
                        "seconds": round(log.seconds, 2), "tensors_observed": log.tensors_observed,
                        "fingerprint_seconds": round(log.fingerprint_seconds, 2), "ranges": log.ranges}
     report = CompileReport(

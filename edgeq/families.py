@@ -22,6 +22,7 @@ Data only: importing this module imports neither torch, transformers nor onnx.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import cast
 from types import MappingProxyType
 from collections.abc import Mapping
 
@@ -88,7 +89,7 @@ class Family:
     @property
     def tiny_layers(self) -> int:
         """How many layers its tiny model has."""
-        return int(self.tiny.get("num_hidden_layers", self.tiny.get("n_layer", 0)))
+        return int(cast(int, self.tiny.get("num_hidden_layers", self.tiny.get("n_layer", 0))))
 
 
 FAMILIES: tuple[Family, ...] = (

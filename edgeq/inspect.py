@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any, cast
 
 import numpy as np
 
@@ -27,7 +28,7 @@ def inspect_model(model_path: Path, calib: Path | None, tokenizer: Path | None, 
     model = ir.load_model(model_path)
     graph = ir.to_graph(model)
     structure = analyze(graph)
-    rows = []
+    rows: list[dict[str, Any]] = []
     if calib is not None:
         specs = ir.input_specs(model)
         data = build_calibration_set(calib, specs, tokenizer or default_tokenizer_dir(model_path), windows, seq_len,
@@ -35,7 +36,7 @@ def inspect_model(model_path: Path, calib: Path | None, tokenizer: Path | None, 
         names = sorted({lin.input for lin in structure.linears})
         observers = Calibrator(data).observe(graph, {n: PerChannelAbsMaxObserver for n in names}, "inspect:absmax")
         for lin in structure.linears:
-            absmax = observers[lin.input].absmax
+            absmax = cast(np.ndarray, cast(PerChannelAbsMaxObserver, observers[lin.input]).absmax)  # (observed)
             outliers = np.flatnonzero(absmax > threshold)
             rows.append({"linear": lin.node, "role": lin.role, "k": lin.k, "n": lin.n,
                          "absmax": float(absmax.max()), "median_channel_absmax": float(np.median(absmax)),

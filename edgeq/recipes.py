@@ -104,7 +104,7 @@ def parse_recipe(text: str, name: str, source: str = "recipe", sha256: str | Non
     description = data.get("description", "")
     if not isinstance(description, str):
         raise UserInputError(f"{source}: description must be a string, got {description!r}")
-    specs = []
+    specs: list[PassSpec] = []
     for i, entry in enumerate(raw_passes):
         if not isinstance(entry, dict):
             raise UserInputError(f"{source}: [[pass]] #{i + 1} must be a table, got {entry!r}")

@@ -55,7 +55,7 @@ from dataclasses import dataclass
 import onnx_graphsurgeon as gs
 
 from edgeq.graph import facts
-from edgeq.passmanager.passbase import Exactness, Pass, PassConfig, PassContext, PassResult
+from edgeq.passmanager.passbase import Combine, Exactness, Pass, PassConfig, PassContext, PassResult
 from edgeq.runtime_ops.hadamard import randomized_hadamard
 from edgeq.passes.methods.rotation import (fold_online_rotations, rotate_at_norm_outputs, rotate_post_norms, rotate_stream,
                                            set_writer_weights)
@@ -70,7 +70,9 @@ class RotateConfig(PassConfig):
 
 class RotatePass(Pass, name="rotate", per_block=True, exactness=Exactness.FLOAT_EQUIV, config=RotateConfig,
                  requires=("fuse-norms", "ln-to-rms"), establishes=facts.ROTATED,
-                 summary="randomized-Hadamard residual rotation (offline) + online Hadamard before down_proj/fc2"):
+                 summary="randomized-Hadamard residual rotation (offline) + online Hadamard before down_proj/fc2",
+                 # the stream's width and sources are the model's, the same in every block
+                 combine={"hidden": Combine.FIRST, "stream_sources": Combine.FIRST}):
     def run(self, graph: gs.Graph, ctx: PassContext) -> PassResult:
         cfg: RotateConfig = self.config
         stream = analyze_stream(graph)  # PassNotApplicable (structure-not-found) when the stream does not fit

@@ -18,6 +18,8 @@ from edgeq import blockwise
 from edgeq.graph import ir
 from edgeq.blockwise import assemble, block  # noqa: F401  (the modules whose limits the tests lower)
 from edgeq.cli import main
+from edgeq.passmanager.passbase import Combine
+from edgeq.passmanager.registry import get_pass
 
 RECIPES = ("mquant-w8a8", "gptq-w4a16", "w8a8", "quarot-w8a8", "mquant-w4a16")
 
@@ -96,6 +98,13 @@ def test_blockwise_equals_in_memory(tiny_models, tmp_path, capsys, monkeypatch, 
     out = onnx.load(str(tmp_path / "blk" / "model.onnx"), load_external_data=False)
     assert sum(t.data_location == onnx.TensorProto.EXTERNAL for t in out.graph.initializer) > 10
     assert [p["name"] for p in mem["passes"]] == [p["name"] for p in blk["passes"]]
+    for whole, merged in zip(mem["passes"], blk["passes"]):
+        # a figure each block reports alike (combine=FIRST: rotate's hidden size) is the model's, not summed
+        for key, rule in get_pass(whole["name"]).summary_combine.items():
+            if rule is Combine.FIRST and key in whole["summary"]:
+                assert merged["summary"][key] == whole["summary"][key], (whole["name"], key)
+        # a pass that changed some blocks is not also reported as not applicable
+        assert not (merged["modified"] and "not_applicable" in merged["summary"]), merged
     assert all("peak_rss_mb" in p and "seconds" in p for p in blk["passes"])
     # the u8s8 probe, taken block by block on the compiled blocks' hidden states, is the whole-model probe's
     for key in ("linears", "worst_pair", "saturation_free", "linears_at_risk", "rows_probed", "int8_weight_range"):
@@ -138,6 +147,33 @@ def test_merge_records_sums_numbers_and_joins_lists():
     assert merged["ops_added"] == {"QuantizeLinear": 4}
 
 
+def test_merge_records_follows_the_declared_rules():
+    """rotate declares its hidden size the same in every block (combine=FIRST): SmolLM2's 576 was
+    reported as 17280, summed over 30 blocks; a pass applied in one block and not in the other is
+    modified, with the blocks it skipped counted apart from its summary."""
+    rotate = [{"name": "rotate", "seconds": 1.0, "peak_rss_mb": 1.0, "modified": True, "ops_added": {}, "ops_removed": {},
+               "summary": {"hidden": 576, "stream_sources": ["embedding"], "readers": 6}} for _ in range(3)]
+    merged = blockwise.merge_records([[r] for r in rotate])[0]["summary"]
+    assert merged == {"hidden": 576, "stream_sources": ["embedding"], "readers": 18}
+    rms = [{"name": "rms", "seconds": 1.0, "peak_rss_mb": 1.0, "modified": True, "ops_added": {}, "ops_removed": {},
+            "summary": {"split": 1}},
+           {"name": "rms", "seconds": 1.0, "peak_rss_mb": 1.0, "modified": False, "ops_added": {}, "ops_removed": {},
+            "summary": {"split": 0, "not_applicable": "no channel 0 to split off"},
+            "not_applicable": {"reason": "no-sites", "detail": "no channel 0 to split off"}}]
+    record = blockwise.merge_records([[r] for r in rms])[0]
+    assert record["modified"] and record["summary"] == {"split": 1} and record["blocks_not_applicable"] == 1
+    assert "not_applicable" not in record
+
+
+def test_combine_declarations_are_checked():
+    from edgeq.passmanager.passbase import Exactness, Pass
+
+    with pytest.raises(TypeError, match="combine="):
+        class _Bad(Pass, name="bad-combine", exactness=Exactness.EXACT, combine={"hidden": "first"}):
+            def run(self, graph, ctx):
+                raise NotImplementedError
+
+
 def test_merge_records_keeps_extremes_and_means_as_such():
     """A figure named as a maximum, minimum or mean is not summed over the blocks (fp16-safe-norms'
     max_sum_of_squares_after read 119022 on Gemma 3, 18 blocks' maxima summed, each under 8192)."""
@@ -145,8 +181,8 @@ def test_merge_records_keeps_extremes_and_means_as_such():
                   "relative_step_mean": 0.1, "nested": {"table_rel_rms_error_max": 0.2}, "norms": 7},
                  {"max_sum_of_squares_after": 8000.0, "relative_step_max": 0.25, "min_scale": 0.5,
                   "relative_step_mean": 0.3, "nested": {"table_rel_rms_error_max": 0.1}, "norms": 7}]
-    recs = [[{"name": "p", "seconds": 1.0, "peak_rss_mb": 1.0, "modified": True, "summary": s, "ops_added": {},
-              "ops_removed": {}}] for s in summaries]
+    recs = [[{"name": "fp16-safe-norms", "seconds": 1.0, "peak_rss_mb": 1.0, "modified": True, "summary": s,
+              "ops_added": {}, "ops_removed": {}}] for s in summaries]
     merged = blockwise.merge_records(recs)[0]["summary"]
     assert merged == {"max_sum_of_squares_after": 8000.0, "relative_step_max": 0.5, "min_scale": 0.25,
                       "relative_step_mean": 0.2, "nested": {"table_rel_rms_error_max": 0.2}, "norms": 14}

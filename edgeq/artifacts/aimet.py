@@ -97,9 +97,9 @@ def _export(encodings: dict, version: str, strict: bool) -> dict:
         acts = {name: _legacy(enc) for kind, name, enc in entries if kind == "activation"}
         params = {name: _legacy(enc) for kind, name, enc in entries if kind == "param"}
         return {"version": "0.6.1", "activation_encodings": acts, "param_encodings": params}
-    acts = [_v1(name, enc) for kind, name, enc in entries if kind == "activation"]
-    params = [_v1(name, enc) for kind, name, enc in entries if kind == "param"]
-    return {"version": "1.0.0", "activation_encodings": acts, "param_encodings": params}
+    return {"version": "1.0.0",
+            "activation_encodings": [_v1(name, enc) for kind, name, enc in entries if kind == "activation"],
+            "param_encodings": [_v1(name, enc) for kind, name, enc in entries if kind == "param"]}
 
 
 def write_aimet(path, model_or_encodings, version: str = "1.0.0", strict: bool = True) -> Path:
@@ -157,7 +157,9 @@ def _with_range(enc: dict) -> dict:
 
 def _plan(encodings: dict, version: str) -> tuple[list[tuple[str, str, dict]], dict[str, str]]:
     """(kind, AIMET name, encoding) of every exportable entry, and name -> reason for the rest."""
-    entries, problems, seen = [], {}, {}
+    entries: list[tuple[str, str, dict]] = []
+    problems: dict[str, str] = {}
+    seen: dict[str, str] = {}
     for kind, table in (("activation", encodings.get("activations", {})), ("param", encodings.get("weights", {}))):
         for key, enc in table.items():
             name = enc.get("float_name") or key

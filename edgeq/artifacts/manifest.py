@@ -160,7 +160,7 @@ def _timestamp() -> str:
     return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(seconds))
 
 
-def _edgeq_version() -> str:
+def _edgeq_version() -> str | None:
     return getattr(edgeq, "__version__", None) or _dist_version("edgeq")
 
 

@@ -58,7 +58,8 @@ class TargetSection:
     ort_kernels: list[str] | None = None
 
     def to_json(self) -> dict:
-        out = {"name": self.name, "description": self.description, "lowering": self.lowering, "check": self.check}
+        out: dict[str, Any] = {"name": self.name, "description": self.description, "lowering": self.lowering,
+                               "check": self.check}
         if self.ort_kernels is not None:
             out["ort_kernels"] = self.ort_kernels
         return out

@@ -157,6 +157,7 @@ class StaticGraphs:
         it over the same weights file and proven to load; their records go into ``static.parts``."""
         from edgeq.static.split import boundaries_of, split_graph
 
+        assert self.max_context_mb is not None  # (called only with --max-context-mb)
         budget = int(self.max_context_mb * 2**20)
         files, records, cuts = [], {}, None
         for name, model in self.models.items():

@@ -30,8 +30,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from collections.abc import Callable
 
+import numpy as np
 import onnx
 
+from edgeq.passmanager.passbase import Combine
 from edgeq.blockwise.assemble import Assembler, ancestors
 from edgeq.blockwise.block import block_graph, block_model
 from edgeq.blockwise.partition import NotPartitionable, Partition, partition
@@ -143,7 +145,7 @@ class U8S8Tally:
 
     feeds: dict | None = None
     per_linear: dict[str, dict] = field(default_factory=dict)
-    stream: object = None  # the compiled model's hidden states after the last block probed
+    stream: np.ndarray | None = None  # the compiled model's hidden states after the last block probed
     linears: int = 0
     at_risk: dict[str, int] = field(default_factory=dict)
 
@@ -195,17 +197,30 @@ def _check_present(model: onnx.ModelProto, names: list[str], i: int) -> None:
 
 def merge_records(per_block: list[list[dict]]) -> list[dict]:
     """One record per pass for report.json: seconds summed over blocks, peak RSS the highest,
-    summaries merged (numbers summed, lists joined), and how many blocks the pass changed."""
+    summaries merged by the pass's ``combine=`` rules (``Combine``; undeclared figures: numbers
+    summed, lists joined), and how many blocks the pass changed. A pass that changed some blocks and
+    did not apply to others is recorded as modified, its reason for the others counted in
+    ``blocks_not_applicable`` rather than left in the summary beside ``modified``."""
+    from edgeq.passmanager.registry import get_pass
+
     merged = []
     for recs in zip(*per_block):
         first = dict(recs[0])
+        rules = get_pass(first["name"]).summary_combine
         first["seconds"] = round(sum(r["seconds"] for r in recs), 3)
         first["peak_rss_mb"] = max(r["peak_rss_mb"] for r in recs)
         first["modified"] = any(r["modified"] for r in recs)
         first["blocks_modified"] = sum(bool(r["modified"]) for r in recs)
         for key in ("ops_added", "ops_removed"):
             first[key] = _merge([r[key] for r in recs])
-        first["summary"] = _merge([r["summary"] for r in recs])
+        summaries = [r["summary"] for r in recs]
+        first["summary"] = {}
+        for key in dict.fromkeys(k for s in summaries for k in s):
+            values = [s[key] for s in summaries if key in s]
+            first["summary"][key] = _combine(rules[key], values) if key in rules else _merge(values, key)
+        if first["modified"] and any("not_applicable" in r for r in recs):
+            first["summary"].pop("not_applicable", None)
+            first["blocks_not_applicable"] = sum("not_applicable" in r for r in recs)
         if len(recs) > 1:
             first["summary_scope"] = (f"summed over {len(recs)} block models (a max_/min_/mean_ figure: the "
                                       "blocks' max, min or mean), each the prologue, one layer and the epilogue: what "
@@ -218,6 +233,26 @@ def merge_records(per_block: list[list[dict]]) -> list[dict]:
             first.pop("not_applicable", None)
         merged.append(first)
     return merged
+
+
+def _combine(rule: Combine, values: list):
+    """``values`` (one per block) combined by a pass's declared rule (a dict's figures each by it)."""
+    if values and all(isinstance(v, dict) for v in values) and rule is not Combine.FIRST:
+        keys = list(dict.fromkeys(k for v in values for k in v))
+        return {k: _combine(rule, [v[k] for v in values if k in v]) for k in keys}
+    if rule is Combine.FIRST:
+        return values[0]
+    if rule is Combine.ANY:
+        return any(values)
+    if rule is Combine.CONCAT:
+        return [x for v in values for x in v]
+    if rule is Combine.MAX:
+        return max(values)
+    if rule is Combine.MIN:
+        return min(values)
+    if rule is Combine.MEAN:
+        return round(sum(values) / len(values), 6)
+    return round(sum(values), 6)
 
 
 def _merge(values: list, key: str = ""):

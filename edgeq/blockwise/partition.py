@@ -4,7 +4,8 @@ node names, checked by data flow): what a block-wise compile compiles one piece 
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from typing import Any
+from dataclasses import dataclass, field
 
 import onnx
 
@@ -35,10 +36,10 @@ class Partition:
     exported_support: list[set[str]]  # per layer: its tensors that other layers read
     # per layer: the graph outputs it produces (a with-past graph's present.{i}.key/value), in the
     # graph's output order; empty for a graph without a KV cache
-    layer_outputs: list[list[str]] | None = None
+    layer_outputs: list[list[str]] = field(default_factory=list)
 
     def __post_init__(self):
-        if self.layer_outputs is None:
+        if not self.layer_outputs:
             self.layer_outputs = [[] for _ in self.layers]
 
     @property
@@ -76,7 +77,7 @@ def partition(model: onnx.ModelProto) -> Partition:
     if len(embedding) != 1:
         raise NotPartitionable(f"expected one embedding Gather reading a graph input, found {len(embedding)}")
     dependent = {nodes[embedding[0]].output[0]}  # tensors whose values depend on the stream
-    downstream = set()  # tensors produced by (or after) a layer
+    downstream: set[str] = set()  # tensors produced by (or after) a layer
     for k, n in enumerate(nodes):
         ins = [i for i in n.input if i]
         if n.op_type not in SHAPE_ONLY and any(i in dependent for i in ins):
@@ -86,11 +87,12 @@ def partition(model: onnx.ModelProto) -> Partition:
     prologue = [k for k in range(len(nodes)) if layer_of[k] is None and not any(o in downstream for o in nodes[k].output)]
     epilogue = [k for k in range(len(nodes)) if layer_of[k] is None and k not in set(prologue)]
     layers = [[k for k in range(len(nodes)) if layer_of[k] == i] for i in range(num_layers)]
-    part_of = {k: ("p", None) for k in prologue} | {k: ("e", None) for k in epilogue}
+    # (part, layer): "p" prologue, "e" epilogue (layer None), "l" a layer and its index
+    part_of: dict[int, tuple[str, Any]] = {k: ("p", None) for k in prologue} | {k: ("e", None) for k in epilogue}
     for i, ks in enumerate(layers):
         part_of.update({k: ("l", i) for k in ks})
 
-    def external_reads(ks: list[int]) -> list[tuple[str, int | None]]:
+    def external_reads(ks: list[int]) -> list[tuple[str, int]]:
         own = {o for k in ks for o in nodes[k].output}
         seen, out = set(), []
         for k in ks:
@@ -100,7 +102,9 @@ def partition(model: onnx.ModelProto) -> Partition:
                     out.append((name, producer[name]))
         return out
 
-    stream, support, exported = [], [], [set() for _ in range(num_layers)]
+    stream: list[str] = []
+    support: list[list[int]] = []
+    exported: list[set[str]] = [set() for _ in range(num_layers)]
     for i, ks in enumerate(layers):
         reads = external_reads(ks)
         streams = [(name, k) for name, k in reads if name in dependent]

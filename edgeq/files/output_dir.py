@@ -213,7 +213,7 @@ def remove_stale_staging(out_dir: str | os.PathLike) -> list[Path]:
     the swap) is renamed back to ``out_dir`` instead: it is the previous output."""
     out_dir = Path(out_dir)
     pattern = re.compile(rf"^\.{re.escape(out_dir.name)}\.(tmp|weights|old)-(\d+)(-[a-z0-9_]{{8}})?$")
-    removed = []
+    removed: list[Path] = []
     try:
         entries = list(out_dir.parent.iterdir())
     except OSError:

@@ -44,7 +44,8 @@ import dataclasses
 import enum
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from types import MappingProxyType
 
 import onnx_graphsurgeon as gs
 
@@ -161,11 +162,26 @@ class PassContext:
 NEEDS = {"vlm": "a vision-language graph with visual span inputs",
          "kv-cache": "a decoder graph with a KV cache (past_key_values inputs)"}
 
+class Combine(enum.Enum):
+    """How one figure of a pass's summary combines over the blocks of a block-wise compile (the
+    ``combine=`` declaration, read by ``edgeq.blockwise.merge_records``): a count is summed over the
+    blocks, but a model-wide property each block reports alike (``rotate``'s hidden size) is the
+    first block's, an extreme the blocks' extreme."""
+
+    SUM = "sum"  # counts (linears quantized, norms folded)
+    MAX = "max"
+    MIN = "min"
+    MEAN = "mean"  # the blocks' unweighted mean
+    FIRST = "first"  # the same in every block (the hidden size, the rotation's kind)
+    ANY = "any"  # a flag set when any block set it
+    CONCAT = "concat"  # lists joined in block order
+
+
 # class-line keyword -> the attribute the framework reads (``Pass.__init_subclass__``)
 _DECLARATIONS = {"name": "name", "exactness": "exactness", "config": "Config", "requires": "requires",
                  "establishes": "establishes", "calibrates": "calibrates", "summary": "summary_line",
                  "marks_when_not_applicable": "marks_when_not_applicable", "per_block": "per_block",
-                 "needs": "needs"}
+                 "needs": "needs", "combine": "summary_combine"}
 # attribute -> keyword: only a class line sets these (``needs_calibration`` is what ``calibrates`` gives)
 _LIFECYCLE = {**{attr: key for key, attr in _DECLARATIONS.items()}, "needs_calibration": "calibrates"}
 
@@ -187,7 +203,10 @@ def _check_declared(cls: type, declared: dict[str, Any]) -> None:
               "summary": (lambda v: isinstance(v, str), "a string"),
               "marks_when_not_applicable": (lambda v: isinstance(v, bool), "a bool"),
               "per_block": (lambda v: isinstance(v, bool), "a bool"),
-              "needs": (lambda v: isinstance(v, tuple) and set(v) <= set(NEEDS), f"a tuple of {sorted(NEEDS)}")}
+              "needs": (lambda v: isinstance(v, tuple) and set(v) <= set(NEEDS), f"a tuple of {sorted(NEEDS)}"),
+              "combine": (lambda v: isinstance(v, Mapping) and all(isinstance(k, str) and isinstance(c, Combine)
+                                                                   for k, c in v.items()),
+                          "a mapping of summary keys to Combine rules")}
     for key in declared:
         ok, expected = checks[key]
         if not ok(declared[key]):
@@ -225,10 +244,11 @@ class Pass(abc.ABC):
     Keywords: ``name``, ``exactness``, ``config`` (a frozen ``PassConfig`` subclass), ``requires``,
     ``establishes`` (an ``edgeq.graph.facts`` marker), ``calibrates`` (needs calibration data: a bool,
     or a function of the config for passes where that depends on it), ``marks_when_not_applicable``,
-    ``per_block`` (block-wise compiles may run it), ``needs`` (kinds of graph, ``NEEDS``), ``summary``
+    ``per_block`` (block-wise compiles may run it), ``combine`` (how its summary's figures combine over
+    blocks, ``Combine``), ``needs`` (kinds of graph, ``NEEDS``), ``summary``
     (the line ``edgeq passes`` prints). The class line is the only place for them: a class that sets
     one of their attributes (``name``, ``exactness``, ``Config``, ``requires``, ``establishes``,
-    ``needs_calibration``, ``calibrates``, ``per_block``, ``summary_line``,
+    ``needs_calibration``, ``calibrates``, ``per_block``, ``summary_combine``, ``summary_line``,
     ``marks_when_not_applicable``, ``needs``) in its body is refused (``TypeError``). A class that
     declares a ``name`` is registered (``register_pass``; ``edgeq.passmanager.registry`` looks it up) when it is
     created; abstract bases that share code between passes (``StaticQDQ``, ``GptqRewrite``,
@@ -258,6 +278,10 @@ class Pass(abc.ABC):
     per_block: ClassVar[bool] = False
     # The kinds of graph (``NEEDS``) the pass refuses to work without.
     needs: ClassVar[tuple[str, ...]] = ()
+    # How the top-level figures of its summary combine over blocks (``Combine``), for a per_block pass;
+    # a figure not listed: counts summed, ``max_*``/``*_max`` (min, mean) their extreme (mean), lists joined
+    # (``edgeq.blockwise.merge_records``).
+    summary_combine: ClassVar[Mapping[str, Combine]] = MappingProxyType({})
 
     def __init_subclass__(cls, **declared: Any) -> None:
         unknown = sorted(set(declared) - set(_DECLARATIONS))

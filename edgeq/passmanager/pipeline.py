@@ -26,7 +26,7 @@ import gc
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import onnx
@@ -34,7 +34,8 @@ import onnx_graphsurgeon as gs
 
 from edgeq.graph import ir
 from edgeq.errors import EdgeqError, EssentialPassNotApplied, PassFailure, UserInputError
-from edgeq.passmanager.passbase import Pass, PassContext, PassNotApplicable, PassResult, Reason
+from edgeq.graph.facts import JsonFact
+from edgeq.passmanager.passbase import NotApplicable, Pass, PassContext, PassNotApplicable, PassResult, Reason
 from edgeq.runtime.peak_rss import peak_rss_mb
 from edgeq.passmanager.registry import get_pass
 from edgeq.quantize.sqnr import sqnr_db
@@ -51,8 +52,8 @@ class PipelineOptions:
     collect_garbage: bool = False  # after each pass (block-wise: a rewritten weight's old graph is cyclic garbage)
 
 
-def output_drift(ref: list[np.ndarray], out: list[np.ndarray], names: list[str]) -> dict[str, dict[str, float]]:
-    drift = {}
+def output_drift(ref: list[np.ndarray], out: list[np.ndarray], names: list[str]) -> dict[str, dict[str, float | bool]]:
+    drift: dict[str, dict[str, float | bool]] = {}
     for name, r, o in zip(names, ref, out):
         if not np.issubdtype(np.asarray(r).dtype, np.floating):
             drift[name] = {"equal": bool(np.array_equal(r, o))}
@@ -89,7 +90,7 @@ class Pipeline:
             Path(opts.dump_each).mkdir(parents=True, exist_ok=True)
         input_problem = None
         if isinstance(model, gs.Graph):  # already imported (block-wise compiles build it from numpy)
-            graph, model = model, None
+            graph = model
         else:
             if opts.verify:  # a failure below that the input already had is the input's fault, not the pass's
                 input_problem = self._verify(model)
@@ -168,7 +169,7 @@ class Pipeline:
         ``run`` reports as the pass's ``PassFailure``)."""
         marker = p.establishes
         if marker is not None and marker.present(graph):
-            return PassNotApplicable(Reason.ALREADY_APPLIED, marker.text(graph)).result()
+            return PassNotApplicable(Reason.ALREADY_APPLIED, marker.text(graph) or "").result()
         result = Pipeline._unmet(p, graph, outcomes)
         if result is None:
             try:
@@ -178,7 +179,9 @@ class Pipeline:
             else:
                 return _applied(p, result)
         if p.marks_when_not_applicable:  # the reason is left on the graph for the passes that require it
-            marker.set_not_applied(graph, result.not_applicable.detail, **p.marker_fields())
+            # (the class declaration checks such a pass establishes a JsonFact; a result not applied carries why)
+            cast(JsonFact, marker).set_not_applied(graph, cast(NotApplicable, result.not_applicable).detail,
+                                                   **p.marker_fields())
             result.modified = True
         return result
 

@@ -55,7 +55,7 @@ def _repeat_kv(expand: gs.Node):
 def _chain_to_matmul(tensor: gs.Tensor):
     """The nodes from ``tensor`` to the MatMul that reads it as input B, if only head-wise ops
     (last-two-axes transposes, scalar Mul/Div) lie between; else None."""
-    chain = []
+    chain: list[gs.Node] = []
     while True:
         if len(tensor.outputs) != 1:
             return None

@@ -245,7 +245,7 @@ def _fold_ranges(graph: gs.Graph) -> None:
             continue  # (a node without outputs was folded already)
         start, limit, delta = (np.asarray(t.values).reshape(()) for t in node.inputs)
         out = node.outputs[0]
-        values = np.arange(start, limit, delta).astype(start.dtype)
+        values = np.arange(start, limit, delta).astype(start.dtype)  # type: ignore[call-overload]  # (0-d arrays)
         _bypass(graph, out, gs.Constant(f"{out.name}/folded", values))
 
 

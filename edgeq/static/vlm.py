@@ -233,6 +233,7 @@ def order_invariant_mask(model: onnx.ModelProto) -> onnx.ModelProto:
     (cmp,) = found
     key_slot = 0 if cmp.op == "LessOrEqual" else 1  # key <= query / query >= key
     key_range = _from_range(producers, cmp.inputs[key_slot])
+    assert key_range is not None  # (``found`` holds only comparisons whose inputs are both ranges)
     positions = next(t for t in graph.inputs if t.name == "position_ids")
     i64 = np.int64
 

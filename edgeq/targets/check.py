@@ -125,7 +125,7 @@ def _check_static_shapes(model: onnx.ModelProto) -> list[Violation]:
     """One violation per graph input or output whose shape is not static, and one for all the
     intermediate values shape inference leaves dynamic (a dynamic graph has thousands)."""
     inferred = _infer(_skeleton(model), data_prop=True)
-    shapes = {}
+    shapes: dict[str, list | None] = {}
     for vi in (*inferred.graph.input, *inferred.graph.value_info, *inferred.graph.output):
         tt = vi.type.tensor_type
         shapes[vi.name] = [d.dim_value if d.HasField("dim_value") else (d.dim_param or "?") for d in tt.shape.dim] \
@@ -138,7 +138,7 @@ def _check_static_shapes(model: onnx.ModelProto) -> list[Violation]:
             out.append(Violation(vi.name, "static-shape", f"tensor {vi.name}: shape {dims if dims is not None else 'unknown'} is not "
                                  "static (compile an LLM with --static prefill=S,context=C)"))
     inner = [o for n in model.graph.node for o in n.output if o and o not in {vi.name for vi in model.graph.output}
-             and not (shapes.get(o) and all(isinstance(d, int) for d in shapes[o]))]
+             and not ((dims := shapes.get(o)) and all(isinstance(d, int) for d in dims))]
     if inner:
         out.append(Violation(inner[0], "static-shape", f"{len(inner)} intermediate tensors have no static shape "
                              f"after shape inference (first: {inner[0]})"))

@@ -145,7 +145,7 @@ def parse_target(text: str, name: str, source: str = "target") -> TargetProfile:
     optional = {k: data.pop(k) for k in _OPTIONAL_KEYS & set(data)}
     _require_keys(data, _TOP_KEYS, source)
     description = _typed(data, "description", str, source)
-    lowering = tuple(_strings(data, "lowering", source, wildcard=False))
+    lowering = tuple(_listed(data, "lowering", source))
     from edgeq.passmanager.registry import get_pass
 
     for pass_name in lowering:
@@ -162,7 +162,7 @@ def parse_target(text: str, name: str, source: str = "target") -> TargetProfile:
         unknown = sorted(set(edgeq_ops) - set(SCHEMAS))
         if unknown:
             raise UserInputError(f"{source}: unknown edgeq ops {', '.join(unknown)} (known: {', '.join(sorted(SCHEMAS))})")
-    domains = _strings(data, "domains", source, wildcard=False)
+    domains = _listed(data, "domains", source)
     if {"", "ai.onnx", "edgeq"} & set(domains):
         raise UserInputError(f"{source}: 'domains' lists other domains only (standard ops go in 'ops', edgeq ops in 'edgeq_ops')")
     return TargetProfile(
@@ -211,7 +211,7 @@ def _quant_rules(data: dict, key: str, source: str) -> QuantRules:
     if not isinstance(table, dict):
         raise UserInputError(f"{source}: '{key}' must be a table")
     _require_keys(table, _QUANT_KEYS, where)
-    granularity = _strings(table, "granularity", where, wildcard=False)
+    granularity = _listed(table, "granularity", where)
     bad = sorted(set(granularity) - set(GRANULARITIES))
     if bad or not granularity:
         raise UserInputError(f"{where}: granularity must list some of {', '.join(GRANULARITIES)}, got {granularity}")
@@ -241,6 +241,13 @@ def _typed(data: dict, key: str, kind: type, where: str):
     value = data[key]
     if not isinstance(value, kind) or (kind is not bool and isinstance(value, bool)):
         raise UserInputError(f"{where}: '{key}' must be {kind.__name__}, got {value!r}")
+    return value
+
+
+def _listed(data: dict, key: str, where: str) -> list[str]:
+    """``_strings`` where ``"*"`` is refused, so always a list."""
+    value = _strings(data, key, where, wildcard=False)
+    assert value is not None  # (wildcard=False raises on "*")
     return value
 
 

@@ -55,9 +55,9 @@ def find_u8s8_sites(graph: gs.Graph, index: ir.GraphIndex | None = None) -> list
     """Every uint8 x int8 linear of the main graph, in graph order."""
     index = index or ir.GraphIndex(graph)
     by_output = {}
-    for wdq in weight_dequantizers(graph, index):
-        if wdq.spec.dtype == "int8" and not wdq.spec.block_size and wdq.q.ndim == 2:
-            by_output[wdq.node.outputs[0].name] = wdq
+    for found in weight_dequantizers(graph, index):
+        if found.spec.dtype == "int8" and not found.spec.block_size and found.q.ndim == 2:
+            by_output[found.node.outputs[0].name] = found
     sites = []
     for node in graph.nodes:
         if node.op not in _LINEAR_OPS or len(node.inputs) < 2:
@@ -133,7 +133,7 @@ def probe_linears(model: onnx.ModelProto, feeds: dict[str, np.ndarray], *, nodes
     session = ir.graph_session(graph)
     del graph, tensors, fetch
     accepted = {i.name for i in session.get_inputs()}
-    run_feeds = {k: v for k, v in feeds.items() if k in accepted}
+    run_feeds: dict[str, np.ndarray | None] = {k: v for k, v in feeds.items() if k in accepted}
     if cut is not None:
         run_feeds[cut] = stream_value
     names = [o.name for o in session.get_outputs()]

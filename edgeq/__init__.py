@@ -17,3 +17,22 @@ _signals: list[int] = []
 
 def _note_signal(signum, frame):
     _signals.append(signum)
+
+
+# The Python API (``edgeq.api``): ``edgeq.compile(model, out=..., recipe=..., calib=..., target=...)``
+# returns the typed report, ``edgeq.load(out)`` opens an output folder; errors are ``EdgeqError``s
+# whose ``exit_code`` is the command line's. Loaded on first use, so that ``import edgeq`` (and the
+# program's entry, which takes the signals over first) stays free of onnx and numpy.
+_API = {"compile": "edgeq.api", "load": "edgeq.api", "Output": "edgeq.api", "QnnLayout": "edgeq.api",
+        "CompileReport": "edgeq.artifacts.report", "EdgeqError": "edgeq.errors", "UserInputError": "edgeq.errors",
+        "PassFailure": "edgeq.errors", "EssentialPassNotApplied": "edgeq.errors",
+        "TargetUnreachable": "edgeq.targets.check"}
+__all__ = ["__version__", *_API]
+
+
+def __getattr__(name: str):
+    if name in _API:
+        import importlib
+
+        return getattr(importlib.import_module(_API[name]), name)
+    raise AttributeError(f"module 'edgeq' has no attribute {name!r}")

@@ -136,21 +136,17 @@ def _add_compile(sub) -> None:
 
 
 def _run_compile(args) -> int:
-    from edgeq.compiler import CompileRequest, compile_model
-    from edgeq.static.specialize import parse_static
+    from edgeq.api import compile as compile_api
     from edgeq.targets import TargetUnreachable
 
-    req = CompileRequest(
-        model=args.model, out_dir=args.out, **({"recipe": args.recipe} if args.recipe else {}), calib=args.calib,
-        tokenizer=args.tokenizer, calib_windows=args.calib_windows, seq_len=args.seq_len,
-        dump_each=args.dump_each, verify=args.verify, check_numerics=args.check_numerics,
-        use_cache=not args.no_cache, target=args.target, allow_partial=args.allow_partial,
-        blockwise=args.blockwise, static=parse_static(args.static) if args.static is not None else None,
-        context_binary=args.context_binary, htp_arch=args.htp_arch, max_context_mb=args.max_context_mb,
-        share_weights=args.share_weights, accuracy_level=args.accuracy_level, lm_head_bits=args.lm_head_bits, force=args.force,
-    )
-    try:
-        report = compile_model(req)
+    try:  # (the Python API, edgeq.compile, with the options as parsed)
+        report = compile_api(
+            args.model, out=args.out, recipe=args.recipe, calib=args.calib, tokenizer=args.tokenizer,
+            calib_windows=args.calib_windows, seq_len=args.seq_len, dump_each=args.dump_each, verify=args.verify,
+            check_numerics=args.check_numerics, use_cache=not args.no_cache, target=args.target,
+            allow_partial=args.allow_partial, blockwise=args.blockwise, static=args.static, force=args.force,
+            context_binary=args.context_binary, htp_arch=args.htp_arch, max_context_mb=args.max_context_mb,
+            share_weights=args.share_weights, accuracy_level=args.accuracy_level, lm_head_bits=args.lm_head_bits)
     except TargetUnreachable as exc:
         for v in exc.result.violations:
             print(v.message)

@@ -1,0 +1,180 @@
+"""edgeq's Python API: ``edgeq.compile`` and ``edgeq.load``, what the command line is built on.
+
+``compile`` takes what ``edgeq compile`` takes, as keywords, and returns the typed report it wrote
+(``edgeq.artifacts.report.CompileReport``, the object behind report.json). ``load`` opens an output
+folder through the layout its compile recorded in report.json (a single graph, a static pair, a
+static VLM, an onnxruntime-genai folder, with the QNN context binaries and parts where written),
+never by guessing from the files present.
+
+Errors are the command line's, as exceptions: each is an ``edgeq.EdgeqError`` whose ``exit_code``
+is the CLI's (``UserInputError`` 2, ``PassFailure`` 1, ``TargetUnreachable`` 3,
+``EssentialPassNotApplied`` 4); nothing is written when one is raised.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Literal
+
+from edgeq.errors import UserInputError
+
+if TYPE_CHECKING:
+    from edgeq.artifacts.report import CompileReport
+    from edgeq.generation.decoder_base import Decoder
+
+OutputKind = Literal["model", "static-pair", "static-vlm", "genai"]
+
+# CompileRequest's fields that only a target reads, taken as keywords by ``compile``
+TARGET_OPTIONS = ("context_binary", "max_context_mb", "share_weights", "htp_arch", "accuracy_level", "lm_head_bits")
+
+
+def compile(model: str | os.PathLike, *, out: str | os.PathLike, recipe: str | None = None,  # noqa: A001
+            calib: str | os.PathLike | None = None, target: str | None = None,
+            tokenizer: str | os.PathLike | None = None, calib_windows: int | None = None, seq_len: int | None = None,
+            static: str | tuple[int, int] | None = None, blockwise: str = "auto", force: bool = False,
+            allow_partial: bool = False, use_cache: bool = True, verify: bool = False, check_numerics: bool = False,
+            dump_each: str | os.PathLike | None = None, **target_options: Any) -> CompileReport:
+    """Compile ``model`` into the folder ``out``, as ``edgeq compile MODEL -o OUT`` does; returns the
+    report written as ``out/report.json``.
+
+    ``static``: ``"prefill=128,context=1024"`` or ``(128, 1024)`` (``--static``). ``target_options``:
+    the target's options (``TARGET_OPTIONS``: ``context_binary=True``, ``max_context_mb=450``, ...);
+    any other keyword is a ``TypeError``, as for any Python function."""
+    from edgeq.compiler import BLOCKWISE_MODES, CompileRequest, compile_model
+    from edgeq.static.specialize import parse_static
+
+    unknown = sorted(set(target_options) - set(TARGET_OPTIONS))
+    if unknown:
+        raise TypeError(f"compile() got unexpected keyword argument(s) {', '.join(unknown)} "
+                        f"(target options: {', '.join(TARGET_OPTIONS)})")
+    if blockwise not in BLOCKWISE_MODES:
+        raise UserInputError(f"blockwise must be one of {', '.join(BLOCKWISE_MODES)}, got {blockwise!r}")
+    shape = parse_static(static) if isinstance(static, str) else tuple(static) if static is not None else None
+    if shape is not None and (len(shape) != 2 or not all(isinstance(v, int) and v > 0 for v in shape)):
+        raise UserInputError(f"static must be 'prefill=N,context=M' or (N, M) with positive integers, got {static!r}")
+    req = CompileRequest(
+        model=Path(model), out_dir=Path(out), **({"recipe": recipe} if recipe else {}),
+        calib=_path(calib), tokenizer=_path(tokenizer), calib_windows=calib_windows, seq_len=seq_len,
+        dump_each=_path(dump_each), verify=verify, check_numerics=check_numerics, use_cache=use_cache,
+        target=target, allow_partial=allow_partial, blockwise=blockwise,
+        static=(shape[0], shape[1]) if shape is not None else None, force=force,
+        **{k: v for k, v in target_options.items() if v is not None})
+    return compile_model(req)
+
+
+def _path(value: str | os.PathLike | None) -> Path | None:
+    return Path(value) if value is not None else None
+
+
+@dataclass(frozen=True)
+class QnnLayout:
+    """The QNN HTP context binaries a ``--context-binary`` compile wrote (``qnn_context`` in report.json):
+    for each graph, its EPContext model(s) in run order (one, or its parts), and the folder
+    onnxruntime-genai opens when the compile wrote that pipeline."""
+
+    htp_arch: int | None
+    contexts: dict[str, list[Path]]
+    weights_shared: bool
+    genai_folder: Path | None
+
+
+@dataclass(frozen=True)
+class Output:
+    """An edgeq output folder, opened through the layout its compile recorded.
+
+    ``kind``: ``model`` (one graph, ``graphs["model"]``), ``static-pair`` (``prefill``/``decode``
+    over one weights file), ``static-vlm`` (the pair and ``vision``), ``genai`` (the folder
+    onnxruntime-genai opens). ``parts``: each graph's parts in run order (``--max-context-mb``)."""
+
+    folder: Path
+    kind: OutputKind
+    report: dict[str, Any]
+    graphs: dict[str, Path]
+    parts: dict[str, list[Path]] = field(default_factory=dict)
+    qnn: QnnLayout | None = None
+
+    @property
+    def target(self) -> str | None:
+        return (self.report.get("target") or {}).get("name")
+
+    @property
+    def recipe(self) -> str:
+        return self.report["recipe"]["name"]
+
+    def decoder(self, provider: str = "cpu", **options: Any) -> Decoder:
+        """A decoder over the folder's language graphs (``edgeq generate``/``eval ppl`` use the same):
+        the static pair, its QNN context binaries with ``provider="qnn-htp"``, or onnxruntime-genai's
+        session for a genai folder. ``options``: ``threads``, ``exact_qdq``, ``max_length``, ..."""
+        from edgeq.generation.decoders import open_decoder
+
+        if self.kind == "model" and "past_key_values.0.key" not in _input_names(self.graphs["model"]):
+            raise UserInputError(f"{self.folder} holds one graph without a KV cache: open it with .session()")
+        return open_decoder(self.folder, provider=provider, **options)
+
+    def session(self, graph: str | None = None, **options: Any) -> Any:
+        """An onnxruntime CPU session of one of ``graphs`` (default: the only one, or ``prefill``)."""
+        from edgeq.runtime.ort_session import open_session
+
+        name = graph or ("model" if "model" in self.graphs else "prefill")
+        if name not in self.graphs:
+            raise UserInputError(f"{self.folder} has no graph '{name}' (it has {', '.join(self.graphs)})")
+        return open_session(self.graphs[name], **options)
+
+
+def load(out: str | os.PathLike) -> Output:
+    """Open the edgeq output folder ``out`` (``edgeq.Output``); a folder edgeq did not write, or
+    whose recorded files are missing, is a one-line ``UserInputError``."""
+    folder = Path(out)
+    report_file = folder / "report.json"
+    if not report_file.is_file():
+        raise UserInputError(f"{folder} is not an edgeq output folder (no report.json)")
+    try:
+        report = json.loads(report_file.read_text())
+    except (OSError, ValueError) as exc:
+        raise UserInputError(f"{report_file} cannot be read: {exc}") from None
+    static = report.get("static")
+    if report.get("genai") is not None:
+        kind: OutputKind = "genai"
+        graphs = {"model": folder / "model.onnx"}
+    elif static is not None:
+        kind = "static-vlm" if "vlm" in static else "static-pair"
+        graphs = {role: folder / f"{role}.onnx" for role in ("prefill", "decode")}
+        if kind == "static-vlm":
+            graphs["vision"] = folder / "vision.onnx"
+    else:
+        kind = "model"
+        graphs = {"model": folder / "model.onnx"}
+    parts = {role: [folder / p["file"] for p in records] for role, records in ((static or {}).get("parts") or {}).items()
+             if isinstance(records, list)}
+    output = Output(folder, kind, report, graphs, parts, _qnn_layout(folder, report.get("qnn_context")))
+    recorded = [*graphs.values(), *(f for files in parts.values() for f in files),
+                *(f for files in (output.qnn.contexts.values() if output.qnn else ()) for f in files)]
+    missing = [f for f in recorded if not f.is_file()]
+    if missing:
+        raise UserInputError(f"{folder}: {missing[0].name} is recorded in report.json but missing "
+                             f"({len(missing)} file(s) missing): the folder is incomplete")
+    return output
+
+
+def _qnn_layout(folder: Path, section: dict | None) -> QnnLayout | None:
+    if not section:
+        return None
+    contexts: dict[str, list[Path]] = {}
+    for graph, record in (section.get("graphs") or {}).items():
+        models = [f for f in record.get("files", []) if f.endswith(".onnx")]
+        contexts[Path(graph).stem] = [folder / f for f in models]
+    genai = section.get("genai") or {}
+    genai_folder = folder / Path(genai["config"]).parent if genai.get("written") and genai.get("config") else None
+    return QnnLayout(section.get("htp_arch"), contexts, bool(section.get("weights_shared")), genai_folder)
+
+
+def _input_names(model: Path) -> set[str]:
+    import onnx
+
+    return {i.name for i in onnx.load(str(model), load_external_data=False).graph.input}
+
+
+__all__ = ["Output", "QnnLayout", "TARGET_OPTIONS", "compile", "load"]

@@ -362,7 +362,7 @@ def compile_static(plan: CompilePlan, model: onnx.ModelProto, external_data: Pat
     file: each graph's are read in only while its target check runs, and the writer copies them
     tensor by tensor, so the peak stays near one copy of the compiled weights."""
     from edgeq.static.compile import kv_scales, pair_encodings, static_report, tokenizer_files
-    from edgeq.static.specialize import build_pair
+    from edgeq.static.specialize import StageOptions, build_pair
 
     shape = plan.static_shape
     assert shape is not None  # (the static route is planned with its shape)
@@ -380,7 +380,9 @@ def compile_static(plan: CompilePlan, model: onnx.ModelProto, external_data: Pat
         from edgeq.static.vlm import order_invariant_mask, role_graph
 
         model = order_invariant_mask(model)
-    pair = build_pair(model, shape, scales, weights_dir, prepare=(lambda m, role: role_graph(vlm, m, role)) if vlm else None)
+    stages_run: dict = {}  # graph file -> the static stages' records (report.json's static.stages)
+    pair = build_pair(model, shape, scales, weights_dir, prepare=(lambda m, role: role_graph(vlm, m, role)) if vlm else None,
+                      records=stages_run, options=StageOptions(plan.req.dump_each, plan.req.verify))
     del model
     encodings = pair_encodings(pair, weights_dir)
     target, checks = None, {}
@@ -410,6 +412,7 @@ def compile_static(plan: CompilePlan, model: onnx.ModelProto, external_data: Pat
         target.check = checks
     report, u8s8 = build_report(plan, stages, target, measured)
     report.static = static_report(shape, pair, scales)
+    report.static["stages"] = {name: [r.to_json() for r in records] for name, records in stages_run.items()}
     if vlm is not None:
         report.static["vlm"] = vlm.report()
     graphs = StaticGraphs(pair, u8s8, extra_files=extra, weights_dir=weights_dir,

@@ -299,3 +299,20 @@ def test_fold_static_drops_the_nan_guards_when_asked(tiny_models):
     assert not [n for n in folded.graph.node if n.op_type in ("IsNaN", "Shape", "Range")]
     with pytest.raises(RuntimeError, match="IsNaN"):
         fold_static(fixed())
+
+
+def test_static_stages_are_recorded_dumped_and_verified(tiny_past, tmp_path):
+    """The specialization's steps are named stages: each graph's in report.json (time, ops added and
+    removed), and under --dump-each / --verify saved and checked like the passes."""
+    dumps = tmp_path / "dumps"
+    assert _compile(tiny_past, tmp_path / "out", "w8a8", "--verify", "--dump-each", str(dumps)) == 0
+    stages = json.loads((tmp_path / "out" / "report.json").read_text())["static"]["stages"]
+    assert set(stages) == {"prefill.onnx", "decode.onnx"}
+    for graph, records in stages.items():
+        names = [r["name"] for r in records]
+        assert names == ["fix-shapes-and-fold", "drop-nan-guards", "new-entries-as-outputs", "group-queries"], names
+        assert all(r["verified"] for r in records[1:]) and all(r["seconds"] >= 0 for r in records)
+        assert records[0]["ops_removed"], graph  # the fold takes the shape machinery out
+        role = graph.removesuffix(".onnx")
+        assert sorted(p.name for p in dumps.glob(f"static-{role}-*.onnx")) == [
+            f"static-{role}-{i:02d}_{name}.onnx" for i, name in enumerate(names[1:], start=2)]

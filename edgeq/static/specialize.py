@@ -39,11 +39,13 @@ the dynamic graph's, up to the order of float sums over the masked slots.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import json
 import os
 import re
 import tempfile
+import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -138,24 +140,106 @@ def cache_layout(model: onnx.ModelProto, prefill: int, context: int) -> StaticSh
     return StaticShape(prefill, context, len(layers), heads, dim)
 
 
+@dataclass
+class StageRecord:
+    """One named step of the static specialization of one graph, as report.json's
+    ``static.stages`` lists it (what a pass record says of a pass: time, ops added and removed,
+    and ``verified`` under ``--verify``)."""
+
+    name: str
+    seconds: float
+    ops_added: dict[str, int]
+    ops_removed: dict[str, int]
+    verified: bool | None = None
+
+    @classmethod
+    def between(cls, name: str, started: float, before: collections.Counter, after: collections.Counter
+                ) -> StageRecord:
+        """The record of a stage that began at ``started`` with ops ``before`` and left ``after``."""
+        return cls(name, round(time.perf_counter() - started, 3), dict(sorted((after - before).items())),
+                   dict(sorted((before - after).items())))
+
+    def to_json(self) -> dict:
+        out = {"name": self.name, "seconds": self.seconds, "ops_added": self.ops_added, "ops_removed": self.ops_removed}
+        if self.verified is not None:
+            out["verified"] = self.verified
+        return out
+
+
+@dataclass(frozen=True)
+class StageOptions:
+    """``--dump-each`` and ``--verify`` for the static stages: each stage's graph saved as
+    ``DIR/static-<role>-NN_<stage>.onnx`` and checked (onnx checker, onnxruntime session). Graphs
+    whose weights stay in a block-wise compile's weights file are neither dumped nor verified
+    stage by stage (their check is the writer's load-back)."""
+
+    dump_each: Path | None = None
+    verify: bool = False
+
+
+class _Stages:
+    """Runs the named stages of one graph's specialization and records each (``StageRecord``)."""
+
+    def __init__(self, role: str, options: StageOptions | None, records: list[StageRecord] | None):
+        self.role, self.options, self.records = role, options or StageOptions(), records
+
+    def run(self, name: str, graph: gs.Graph, step) -> None:
+        before = collections.Counter(n.op for n in graph.nodes)
+        started = time.perf_counter()
+        step(graph)
+        record = StageRecord.between(name, started, before, collections.Counter(n.op for n in graph.nodes))
+        if self.options.verify or self.options.dump_each is not None:
+            record.verified = self._check(name, graph)
+        if self.records is not None:
+            self.records.append(record)
+
+    def _check(self, name: str, graph: gs.Graph) -> bool | None:
+        from edgeq.errors import PassFailure
+
+        # (a copy, cleaned and its shapes inferred as the last step does: a stage may leave nodes it
+        # disconnected, and the cache entries it makes outputs have their shapes only then)
+        model = _with_static_shapes(ir.to_model(graph.copy().cleanup(remove_unused_graph_inputs=False).toposort()))
+        if any(t.data_location == onnx.TensorProto.EXTERNAL for t in model.graph.initializer):
+            return None  # (weights in a block-wise compile's file: see StageOptions)
+        if self.options.dump_each is not None:
+            index = 1 + len(self.records or [])
+            ir.save_model(model, Path(self.options.dump_each) / f"static-{self.role}-{index:02d}_{name}.onnx")
+        if not self.options.verify:
+            return None
+        try:
+            onnx.checker.check_model(model)
+            ir.make_session(model)
+        except Exception as exc:  # noqa: BLE001 (any failure is the stage's)
+            raise PassFailure(f"static {name} ({self.role})", f"output graph does not verify: {exc}") from exc
+        return True
+
+
 def specialize(model: onnx.ModelProto, shape: StaticShape, role: str,
-               kv_scales: dict[str, float] | None = None) -> onnx.ModelProto:
+               kv_scales: dict[str, float] | None = None, records: list[StageRecord] | None = None,
+               options: StageOptions | None = None) -> onnx.ModelProto:
     """The static ``role`` graph (prefill or decode) of a with-past decoder; ``model`` is not
     changed (the result holds its own copy of the weights). ``kv_scales`` (``{i}.key`` -> scale):
-    an int8 cache (``edgeq.static.kv_cache_int8``)."""
+    an int8 cache (``edgeq.static.kv_cache_int8``). Each step after the shapes are fixed and
+    folded is a named stage, recorded into ``records`` (``StageRecord``)."""
     width = shape.width(role)
     fixed = onnx.ModelProto()
     fixed.CopyFrom(model)
     _fix_io_shapes(fixed.graph, width, shape.context)
-    graph = _fold(fixed)
+    stages = _Stages(role, options, records)
+    started = time.perf_counter()
+    graph = _fold(fixed)  # (the fold imports the graph: the ops before it are the input model's)
     del fixed
-    _drop_nan_guards(graph)
-    _new_entries_as_outputs(graph)
-    group_queries(graph)
+    if records is not None:
+        records.append(StageRecord.between("fix-shapes-and-fold", started,
+                                           collections.Counter(n.op_type for n in model.graph.node),
+                                           collections.Counter(n.op for n in graph.nodes)))
+    stages.run("drop-nan-guards", graph, _drop_nan_guards)
+    stages.run("new-entries-as-outputs", graph, _new_entries_as_outputs)
+    stages.run("group-queries", graph, group_queries)
     if kv_scales:
         from edgeq.static.kv_cache_int8 import quantize_cache
 
-        quantize_cache(graph, kv_scales)
+        stages.run("quantize-cache", graph, lambda g: quantize_cache(g, kv_scales))
     graph.cleanup(remove_unused_graph_inputs=False).toposort()
     out = _with_static_shapes(ir.to_model(graph))
     ir.set_metadata(out, STATIC.key, shape.metadata(role))
@@ -330,20 +414,26 @@ def _with_static_shapes(model: onnx.ModelProto) -> onnx.ModelProto:
 
 
 def build_pair(model: onnx.ModelProto, shape: StaticShape, kv_scales: dict[str, float] | None = None,
-               weights_dir: Path | None = None, prepare=None) -> dict[str, onnx.ModelProto]:
+               weights_dir: Path | None = None, prepare=None, records: dict[str, list[StageRecord]] | None = None,
+               options: StageOptions | None = None) -> dict[str, onnx.ModelProto]:
     """``{"prefill.onnx": ..., "decode.onnx": ...}`` from one compiled with-past graph.
     ``weights_dir``: where its initializers stored as external data are (a block-wise compile's
     weights file); the weights stay there, referenced by both graphs, and only the constants
     small enough to fold are read in (the folding runs them through onnxruntime from memory).
     ``prepare(model, role)``: the graph each role is specialized from, where it differs per role
-    (a VLM's fixed visual slice: ``edgeq.static.vlm``)."""
+    (a VLM's fixed visual slice: ``edgeq.static.vlm``). ``records``: each graph's stages
+    (``StageRecord``), by graph file name."""
     from edgeq.runtime.progress import progress
 
     if weights_dir is not None:
         _read_in_foldable(model, weights_dir)
 
-    return {f"{role}.onnx": specialize(prepare(model, role) if prepare else model, shape, role, kv_scales)
-            for role in progress(ROLES, desc="static graphs")}
+    pair = {}
+    for role in progress(ROLES, desc="static graphs"):
+        stages = records.setdefault(f"{role}.onnx", []) if records is not None else None
+        pair[f"{role}.onnx"] = specialize(prepare(model, role) if prepare else model, shape, role, kv_scales,
+                                          stages, options)
+    return pair
 
 
 def fold_static(model: onnx.ModelProto, drop_nan_guards: bool = False) -> onnx.ModelProto:

@@ -147,8 +147,8 @@ def load(out: str | os.PathLike) -> Output:
     else:
         kind = "model"
         graphs = {"model": folder / "model.onnx"}
-    parts = {role: [folder / p["file"] for p in records] for role, records in ((static or {}).get("parts") or {}).items()
-             if isinstance(records, list)}
+    split = (static or {}).get("parts") or {}
+    parts = {role: [folder / p["file"] for p in split[role]] for role in ("prefill", "decode") if role in split}
     output = Output(folder, kind, report, graphs, parts, _qnn_layout(folder, report.get("qnn_context")))
     recorded = [*graphs.values(), *(f for files in parts.values() for f in files),
                 *(f for files in (output.qnn.contexts.values() if output.qnn else ()) for f in files)]

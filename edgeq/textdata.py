@@ -35,7 +35,7 @@ import json
 import os
 import tempfile
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 from collections.abc import Sequence
 
 import numpy as np
@@ -242,7 +242,8 @@ def image_dims(folder: str | os.PathLike) -> tuple[int | None, int, int] | None:
     sizes = size if isinstance(size, list) and len(size) == 2 else [size, size]
     if not all(_positive_int(v) for v in sizes):
         return None
-    return _positive_int(config.get("num_channels")), sizes[0], sizes[1]
+    # (both sizes checked positive ints above)
+    return _positive_int(config.get("num_channels")), cast(int, sizes[0]), cast(int, sizes[1])
 
 
 BOS_EACH_WINDOW = "bos-each-window"  # every window is BOS + seq_len - 1 text tokens
@@ -532,10 +533,11 @@ def random_feeds(
         feed = {}
         for spec in input_specs:
             dtype = ort_dtype(spec.type, spec.name)
-            shape = tuple(
+            # (every dim an int: a dynamic one (None) is replaced)
+            shape = cast("tuple[int, ...]", tuple(
                 _static(d) if _static(d) is not None else (1 if axis == 0 else seq_len)
                 for axis, d in enumerate(spec.shape or [])
-            )
+            ))
             lname = spec.name.lower()
             if "mask" in lname or dtype == np.bool_:
                 arr = np.ones(shape, dtype=dtype)

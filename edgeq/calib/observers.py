@@ -8,6 +8,7 @@ disk. ``range()`` gives the (lo, hi) an activation scale should cover.
 from __future__ import annotations
 
 import abc
+from typing import cast
 
 import numpy as np
 
@@ -105,7 +106,8 @@ class ChannelMinMaxObserver(Observer):
         self.hi = hi if self.hi is None else np.maximum(self.hi, hi)
 
     def subset_range(self, channels: np.ndarray) -> tuple[float, float]:
-        return float(self.lo[channels].min()), float(self.hi[channels].max())
+        # (after the first update)
+        return float(cast(np.ndarray, self.lo)[channels].min()), float(cast(np.ndarray, self.hi)[channels].max())
 
     def state(self):
         return {"lo": self.lo, "hi": self.hi}
@@ -283,7 +285,7 @@ class HessianObserver(Observer):
 
     @property
     def hessian(self) -> np.ndarray:
-        return 2.0 * self.xtx / max(self.count, 1)
+        return 2.0 * cast(np.ndarray, self.xtx) / max(self.count, 1)  # (after the first update)
 
     def hessian_with_sink(self, weight: float, consume: bool = False) -> np.ndarray:
         """The Hessian with each sequence's first token counted ``weight`` times (1: plain).
@@ -291,10 +293,11 @@ class HessianObserver(Observer):
         then gives up (no K x K copy)."""
         sink = weight != 1.0 and self.first_xtx is not None
         if not consume:
-            return 2.0 * (self.xtx + (weight - 1.0) * self.first_xtx) / max(self.count, 1) if sink else self.hessian
-        h, self.xtx = self.xtx, None
-        if sink:
-            h += (weight - 1.0) * self.first_xtx
+            return (2.0 * (cast(np.ndarray, self.xtx) + (weight - 1.0) * cast(np.ndarray, self.first_xtx))
+                    / max(self.count, 1) if sink else self.hessian)
+        h, self.xtx = cast(np.ndarray, self.xtx), None
+        if sink:  # (sink: first_xtx is set)
+            h += (weight - 1.0) * cast(np.ndarray, self.first_xtx)
         self.first_xtx = None
         h *= 2.0 / max(self.count, 1)
         return h

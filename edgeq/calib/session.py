@@ -22,6 +22,7 @@ import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import cast
 from collections.abc import Callable
 
 import numpy as np
@@ -188,6 +189,7 @@ class Calibrator:
             self._record(cached)
             return cached
         start = time.perf_counter()
+        observers: dict[str, Observer]
         if split_by:
             observers = {name: ModalitySplitObserver(factories[name](), factories[name]()) for name in names}
         else:
@@ -196,7 +198,7 @@ class Calibrator:
         for _, values in self._runs(graph, fetch, f"calibrating {len(names)} tensors"):
             for name, value in zip(names, values):
                 if split_by:
-                    observers[name].update_split(value, values[-1])
+                    cast(ModalitySplitObserver, observers[name]).update_split(value, values[-1])
                 else:
                     observers[name].update(value)
             del values
@@ -212,7 +214,7 @@ class Calibrator:
         calibration batch. Block-wise, the block's stream input is fed the carried states and its
         output is kept for the next block (``StreamCarry``)."""
         carry = self.carry
-        request = None
+        request: tuple[int, int] | None = None  # (set whenever carry is)
         if carry is not None:
             request = carry.next_request()
             fetch = fetch + [carry.capture]
@@ -232,10 +234,10 @@ class Calibrator:
             if carry is not None:
                 feeds = {k: v for k, v in feeds.items() if k in accepted}
                 if carry.cut is not None:
-                    feeds[carry.cut] = carry.state(request, b)
+                    feeds[carry.cut] = carry.state(cast("tuple[int, int]", request), b)
             values = session.run(fetch, feeds)
             if carry is not None:
-                carry.keep(request, values.pop())
+                carry.keep(cast("tuple[int, int]", request), values.pop())
             yield feeds, values
 
     def fetch(self, graph: gs.Graph, names: list[str], max_batches: int | None = None):
@@ -276,6 +278,7 @@ class Calibrator:
     def _load(self, key: str, names: list[str]) -> dict[str, Observer] | None:
         if not self.use_cache:
             return None
+        assert self.cache_dir is not None  # (use_cache is only set with a cache dir)
         path = self.cache_dir / f"{key}.npz"
         if not path.is_file():
             return None
@@ -297,6 +300,7 @@ class Calibrator:
     def _save(self, key: str, observers: dict[str, Observer]) -> None:
         if not self.use_cache:
             return
+        assert self.cache_dir is not None  # (use_cache is only set with a cache dir)
         flat = {}
         for i, name in enumerate(sorted(observers)):
             for k, v in observer_state(observers[name]).items():
@@ -304,7 +308,7 @@ class Calibrator:
         try:
             self.cache_dir.mkdir(parents=True, exist_ok=True)
             tmp = self.cache_dir / f".{key}.{os.getpid()}.npz"
-            np.savez(tmp, **flat)
+            np.savez(tmp, **flat)  # type: ignore[arg-type]  # (numpy stub: **kwds could bind allow_pickle: bool)
             tmp.replace(self.cache_dir / f"{key}.npz")
         except OSError:
             pass  # the cache is an optimization; an unwritable cache dir must not fail a compile

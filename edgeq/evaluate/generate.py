@@ -32,6 +32,7 @@ prefixes).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import cast
 from collections.abc import Mapping, Sequence
 
 import numpy as np
@@ -143,8 +144,9 @@ def greedy_decode(session, prefill_feeds: Mapping[str, np.ndarray], steps: int,
         if step == steps - 1:
             break
         fed = token if force_tokens is None else int(force_tokens[step])
+        # (an inputs_embeds graph has an embed_table: checked above)
         piece = (np.array([[fed]], np.int64) if token_input == "input_ids"
-                 else np.asarray(embed_table[fed], feeds[token_input].dtype)[None, None])
+                 else np.asarray(cast(np.ndarray, embed_table)[fed], feeds[token_input].dtype)[None, None])
         new = {}
         if cached:
             new[token_input] = piece

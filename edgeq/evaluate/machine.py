@@ -18,6 +18,7 @@ ISA_FLAGS = ("avx2", "avx512f", "avx512bw", "avx512_vnni", "avx_vnni", "amx_tile
 
 
 def _cpuinfo() -> tuple[str, set[str]]:
+    flags: set[str]
     model, flags = platform.processor() or platform.machine(), set()
     path = Path("/proc/cpuinfo")
     if not path.is_file():

@@ -28,6 +28,7 @@ import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 from collections.abc import Sequence
 
 import numpy as np
@@ -51,7 +52,7 @@ def spread_rows(n: int, samples: int | None) -> np.ndarray:
     return np.unique(np.linspace(0, n - 1, samples).round().astype(np.int64))
 
 
-def accuracy_by_type(correct: Sequence[bool], types: Sequence[str], order: Sequence[str] = ()) -> dict:
+def accuracy_by_type(correct: Sequence[bool] | np.ndarray, types: Sequence[str], order: Sequence[str] = ()) -> dict:
     """``{"accuracy", "questions", "per_type": {type: accuracy}}`` (4 decimals), types in ``order``
     then in order of appearance: the one summary of exact-match answers, from pixels or from
     ``eval.npz``."""
@@ -154,7 +155,7 @@ class _Run:
     questions_path: Path
     q: VqaQuestions
     table: np.ndarray
-    tokenizer: object
+    tokenizer: Any  # a tokenizers.Tokenizer (load_tokenizer)
     rows: np.ndarray
     visual: dict  # image row -> visual tokens [V, hidden]
     language: object  # the fp32 export's model.onnx session, or None

@@ -16,6 +16,7 @@ no place in genai's form; such recipes are refused before any work (``check_reci
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 from edgeq.errors import UserInputError
@@ -83,7 +84,7 @@ def genai_tokenizer(text: str) -> str:
     return json.dumps(tok, ensure_ascii=False)
 
 
-def is_genai_folder(path: str | Path) -> bool:
+def is_genai_folder(path: str | os.PathLike) -> bool:
     """A folder onnxruntime-genai opens (``genai_config.json`` in it)."""
     path = Path(path)
     return path.is_dir() and (path / "genai_config.json").is_file()

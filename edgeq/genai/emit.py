@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import json
 import math
+from typing import cast
 
 import numpy as np
 import onnx
@@ -103,11 +104,12 @@ def fused_qkv(att: dict[str, LinearWeights]) -> LinearWeights | None:
     ws = [lin.weight for lin in lins]
     if not all(isinstance(w, QuantWeight) for w in ws) or any(lin.chain or lin.bias is not None for lin in lins):
         return None
-    if len({(w.group, w.signed, w.bits, w.zero_point is None) for w in ws}) != 1:
+    qs = cast("list[QuantWeight]", ws)  # (all QuantWeight: checked above)
+    if len({(w.group, w.signed, w.bits, w.zero_point is None) for w in qs}) != 1:
         return None
-    zp = None if ws[0].zero_point is None else np.concatenate([w.zero_point for w in ws], axis=1)
-    fused = QuantWeight(np.concatenate([w.q for w in ws], axis=1), np.concatenate([w.scale for w in ws], axis=1),
-                        zp, ws[0].group, ws[0].signed, ws[0].bits)
+    zp = None if qs[0].zero_point is None else np.concatenate([w.zero_point for w in qs], axis=1)
+    fused = QuantWeight(np.concatenate([w.q for w in qs], axis=1), np.concatenate([w.scale for w in qs], axis=1),
+                        zp, qs[0].group, qs[0].signed, qs[0].bits)
     return LinearWeights("qkv_proj", lins[0].k, sum(lin.n for lin in lins), fused)
 
 
@@ -216,9 +218,10 @@ def build_genai_model(dec: DecoderLayers, config: dict, functions: list, opsets:
         act = b.node("Mul", [gate, sig], f"{p}/mlp/act_fn/Mul")[0]
         prod = b.node("Mul", [act, up], f"{p}/mlp/Mul")[0]
         branch = _linear(b, prod, mlp["down_proj"], f"{p}/mlp/down_proj", accuracy_level)
-    gamma = b.init("model.norm.weight", dec.final_norm)
-    h, _ = b.skip_norm(branch, residual, gamma, "/model/norm/SkipLayerNorm", eps)
-    logits = _linear(b, h, dec.lm_head, "/lm_head", accuracy_level)
+    # (read_decoder sets final_norm and lm_head; branch is the last layer's down_proj)
+    gamma = b.init("model.norm.weight", cast(np.ndarray, dec.final_norm))
+    h, _ = b.skip_norm(cast(str, branch), residual, gamma, "/model/norm/SkipLayerNorm", eps)
+    logits = _linear(b, h, cast(LinearWeights, dec.lm_head), "/lm_head", accuracy_level)
     b.node("Identity", [logits], "/lm_head/Identity")
     b.nodes[-1].output[0] = "logits"
     graph = helper.make_graph(b.nodes, "edgeq-genai", inputs, outputs, b.inits)

@@ -16,6 +16,7 @@ written by GPTQ's lowering and a per-channel DequantizeLinear read the same way.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, cast
 
 import numpy as np
 import onnx_graphsurgeon as gs
@@ -23,6 +24,9 @@ import onnx_graphsurgeon as gs
 from edgeq.graph import ir
 from edgeq.errors import UserInputError
 from edgeq.structure import analyze
+
+if TYPE_CHECKING:
+    from edgeq.structure.norms import Norm
 
 # ops a rotation may put between a linear's source and the linear (replayed as they are)
 CHAIN_OPS = frozenset({"OnlineHadamard", "MatMul"})
@@ -64,7 +68,7 @@ class LinearWeights:
     role: str
     k: int
     n: int
-    weight: object
+    weight: QuantWeight | np.ndarray
     bias: np.ndarray | None = None
     chain: tuple[gs.Node, ...] = ()
 
@@ -113,6 +117,7 @@ def _quant_weight(node: gs.Node, k: int, n: int) -> QuantWeight:
                              f"onnxruntime-genai's MatMulNBits form is written from 4-bit [K, N] weights")
     signed = "uint" not in kind
     block = int(dq.attrs.get("block_size", 0) or 0)
+    group: int | None
     if block:  # [ceil(K/G), N] along axis 0
         group, scale = block, scale.reshape(-1, n)
         zp = None if zp is None else zp.reshape(-1, n)
@@ -127,7 +132,7 @@ def _quant_weight(node: gs.Node, k: int, n: int) -> QuantWeight:
     return QuantWeight(q.astype(np.int64), scale, None if zp is None else zp.astype(np.int64), group, signed)
 
 
-def _chain(index: ir.GraphIndex, tensor: gs.Tensor, stop: set[str]) -> tuple[tuple[gs.Node, ...], gs.Tensor]:
+def _chain(index: ir.GraphIndex, tensor: gs.Tensor, stop: set[str | None]) -> tuple[tuple[gs.Node, ...], gs.Tensor]:
     """The online ops between a linear and its source: (nodes, source side first; the source tensor)."""
     nodes = []
     while tensor.name not in stop:
@@ -139,8 +144,10 @@ def _chain(index: ir.GraphIndex, tensor: gs.Tensor, stop: set[str]) -> tuple[tup
     return tuple(reversed(nodes)), tensor
 
 
-def _linear(graph: gs.Graph, index: ir.GraphIndex, nodes: dict[str, gs.Node], lin, stop: set[str]) -> LinearWeights:
+def _linear(graph: gs.Graph, index: ir.GraphIndex, nodes: dict[str, gs.Node], lin,
+            stop: set[str | None]) -> LinearWeights:
     node = nodes[lin.node]
+    weight: QuantWeight | np.ndarray
     if lin.quantized:
         weight = _quant_weight(node, lin.k, lin.n)
     else:
@@ -169,18 +176,19 @@ def read_decoder(graph: gs.Graph, hidden: int, layers: int) -> DecoderLayers:
     embeddings = [e for e in s.embeddings if e.dim == hidden]
     if len(embeddings) != 1:
         raise UserInputError(f"--target ort-genai: expected one token embedding of width {hidden}, found {len(embeddings)}")
-    out = DecoderLayers(embedding=_const(graph, embeddings[0].table).astype(np.float32))
+    out = DecoderLayers(embedding=cast(np.ndarray, _const(graph, embeddings[0].table)).astype(np.float32))
     attention = sorted(s.attention_blocks, key=lambda b: b.layer)
     mlps = sorted(s.mlp_blocks, key=lambda b: b.layer)
     if len(attention) != layers or len(mlps) != layers:
         raise UserInputError(f"--target ort-genai: found {len(attention)} attention and {len(mlps)} MLP blocks "
                              f"for {layers} layers")
     by_node = {lin.node: lin for lin in s.linears}
-    eps = set()
+    eps: set[float | None] = set()
     for att, mlp in zip(attention, mlps):
         out.input_norms.append(_norm_scale(graph, att.norm, hidden, f"layer {att.layer}'s input norm"))
         out.post_attention_norms.append(_norm_scale(graph, mlp.norm, hidden, f"layer {mlp.layer}'s MLP norm"))
-        eps.update(n.eps for n in (att.norm, mlp.norm))
+        # (both norms present: _norm_scale refused a missing one)
+        eps.update(n.eps for n in cast("tuple[Norm, Norm]", (att.norm, mlp.norm)))
         if set(att.roles) != {"q_proj", "k_proj", "v_proj", "o_proj"}:
             raise UserInputError(f"--target ort-genai: layer {att.layer}'s attention has linears {list(att.roles)}; "
                                  f"separate q/k/v/o projections are mapped")
@@ -206,6 +214,6 @@ def read_decoder(graph: gs.Graph, hidden: int, layers: int) -> DecoderLayers:
     eps.add(final[0].eps)
     eps.discard(None)
     if len(eps) > 1:
-        raise UserInputError(f"--target ort-genai: the norms use different epsilons {sorted(eps)}")
-    out.eps = float(eps.pop()) if eps else 1e-6
+        raise UserInputError(f"--target ort-genai: the norms use different epsilons {sorted(cast('set[float]', eps))}")
+    out.eps = float(cast(float, eps.pop())) if eps else 1e-6  # (None discarded above)
     return out

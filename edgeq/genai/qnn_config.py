@@ -42,6 +42,7 @@ import json
 import os
 import shutil
 from pathlib import Path
+from typing import Any, cast
 
 import numpy as np
 import onnx
@@ -310,5 +311,5 @@ def register_qnn_plugin(og) -> str:
     name = onnxruntime_qnn.get_ep_name() if hasattr(onnxruntime_qnn, "get_ep_name") else "QNNExecutionProvider"
     if not getattr(register_qnn_plugin, "done", False):
         og.register_execution_provider_library(name, onnxruntime_qnn.get_library_path())
-        register_qnn_plugin.done = True
+        cast(Any, register_qnn_plugin).done = True  # (a function attribute: the once-per-process flag)
     return name

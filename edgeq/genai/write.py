@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
+from typing import cast
 
 import onnx
 
@@ -57,6 +58,7 @@ def genai_graphs(model: onnx.ModelProto, report: CompileReport, source_model: Pa
     functions, opsets = list(model.functions), {o.domain: o.version for o in model.opset_import}
     dec = read_decoder(ir.to_graph(model), int(config["hidden_size"]), int(config["num_hidden_layers"]))
     del model
+    assert dec.lm_head is not None  # (read_decoder sets it)
     if lm_head_bits == 8 and not isinstance(dec.lm_head.weight, QuantWeight):  # the recipe left it float
         dec.lm_head = dataclasses.replace(dec.lm_head, weight=rtn_int8(dec.lm_head.weight))
     genai_model = build_genai_model(dec, config, functions, opsets, accuracy_level)
@@ -80,7 +82,7 @@ class GenaiGraphs:
 
     def write_into(self, tmp: Path, report: CompileReport) -> int:
         source = self.source
-        model_path = ir.save_model(self.model, tmp / "model.onnx")
+        model_path = ir.save_model(cast(onnx.ModelProto, self.model), tmp / "model.onnx")  # (held until written)
         self.model = None  # written: not held while onnxruntime loads it
         (tmp / "genai_config.json").write_text(dumps(genai_config(self.config, self.generation)), encoding="utf-8")
         if (source / "tokenizer.json").is_file():
@@ -95,7 +97,8 @@ class GenaiGraphs:
             import onnxruntime_genai as og
 
             og.Model(str(tmp))
-        report.genai.opened_by_onnxruntime_genai, report.genai.opened = version, True
+        genai = cast(GenaiSection, report.genai)  # (set by genai_graphs)
+        genai.opened_by_onnxruntime_genai, genai.opened = version, True
         size = sum(f.stat().st_size for f in tmp.iterdir() if f.name.startswith("model.onnx"))
         # no uint8 x int8 MatMulInteger to saturate: every quantized linear is a MatMulNBits (4-bit, and
         # the lm_head 8-bit unless --lm-head-bits 32 leaves it float or the recipe made it 4-bit)

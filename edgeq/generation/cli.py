@@ -7,7 +7,7 @@ import json
 import secrets
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 from edgeq.argtypes import non_negative_int, positive_int
 from edgeq.errors import UserInputError
@@ -159,7 +159,7 @@ def run_generate(args: argparse.Namespace) -> int:
         }
         print(json.dumps(record))
         return 0
-    stream.finish(result.tokens)
+    cast(_Stream, stream).finish(result.tokens)  # (None only with --json, returned above)
     n = len(result.tokens)
     rate = (f"{n} tokens at {result.decode_tokens_per_s:.1f} tokens/s (decode)" if result.decode_tokens_per_s
             else f"{n} token{'s' if n != 1 else ''} (no decode step)")

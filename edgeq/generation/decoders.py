@@ -31,7 +31,7 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 from collections.abc import Sequence
 
 import numpy as np
@@ -195,6 +195,8 @@ class StaticPairDecoder(Decoder):
 
     mode = "static-pair"
     token_input = "input_ids"
+    context: int  # (both set from the checked edgeq.static metadata)
+    prefill_length: int
 
     def __init__(self, prefill_session: Any, decode_session: Any, labels: tuple[str, str] = STATIC_FILES) -> None:
         super().__init__()
@@ -395,11 +397,13 @@ def open_decoder(path: str | os.PathLike, threads: int | None = None, optimize: 
                                  "--target qnn-htp")
         arch = htp_arch or DEFAULT_HTP_ARCH
         sessions, labels = _htp_sessions(files, lambda f: open_htp_session(f, arch))
-        return StaticPairDecoder(*sessions, labels=labels)
+        # (a static pair: two sessions, two labels)
+        return StaticPairDecoder(*cast("tuple[Any, Any]", sessions), labels=cast("tuple[str, str]", labels))
     sessions = [open_session(f, options=session_options(threads, optimize=optimize, exact_qdq=exact_qdq))
                 for f in files]
     if family == "static-pair":
-        return StaticPairDecoder(*sessions, labels=tuple(str(f) for f in files))
+        return StaticPairDecoder(*cast("tuple[Any, Any]", sessions),
+                                 labels=cast("tuple[str, str]", tuple(str(f) for f in files)))
     (session,) = sessions
     if any(i.name.startswith(PAST_PREFIX) for i in session.get_inputs()):
         return PastDecoder(session, str(files[0]))

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
+from typing import Any
 from collections.abc import Sequence
 
 import numpy as np
@@ -73,7 +74,7 @@ class GenaiDecoder(Decoder):
         limit = int(config["search"]["max_length"])
         self.context = min(max_length, limit) if max_length else limit
         self.vocab = int(config["model"]["vocab_size"])
-        self.generator = None
+        self.generator: Any = None  # an og.Generator (None until the first tokens)
         window = (config["model"].get("decoder") or {}).get("sliding_window")
         # genai's windowed prompt (a decoder-pipeline of fixed-shape graphs, ``edgeq.genai.qnn_config``):
         # the cache is the graphs' (max_length slots, whatever is asked), the prompt is left-padded to

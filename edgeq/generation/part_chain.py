@@ -55,7 +55,8 @@ class PartChain:
         handed = set()
         for k in range(len(sessions) - 1):
             handed.update(self.part_outputs[k])
-        inputs, outputs = {}, {}
+        inputs: dict[str, Any] = {}
+        outputs: dict[str, Any] = {}
         for k, session in enumerate(sessions):
             for i in session.get_inputs():
                 if i.name not in handed:

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 
@@ -155,5 +155,5 @@ def open_static_vlm(folder: str | Path, table: np.ndarray, provider: str = "cpu"
 
         sessions, labels = [open_session(f, threads=threads) for f in files], tuple(str(f) for f in files)
     vision, prefill, decode = sessions
-    return vision, StaticVlmDecoder(prefill, decode, table, labels=labels[1:])
+    return vision, StaticVlmDecoder(prefill, decode, table, labels=cast("tuple[str, str]", labels[1:]))
 

@@ -45,6 +45,7 @@ is not there, the pass does not apply (``structure-not-found``) and changes noth
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import cast
 
 import numpy as np
 import onnx_graphsurgeon as gs
@@ -76,6 +77,8 @@ class AifsConfig(PassConfig):
 
 class AifsPass(Pass, name="aifs", exactness=Exactness.FLOAT_EQUIV, config=AifsConfig, establishes=facts.AIFS,
                summary="reorder tokens visual-first (padding counted as visual) with an order-invariant causal mask"):
+    config: AifsConfig
+
     def run(self, graph: gs.Graph, ctx: PassContext) -> PassResult:
         cfg: AifsConfig = self.config
         found = _match(graph, cfg)
@@ -220,8 +223,8 @@ def _range_axis(index: ir.GraphIndex, tensor: gs.Tensor) -> int | None:
         if axes is None:
             return None
         new_rank = rank + axes.size
-        axes = sorted(int(a) % new_rank for a in axes.reshape(-1))
-        kept = [d for d in range(new_rank) if d not in axes]
+        positions = sorted(int(a) % new_rank for a in axes.reshape(-1))
+        kept = [d for d in range(new_rank) if d not in positions]
         pos, rank = kept[pos], new_rank
     return pos if rank == 4 else None
 
@@ -288,7 +291,7 @@ def _rewrite(graph: gs.Graph, m: dict) -> dict:
     # same since a linear is row-wise, and gathers hidden-size rows instead of vocabulary-size ones
     outputs, original_order = [], []
     for out in m["outputs"]:
-        producer = index.producer(out.name)
+        producer = cast(gs.Node, index.producer(out.name))  # (an output no node writes fails below, as before)
         head_input = _linear_input_of(index, producer)
         if head_input is not None:
             flat = b.op("Flatten", f"Flatten_{head_input.name}", [head_input], head_input.dtype, {"axis": 2})

@@ -67,6 +67,8 @@ class DpqConfig(GptqConfig):
 
 class DpqPass(GptqRewrite, name="dpq", exactness=Exactness.LOSSY, config=DpqConfig, calibrates=True,
               summary="DPQ W4A8: INT4 weights dequantized to FP8, static FP8 activations, two-level GPTQ + GAR"):
+    config: DpqConfig
+
     def spec(self, stored_nk: bool, k: int | None = None) -> QuantSpec:
         """Always blocks of ``group_size`` along K: DPQ has no per-channel fallback (``k`` unused;
         ``whole_blocks`` is refused for dpq by its config)."""

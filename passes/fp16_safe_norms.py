@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import cast
 
 import numpy as np
 import onnx_graphsurgeon as gs
@@ -74,6 +75,8 @@ class Fp16SafeNormsPass(Pass, name="fp16-safe-norms", per_block=True, exactness=
                         calibrates=True,
                         summary="RMSNorm fed x * 2^-k (eps * 4^-k) so its sum of squares fits fp16 (QNN's HTP computes "
                                 "float ops in fp16; target lowering)"):
+    config: Fp16SafeNormsConfig
+
     def run(self, graph: gs.Graph, ctx: PassContext) -> PassResult:
         index = ir.GraphIndex(graph)
         norms = [n for n in (_match(index, node) for node in graph.nodes if node.op == "ReduceMean") if n is not None]
@@ -95,7 +98,7 @@ class Fp16SafeNormsPass(Pass, name="fp16-safe-norms", per_block=True, exactness=
             graph.nodes.append(gs.Node("Mul", f"{norm.mean.name}_fp16_scale", {}, [norm.x, scale], [xs]))
             for node in (norm.square, norm.product):
                 node.inputs[node.inputs.index(norm.x)] = xs
-            slot, eps = _eps(index, norm.add_eps)
+            slot, eps = cast("tuple[int, np.ndarray]", _eps(index, norm.add_eps))  # found (_match)
             norm.add_eps.inputs[slot] = gs.Constant(ir.unique_name(index, f"{norm.add_eps.name}_eps_fp16"),
                                                     np.asarray(eps * np.float32(4.0 ** -k), np.float32))
             rescaled += 1

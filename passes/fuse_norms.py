@@ -24,10 +24,11 @@ import onnx_graphsurgeon as gs
 
 from edgeq.graph import ir
 from dataclasses import dataclass
+from typing import cast
 
 from edgeq.errors import UserInputError
 from edgeq.passmanager.passbase import Exactness, Pass, PassConfig, PassContext, PassNotApplicable, PassResult, Reason
-from edgeq.structure import Norm, analyze
+from edgeq.structure import Linear, Norm, analyze
 from edgeq.passes.methods.weights import LinearEditor, is_weightless, norm_weights, position_wise_readers, scale_rows
 
 
@@ -42,6 +43,8 @@ class FuseNormsConfig(PassConfig):
 
 class FuseNormsPass(Pass, name="fuse-norms", per_block=True, exactness=Exactness.FLOAT_EQUIV, config=FuseNormsConfig,
                     summary="fold norm scales/biases into the linears that read them; untie tied embeddings"):
+    config: FuseNormsConfig
+
     def run(self, graph: gs.Graph, ctx: PassContext) -> PassResult:
         structure = analyze(graph)
         kept = _sandwich_stream_norms(graph) if self.config.sandwich == "keep" else set()
@@ -63,7 +66,7 @@ class FuseNormsPass(Pass, name="fuse-norms", per_block=True, exactness=Exactness
                 skipped[norm.name] = "output has readers that are not linears"
                 continue
             gamma, beta = norm_weights(index, norm)
-            for lin in linears:
+            for lin in cast("list[Linear]", linears):  # (no None: checked above)
                 w = editor.stored(lin)
                 if beta is not None:
                     b = editor.bias(lin)

@@ -40,6 +40,8 @@ class GatherTableQDQConfig(PassConfig):
 class GatherTableQDQPass(Pass, name="gather-table-qdq", per_block=True, exactness=Exactness.LOSSY, config=GatherTableQDQConfig,
                          summary="float lookup tables (embeddings) -> 16-bit integer table, DQ -> Gather -> Q -> DQ "
                                  "(QNN's HTP takes no float Gather; target lowering)"):
+    config: GatherTableQDQConfig
+
     def run(self, graph: gs.Graph, ctx: PassContext) -> PassResult:
         index = ir.GraphIndex(graph)
         sites = [n for n in graph.nodes if n.op == "Gather" and _float_table(n.inputs[0])]

@@ -32,6 +32,7 @@ from __future__ import annotations
 import collections
 
 from dataclasses import dataclass
+from typing import cast
 
 import numpy as np
 import onnx
@@ -46,7 +47,7 @@ _SIGNED = {
     "uint8": ("int8", np.int8, onnx.TensorProto.INT8, 128),
     "uint16": ("int16", np.int16, onnx.TensorProto.INT16, 32768),
 }
-_ONNX_UNSIGNED = {onnx.TensorProto.UINT8: "uint8", onnx.TensorProto.UINT16: "uint16"}
+_ONNX_UNSIGNED: dict[int, str] = {onnx.TensorProto.UINT8: "uint8", onnx.TensorProto.UINT16: "uint16"}
 # ops that move integer elements without changing their grid (``edgeq.quantize.qdq_encodings._PASS_THROUGH``),
 # with the input slots carrying the integers (None: every input)
 _DATA_SLOTS: dict[str, tuple[int, ...] | None] = {
@@ -71,9 +72,9 @@ class Int8ActivationsPass(Pass, name="int8-activations", exactness=Exactness.EXA
     def run(self, graph: gs.Graph, ctx: PassContext) -> PassResult:
         index = ir.GraphIndex(graph)
         boundary = ir.Boundary.of(graph)
-        skipped = collections.Counter()  # by reason
+        skipped: collections.Counter[str] = collections.Counter()  # by reason
         seen: set[str] = set()
-        shifted = collections.Counter()  # by dtype change
+        shifted: collections.Counter[str] = collections.Counter()  # by dtype change
         counts = {"quantizers": 0, "dequantizers": 0, "clips": 0}
         new_consts: dict[tuple, gs.Constant] = {}
         for node in list(graph.nodes):
@@ -88,7 +89,7 @@ class Int8ActivationsPass(Pass, name="int8-activations", exactness=Exactness.EXA
             if group is None:
                 skipped[reason] += 1
                 continue
-            dtype = _quantized_dtype(index, group.quantizers[0])
+            dtype = cast(str, _quantized_dtype(index, group.quantizers[0]))  # one of _SIGNED (_collect)
             _shift(index, group, dtype, new_consts)
             key = f"{dtype}->{_SIGNED[dtype][0]}"
             shifted[key] += len(group.quantizers)
@@ -207,7 +208,7 @@ def _shift(index: ir.GraphIndex, group: _Group, dtype: str, new_consts: dict) ->
     def implicit(node: gs.Node) -> gs.Constant:
         """The zero point of a Q/DQ written without one: 0 in the unsigned type, -shift now."""
         scale = node.inputs[1]
-        shape = np.shape(read_constant(index, scale))
+        shape = np.shape(cast(np.ndarray, read_constant(index, scale)))  # a constant (_collect)
         key = ("implicit", scale.name, shape)
         if key not in new_consts:
             new_consts[key] = gs.Constant(ir.unique_name(index, f"{scale.name}_zero_point_{signed}"),

@@ -25,6 +25,7 @@ weights are then allowed by a target (symmetry, granularity) is other lowering p
 from __future__ import annotations
 
 import collections
+from typing import cast
 
 
 import numpy as np
@@ -43,6 +44,8 @@ class Int8WeightsPass(Pass, name="int8-weights", exactness=Exactness.EXACT,
     def run(self, graph: gs.Graph, ctx: PassContext) -> PassResult:
         index = ir.GraphIndex(graph)
         boundary = ir.Boundary.of(graph)
+        widened: collections.Counter[str]
+        skipped: collections.Counter[str]
         widened, skipped = collections.Counter(), collections.Counter()  # summary counts by kind / reason
         rewritten = 0
         seen: set[str] = set()
@@ -133,14 +136,14 @@ def _widen(index: ir.GraphIndex, tensor: gs.Tensor, dtype: str, new_zps: dict) -
         reader.inputs[0] = weight
         zp_t = _zero_point(reader)
         if zp_t is not None:
-            key = ("value", zp_t.name)
+            key: tuple = ("value", zp_t.name)
             if key not in new_zps:
                 z = np.asarray(read_constant(index, zp_t)).astype(np.int64) - shift
                 new_zps[key] = gs.Constant(ir.unique_name(index, f"{zp_t.name}_int8"), np.asarray(z.astype(np.int8)))
             set_inputs(reader, 2, (new_zps[key],))
         elif shift:  # z = 0 of the unsigned type: explicit -shift of the scale's shape
             scale = reader.inputs[1]
-            shape = np.shape(read_constant(index, scale))
+            shape = np.shape(cast(np.ndarray, read_constant(index, scale)))  # a constant (_check)
             key = ("implicit", scale.name, shape, shift)
             if key not in new_zps:
                 new_zps[key] = gs.Constant(ir.unique_name(index, f"{scale.name}_zero_point_int8"),

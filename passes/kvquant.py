@@ -73,6 +73,8 @@ class KvQuantConfig(PassConfig):
 class KvQuantPass(Pass, name="kvquant", exactness=Exactness.LOSSY, config=KvQuantConfig, establishes=facts.KVQUANT,
                   calibrates=True, needs=("kv-cache",),
                   summary="CalibQuant visual KV cache: packed 1/2-bit channel-wise codes, post-scaled attention, logit calibration"):
+    config: KvQuantConfig
+
     def run(self, graph: gs.Graph, ctx: PassContext) -> PassResult:
         cfg: KvQuantConfig = self.config
         sites = find_kv_sites(graph)
@@ -107,9 +109,11 @@ def _visual_inputs(site: KVSite, spec: VisualCacheSpec) -> dict[str, gs.Variable
     kvh, d, b = site.kv_heads, site.head_dim, spec.bits
     if d % (8 // b):
         raise UserInputError(f"kvquant: head_dim {d} is not a multiple of {8 // b} (8 / bits)")
-    v_shape = {"channel": [1, d], "global": [1, 1], "token": ["visual_length", 1]}[spec.axes[1]]
-    shapes = {"key_codes": ["visual_length", d * b // 8], "key_alpha": [1, d], "key_scale": [1, d],
-              "value_codes": ["visual_length", d * b // 8], "value_alpha": v_shape, "value_scale": v_shape}
+    v_shapes: dict[str, list[int | str]] = {"channel": [1, d], "global": [1, 1], "token": ["visual_length", 1]}
+    v_shape = v_shapes[spec.axes[1]]
+    shapes: dict[str, list[int | str]] = {
+        "key_codes": ["visual_length", d * b // 8], "key_alpha": [1, d], "key_scale": [1, d],
+        "value_codes": ["visual_length", d * b // 8], "value_alpha": v_shape, "value_scale": v_shape}
     return {f: gs.Variable(f"{VISUAL_PREFIX}{site.layer}.{f}", np.uint8 if f.endswith("codes") else np.float32,
                            ["batch_size", kvh, *shapes[f]]) for f in FIELDS}
 

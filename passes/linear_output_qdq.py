@@ -58,6 +58,8 @@ class LinearOutputQDQPass(Pass, name="linear-output-qdq", per_block=True, exactn
                           calibrates=True,
                           summary="quantize the output of each linear with a per-channel weight at its input's type: "
                                   "whole QDQ node units for QNN's HTP (target lowering)"):
+    config: LinearOutputQDQConfig
+
     def run(self, graph: gs.Graph, ctx: PassContext) -> PassResult:
         index = ir.GraphIndex(graph)
         sites = [n for n in graph.nodes if n.op in _LINEARS and _per_channel_weight(index, n)
@@ -75,6 +77,7 @@ class LinearOutputQDQPass(Pass, name="linear-output-qdq", per_block=True, exactn
         for name in float_inputs:  # a float input: the unit needs it quantized too (16-bit unless told)
             spec = wide or QuantSpec("uint16", symmetric=False)
             quantized_inputs[name] = (insert_quantize(graph, index, index.tensors[name], *observers[name].range(), spec), spec)
+        dtypes: dict[str, int]
         steps, dtypes = [], {}
         for node in sites:
             quantizer = inputs[node.name]

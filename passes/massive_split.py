@@ -24,6 +24,7 @@ activation outliers; it is edgeq's addition, not in the paper.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import cast
 
 import numpy as np
 import onnx_graphsurgeon as gs
@@ -70,6 +71,8 @@ class MassiveSplitPass(SideBranchPass, name="massive-split", per_block=True, exa
                        config=MassiveSplitConfig, establishes=facts.MASSIVE_SPLIT,
                        calibrates=True,  # the massive channels are found in calibration, whatever the branch's precision
                        summary="split massive-activation input channels (before any online Hadamard) into a GEMV branch"):
+    config: MassiveSplitConfig
+
     def run(self, graph: gs.Graph, ctx: PassContext) -> PassResult:
         cfg: MassiveSplitConfig = self.config
         editor = LinearEditor(graph)
@@ -89,11 +92,11 @@ class MassiveSplitPass(SideBranchPass, name="massive-split", per_block=True, exa
         if not sites:
             raise PassNotApplicable(Reason.NO_SITES, f"no float linear in roles {', '.join(cfg.roles)} to split",
                                     linears=0, roles=list(cfg.roles))
-        observers = ctx.require_calibrator(self.name).observe(
-            graph, {t.name: PerChannelAbsMaxObserver for _, t, _ in sites.values()}, "massive-split:channel-absmax")
+        observers = cast("dict[str, PerChannelAbsMaxObserver]", ctx.require_calibrator(self.name).observe(
+            graph, {t.name: PerChannelAbsMaxObserver for _, t, _ in sites.values()}, "massive-split:channel-absmax"))
         branches, ranges, report = [], {}, {}
         for name, (lin, site, hadamard) in sites.items():
-            absmax = observers[site.name].absmax
+            absmax = cast(np.ndarray, observers[site.name].absmax)  # observed
             chans = massive_channels(absmax, cfg.ratio, cfg.max_channels)
             if not len(chans):
                 continue

@@ -195,6 +195,8 @@ class MatMulNBitsToQDQPass(Pass, name="matmulnbits-to-qdq", per_block=True, exac
         names = {n.name for _, n in ir.nodes_with_graphs(graph)}
         shared: dict[tuple, gs.Node] = {}
         refused: dict[str, str] = {}
+        weights: Counter[str]
+        levels: Counter[str]
         weights, bias_adds, float_zps, levels = Counter(), 0, 0, Counter()
         for owner, node in sites:  # one node at a time: only one weight is unpacked at once
             try:

@@ -29,6 +29,7 @@ How the two scales are applied (``lowering``):
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import onnx_graphsurgeon as gs
@@ -80,6 +81,8 @@ class _RescaledSite:
 class MsqPass(StaticQDQ, name="msq", exactness=Exactness.LOSSY, config=MsqConfig, establishes=facts.MSQ,
               calibrates=static_activations, needs=("vlm",),
               summary="MQuant MSQ: qdq with a visual and a text static scale per activation site (after aifs: visual-first slices)"):
+    config: MsqConfig
+
     def run(self, graph: gs.Graph, ctx: PassContext) -> PassResult:
         cfg: MsqConfig = self.config
         self._b = NodeBuilder(graph, ir.GraphIndex(graph), "msq")
@@ -157,7 +160,8 @@ class MsqPass(StaticQDQ, name="msq", exactness=Exactness.LOSSY, config=MsqConfig
                               "absmax": [_absmax(o) if n else None for o, n in ((obs.visual, seen[0]), (obs.text, seen[1]))]}
         return visual, text
 
-    def _quantize(self, graph, index, x: gs.Tensor, visual, text, spec: QuantSpec, vis3: gs.Tensor, order: str):
+    def _quantize(self, graph, index, x: gs.Tensor, visual: tuple[float, float], text: tuple[float, float],
+                  spec: QuantSpec, vis3: gs.Tensor, order: str):
         cfg: MsqConfig = self.config
         b = self._b
         s_v, _ = scale_zero_point(np.array(visual[0]), np.array(visual[1]), spec)
@@ -213,6 +217,8 @@ class MsqPass(StaticQDQ, name="msq", exactness=Exactness.LOSSY, config=MsqConfig
 
 def _absmax(obs) -> float:
     """The unclipped |x| max an observer saw (its range() may be a clipped one)."""
+    lo: Any
+    hi: Any
     lo, hi = getattr(obs, "lo", None), getattr(obs, "hi", None)
     if lo is None:
         lo, hi = obs.range()

@@ -28,6 +28,7 @@ The ``naive`` comparator is the same quantization without this pass.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import cast
 
 import numpy as np
 import onnx_graphsurgeon as gs
@@ -98,6 +99,8 @@ def channel_exponents(absmax: np.ndarray, chans: np.ndarray, cfg: MuxqConfig) ->
 
 class MuxqPass(Pass, name="muxq", exactness=Exactness.FLOAT_EQUIV, config=MuxqConfig, establishes=facts.MUXQ,
                calibrates=True, summary="MUXQ: outlier input channels into Body/Aux (one uniform INT8 GEMM); llm-int8 comparator"):
+    config: MuxqConfig
+
     def run(self, graph: gs.Graph, ctx: PassContext) -> PassResult:
         cfg: MuxqConfig = self.config
         structure = analyze(graph)
@@ -112,8 +115,8 @@ class MuxqPass(Pass, name="muxq", exactness=Exactness.FLOAT_EQUIV, config=MuxqCo
         if not sites:
             raise PassNotApplicable(Reason.NO_SITES, "no float linear to split (every linear is quantized, kept "
                                     "float or outside roles)", inputs=0)
-        stats = ctx.require_calibrator(self.name).observe(
-            graph, {name: ChannelStatsObserver for name in sites}, "muxq:channel-stats")
+        stats = cast("dict[str, ChannelStatsObserver]", ctx.require_calibrator(self.name).observe(
+            graph, {name: ChannelStatsObserver for name in sites}, "muxq:channel-stats"))
         norms = {n.output: n for n in structure.norms if n.skip is None}
         report, branches = {}, []
         for site, linears in sites.items():

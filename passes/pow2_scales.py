@@ -48,7 +48,7 @@ def moved_zero_point(zp: np.ndarray, scale: np.ndarray, new_scale: np.ndarray, q
 
 
 class _ScaleStats:
-    def __init__(self):
+    def __init__(self) -> None:
         self.changes: list[np.ndarray] = []
 
     def add(self, old: np.ndarray, new: np.ndarray) -> None:

@@ -23,6 +23,7 @@ metadata (``edgeq.passes.methods.resq``) for ``resq-qdq``.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import onnx_graphsurgeon as gs
@@ -65,6 +66,8 @@ class ResqPass(Pass, name="resq", exactness=Exactness.FLOAT_EQUIV, config=ResqCo
                requires=("fuse-norms", "ln-to-rms"), establishes=facts.RESQ, marks_when_not_applicable=True,
                calibrates=lambda cfg: cfg.basis != "hadamard",
                summary="ResQ projections: PCA bases (U_A stream, U_B values, U_C keys online) + online Hadamard (U_D)"):
+    config: ResqConfig
+
     def marker_fields(self) -> dict:
         return {"basis": self.config.basis}
 
@@ -86,6 +89,7 @@ class ResqPass(Pass, name="resq", exactness=Exactness.FLOAT_EQUIV, config=ResqCo
         writers_w = rotate_stream(graph, stream, editor, u_a.u)
         online = fold_online_rotations(graph, stream, editor, writers_w, cfg.seed)
         post_norms = rotate_post_norms(graph, stream, editor, u_a.u, "U_A")
+        energies: dict[str, list[float]]
         layers, energies = [], {"U_B": [], "U_C": []}
         readers = {lin.node: lin for lin in stream.readers}
         for att in attention:
@@ -135,7 +139,7 @@ class ResqPass(Pass, name="resq", exactness=Exactness.FLOAT_EQUIV, config=ResqCo
         obs = ctx.require_calibrator(self.name).observe(graph, {t: factory for t in names}, f"resq:{cfg.basis}")
         out: dict[str, np.ndarray] = {}
         for tensor, key in names.items():
-            o = obs[tensor]
+            o: Any = obs[tensor]  # a HessianObserver (pca) or a PerChannelAbsMaxObserver (linf)
             value = o.xtx / max(o.count, 1) if cfg.basis == "pca" else o.absmax
             if key == "stream" and key in out:
                 out[key] = out[key] + value if cfg.basis == "pca" else np.maximum(out[key], value)

@@ -21,6 +21,7 @@ float (``skip_roles``), as in ResQ, QuaRot and SpinQuant.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import cast
 
 import numpy as np
 import onnx_graphsurgeon as gs
@@ -109,6 +110,8 @@ class ResqQDQPass(Pass, name="resq-qdq", exactness=Exactness.LOSSY, config=ResqQ
                   requires=("fuse-norms", "ln-to-rms", "resq"), establishes=facts.RESQ_QDQ,
                   calibrates=lambda cfg: cfg.weights == "gptq" or cfg.activations == "static",
                   summary="ResQ mixed precision: SubspaceQDQ activations (4-bit low / 8-bit high subspace), 4/8-bit GPTQ weight rows, K/V"):
+    config: ResqQDQConfig
+
     def run(self, graph: gs.Graph, ctx: PassContext) -> PassResult:
         cfg: ResqQDQConfig = self.config
         layout = facts.RESQ.get(graph)  # resq applied: where it did not, the pipeline skipped this pass (requires)
@@ -122,18 +125,23 @@ class ResqQDQPass(Pass, name="resq-qdq", exactness=Exactness.LOSSY, config=ResqQ
         sites = {lin.node: self._site(lin, layout) for lin in linears}
         kv_sites = self._kv_sites(layout) if cfg.kv else {}
         inputs = {lin.input: sites[lin.node] for lin in linears}
-        hessians = ranges = {}
+        hessians: dict[str, HessianObserver] = {}
+        ranges: dict[str, ChannelMinMaxObserver] = {}
         if cfg.weights == "gptq":
-            hessians = ctx.require_calibrator(self.name).observe(graph, {t: HessianObserver for t in inputs}, "gptq:hessian+sink")
+            hessians = cast("dict[str, HessianObserver]", ctx.require_calibrator(self.name).observe(
+                graph, {t: HessianObserver for t in inputs}, "gptq:hessian+sink"))
         nodes = {n.name: n for n in graph.nodes}
         u_c = [nodes[name] for layer in layout["layers"] for name in layer.get("u_c_nodes", []) if name in nodes] if cfg.u_c_bits else []
         if cfg.activations == "static":
-            ranges = ctx.require_calibrator(self.name).observe(
-                graph, {t: ChannelMinMaxObserver for t in [*inputs, *kv_sites, *(n.inputs[0].name for n in u_c)]}, "resq:channel-minmax")
+            ranges = cast("dict[str, ChannelMinMaxObserver]", ctx.require_calibrator(self.name).observe(
+                graph, {t: ChannelMinMaxObserver for t in [*inputs, *kv_sites, *(n.inputs[0].name for n in u_c)]},
+                "resq:channel-minmax"))
         ensure_opset(graph, QuantSpec("int4", True, axis=1), QuantSpec("uint8", False))
         graph.opset = max(graph.opset, 21)
         index = ir.GraphIndex(graph)
         nodes = {n.name: n for n in graph.nodes}
+        weight_bits: list[tuple[int, int]]  # (bits, weights at those bits)
+        act_bits: list[float]
         weight_bits, act_bits = [], []
         for lin in linears:
             site = sites[lin.node]
@@ -202,7 +210,7 @@ class ResqQDQPass(Pass, name="resq-qdq", exactness=Exactness.LOSSY, config=ResqQ
                 out[layer[key]] = _Site(rank, cfg.kv_low_bits, cfg.kv_high_bits)
         return out
 
-    def _mean_bits(self, site: _Site, k: int) -> tuple[float, int]:
+    def _mean_bits(self, site: _Site, k: int) -> float:
         return (site.bits * (k - site.rank) + site.high_bits * site.rank) / k
 
     # -- weights ----------------------------------------------------------------------------------
@@ -249,7 +257,7 @@ class ResqQDQPass(Pass, name="resq-qdq", exactness=Exactness.LOSSY, config=ResqQ
         cache = self._split_cache
         if lin.input not in cache:
             x = index.tensors[lin.input]
-            d = len(site.perm) if site.perm is not None else len(ranges.lo)
+            d = len(site.perm) if site.perm is not None else len(cast(np.ndarray, ranges.lo))  # observed
             channels = np.asarray(site.perm) if site.perm is not None else np.arange(d)
             if site.perm is not None:
                 idx = gs.Constant(ir.unique_name(index, f"{x.name}_subspace_order"), channels.astype(np.int64))
@@ -285,7 +293,7 @@ class ResqQDQPass(Pass, name="resq-qdq", exactness=Exactness.LOSSY, config=ResqQ
         if self.config.activations == "dynamic":
             node.inputs[0] = insert_token_fake_quant_asymmetric(graph, index, x, bits)
         else:
-            lo, hi = ranges.range()
+            lo, hi = cast(ChannelMinMaxObserver, ranges).range()  # static: run observed every U_C input
             node.inputs[0] = insert_dequantize(graph, index, insert_quantize(graph, index, x, lo, hi, _act_spec(bits)), node.name)
 
     # -- activations ------------------------------------------------------------------------------
@@ -298,12 +306,13 @@ class ResqQDQPass(Pass, name="resq-qdq", exactness=Exactness.LOSSY, config=ResqQ
             x = gs.Variable(ir.unique_name(index, f"{tensor.name}_subspace_ordered"), dtype=np.float32)
             graph.nodes.append(gs.Node("Gather", f"{tensor.name}_subspace_Gather", {"axis": -1}, [tensor, idx], [x]))
         perm = np.asarray(site.perm) if site.perm is not None else None
-        d = len(site.perm) if site.perm is not None else (len(ranges.lo) if ranges is not None else None)
+        d = len(site.perm) if site.perm is not None else (
+            len(cast(np.ndarray, ranges.lo)) if ranges is not None else None)
         if site.rank == 0:
             spec = _act_spec(site.bits)
             if cfg.activations == "dynamic":
                 return insert_token_fake_quant_asymmetric(graph, index, x, site.bits)
-            lo, hi = ranges.range()
+            lo, hi = cast(ChannelMinMaxObserver, ranges).range()  # static: run observed every site
             return insert_dequantize(graph, index, insert_quantize(graph, index, x, lo, hi, spec), f"{tensor.name}_uniform")
         high_bits = site.high_bits
         attrs = {"rank": int(site.rank), "low_bits": int(site.bits), "high_bits": int(high_bits), "symmetric": 0,
@@ -311,7 +320,8 @@ class ResqQDQPass(Pass, name="resq-qdq", exactness=Exactness.LOSSY, config=ResqQ
         out = gs.Variable(ir.unique_name(index, f"{tensor.name}_subspace_qdq"), dtype=np.float32)
         if cfg.activations == "dynamic":
             inputs = [x] + [gs.Variable.empty() for _ in range(4)]
-        else:
+        else:  # static: run observed every site, so d is known
+            assert ranges is not None and d is not None
             channels = np.arange(d) if perm is None else perm
             inputs = [x]
             for part, bits in ((channels[: d - site.rank], site.bits), (channels[d - site.rank:], high_bits)):

@@ -48,6 +48,8 @@ class RmsConfig(PassConfig):
 class RmsPass(SideBranchPass, name="rms", per_block=True, exactness=Exactness.FLOAT_EQUIV, config=RmsConfig,
               requires=("fuse-norms", "ln-to-rms", "rotate"), establishes=facts.RMS, calibrates=branch_quantized,
               summary="MQuant RMS: split rotated channel 0 of Eq. 9 layers into a GEMV branch"):
+    config: RmsConfig
+
     def run(self, graph: gs.Graph, ctx: PassContext) -> PassResult:
         cfg: RmsConfig = self.config
         editor = LinearEditor(graph)

@@ -73,6 +73,8 @@ class RotatePass(Pass, name="rotate", per_block=True, exactness=Exactness.FLOAT_
                  summary="randomized-Hadamard residual rotation (offline) + online Hadamard before down_proj/fc2",
                  # the stream's width and sources are the model's, the same in every block
                  combine={"hidden": Combine.FIRST, "stream_sources": Combine.FIRST}):
+    config: RotateConfig
+
     def run(self, graph: gs.Graph, ctx: PassContext) -> PassResult:
         cfg: RotateConfig = self.config
         stream = analyze_stream(graph)  # PassNotApplicable (structure-not-found) when the stream does not fit

@@ -30,7 +30,7 @@ def eq9_table(graph: gs.Graph) -> dict:
     s = analyze(graph)
     editor = LinearEditor(graph)
     by_node = {lin.node: lin for lin in s.linears if not lin.quantized}
-    rows = []
+    rows: list[dict] = []
     for block in s.mlp_blocks:
         lin = by_node.get(block.linears[-1]) if block.linears else None
         if lin is None:

@@ -50,7 +50,10 @@ class ColumnQuantizer(Protocol):
     """Fits grid parameters on rows of weights and quantizes one column with them."""
 
     spec: QuantSpec
-    s8: float | None  # a per-tensor FP8 level below the integers (DPQ), else None
+
+    @property
+    def s8(self) -> float | None:
+        """A per-tensor FP8 level below the integers (DPQ), else None (read only: an attribute will do)."""
 
     def fit(self, w_rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]: ...
 

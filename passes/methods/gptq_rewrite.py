@@ -22,6 +22,7 @@ from __future__ import annotations
 import dataclasses
 import time
 from dataclasses import dataclass
+from typing import cast
 
 import numpy as np
 import onnx_graphsurgeon as gs
@@ -104,6 +105,8 @@ class GptqRewrite(Pass):
     """Not registered and declares nothing: ``edgeq.passes.gptq`` (``gptq``) and ``edgeq.passes.dpq``
     (``dpq``) subclass it, each declaring itself in its class line (config: a ``GptqConfig``)."""
 
+    config: GptqConfig
+
     def spec(self, stored_nk: bool, k: int | None = None) -> QuantSpec:
         """The weight's quantization; ``k`` (its K) decides the per-channel fallback of
         ``whole_blocks`` (None: the pass's own form)."""
@@ -153,8 +156,9 @@ class GptqRewrite(Pass):
         sites = sorted({lin.input for lin in linears})
         # the first-token term only where a sink-weighted linear reads the input
         sink_sites = {lin.input for lin in linears if lin.role in cfg.sink_roles} if cfg.sink_weight != 1.0 else set()
-        hessians = ctx.require_calibrator(self.name).observe(
-            graph, {s: HessianObserver if s in sink_sites else PlainHessianObserver for s in sites}, "gptq:hessian+sink")
+        hessians = cast("dict[str, HessianObserver]", ctx.require_calibrator(self.name).observe(
+            graph, {s: HessianObserver if s in sink_sites else PlainHessianObserver for s in sites},
+            "gptq:hessian+sink"))
         readers_left = {s: sum(lin.input == s for lin in linears) for s in sites}
         hessian_tokens = int(next(iter(hessians.values())).count)
         nodes = {n.name: n for n in graph.nodes}
@@ -184,7 +188,8 @@ class GptqRewrite(Pass):
                 del h
                 done[key] = self.write_weight(graph, index, lin, w_kn, res, stored_nk)
                 if cfg.lowering == "matmulnbits":  # (the integers, small; not the float weight)
-                    results[lin.node] = dataclasses.replace(res, q=res.q.astype(np.int8), dequantized=None)
+                    results[lin.node] = dataclasses.replace(  # dequantized: freed, the lowering reads the integers
+                        res, q=res.q.astype(np.int8), dequantized=None)  # type: ignore[arg-type]
                 del res, w, w_kn
             readers_left[lin.input] -= 1
             if not readers_left[lin.input]:

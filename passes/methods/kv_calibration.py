@@ -124,7 +124,7 @@ def search_tau(samples: list[AttentionSample], bits: int, grid: tuple[float, ...
     spec = replace(spec or VisualCacheSpec(), bits=bits)
     error = _Errors(samples)
     errors = {(t1, t2): error(spec, t1, t2, True) for t1, t2 in itertools.product(grid, grid)}
-    best = min(errors, key=errors.get)
+    best = min(errors, key=errors.__getitem__)
     return TauChoice(best[0], best[1], errors[best], error(spec), errors)
 
 

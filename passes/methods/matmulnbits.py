@@ -63,6 +63,8 @@ treats as fp32 compute; pass 4 for the int8 path (same numbers as the fused defa
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 import onnx
 
@@ -124,7 +126,7 @@ def matmulnbits_node(name: str, x_name: str, y_name: str, k: int, n: int, group_
     """
     _check_group_size(group_size)
     inputs = [x_name, b_name, scales_name] + ([zp_name] if zp_name else [])
-    attrs = {"K": int(k), "N": int(n), "bits": BITS, "block_size": int(group_size)}
+    attrs: dict[str, Any] = {"K": int(k), "N": int(n), "bits": BITS, "block_size": int(group_size)}
     if accuracy_level:
         attrs["accuracy_level"] = int(accuracy_level)
     return onnx.helper.make_node("MatMulNBits", inputs, [y_name], name=name, domain=DOMAIN, **attrs)

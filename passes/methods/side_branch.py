@@ -20,7 +20,7 @@ from edgeq.quantize.qdq_nodes import ensure_opset, insert_dequantize, insert_qua
 from edgeq.quantize.quant import QuantSpec
 
 # branch precision -> (weight dtype, activation dtype); None: float (kept out of the qdq pass)
-BRANCH_PRECISIONS = {
+BRANCH_PRECISIONS: dict[str, tuple[str, str] | None] = {
     "float": None,
     "w8a16": ("int8", "int16"),
     "w8a8": ("int8", "uint8"),
@@ -93,10 +93,11 @@ def quantize_branches(graph: gs.Graph, index: ir.GraphIndex, branches: list[dict
     ``ranges``: calibrated (lo, hi) of each branch input, by tensor name. ``float`` branches are
     listed in the graph's keep-float set instead, so the qdq pass leaves them alone.
     """
-    if BRANCH_PRECISIONS[precision] is None:
+    dtypes = BRANCH_PRECISIONS[precision]
+    if dtypes is None:
         facts.KEEP_FLOAT.add(graph, [b["matmul"].name for b in branches])
         return
-    w_dtype, a_dtype = BRANCH_PRECISIONS[precision]
+    w_dtype, a_dtype = dtypes
     a_spec = QuantSpec(a_dtype, symmetric=True)
     w_spec = QuantSpec(w_dtype, symmetric=True, axis=1, pair_axis=0 if u8s8_safe else None)
     ensure_opset(graph, a_spec, w_spec)

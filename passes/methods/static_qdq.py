@@ -20,6 +20,7 @@ per tensor.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -27,7 +28,7 @@ import onnx_graphsurgeon as gs
 
 from edgeq.graph import facts
 from edgeq.graph import ir
-from edgeq.calib.observers import HistogramObserver, MinMaxObserver
+from edgeq.calib.observers import HistogramObserver, MinMaxObserver, Observer
 from edgeq.errors import UserInputError
 from edgeq.passmanager.passbase import Pass, PassConfig, PassContext, PassNotApplicable, PassResult, Reason
 from edgeq.quantize.qdq_nodes import (QuantizedTensor, check_weights_finite, ensure_opset, insert_dequantize, insert_quantize,
@@ -120,6 +121,8 @@ class StaticQDQ(Pass):
     """Not registered and declares nothing: ``edgeq.passes.qdq`` (``qdq``) and ``edgeq.passes.msq``
     (``msq``) subclass it, each declaring itself in its class line (config: a ``QDQConfig``,
     ``calibrates=static_activations``)."""
+
+    config: QDQConfig
 
     def run(self, graph: gs.Graph, ctx: PassContext) -> PassResult:
         cfg: QDQConfig = self.config
@@ -215,6 +218,7 @@ class StaticQDQ(Pass):
 
     def _calibrate(self, graph, ctx: PassContext, names: list[str], spec: QuantSpec, split_by: str | None = None):
         cfg: QDQConfig = self.config
+        factory: Callable[[], Observer]
         if cfg.activation_observer == "minmax":
             factory = MinMaxObserver
         else:

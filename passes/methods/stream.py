@@ -28,6 +28,7 @@ checked against ``analyze_stream`` by ``tests/test_families.py``.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import cast
 
 import numpy as np
 import onnx_graphsurgeon as gs
@@ -124,7 +125,7 @@ def analyze_stream(graph: gs.Graph) -> ResidualStream:
                 raise _not_applicable(f"stream input {src['tensor']} has last dimension {shape and shape[-1]}, not {hidden}")
             continue
         node = next(n for n in graph.nodes if n.name == src["node"])
-        value = index.constant_value(node.inputs[src["operand"]])
+        value = cast(np.ndarray, index.constant_value(node.inputs[src["operand"]]))  # a constant (_sources)
         width = value.shape[0] if src["kind"] == "conv" else value.shape[-1]
         if width != hidden:
             raise _not_applicable(f"stream source {node.name} has width {width}, not the hidden size {hidden}")
@@ -284,7 +285,7 @@ def _rank(index, tensor, depth: int = 0) -> int | None:
         return None
     if node.op in ("Add", "Sub", "Mul", "Div", "Where", "MatMul"):
         ranks = [_rank(index, t, depth + 1) for t in node.inputs if t.name]
-        return None if any(r is None for r in ranks) else max(ranks)
+        return None if any(r is None for r in ranks) else max(cast("list[int]", ranks))
     if node.op in ("Cast", "Identity", "LayerNormalization", "Softmax", "Relu", "Gelu", "Tanh", "Sigmoid", "Erf"):
         return _rank(index, node.inputs[0], depth + 1)
     if node.op == "Gemm":
@@ -302,7 +303,7 @@ def _rank(index, tensor, depth: int = 0) -> int | None:
         concat = index.producer(node.inputs[1].name)
         if concat is not None and concat.op == "Concat":
             lengths = [_vector_length(index, t) for t in concat.inputs]
-            return None if any(n is None for n in lengths) else sum(lengths)
+            return None if any(n is None for n in lengths) else sum(cast("list[int]", lengths))
     return None
 
 
@@ -360,6 +361,7 @@ def _scalar_operand(index, node: gs.Node) -> int | None:
 def _sources(index, start: str, stream: set[str]) -> list[dict]:
     """What writes the stream before the first block: embedding Gathers, constant Adds/Concats
     (position embeddings, class tokens), a patch-embedding Conv."""
+    sources: list[dict]
     sources, todo, seen = [], [start], set()
     while todo:
         name = todo.pop()

@@ -55,8 +55,10 @@ def compile(model: str | os.PathLike, *, out: str | os.PathLike, recipe: str | N
     shape = parse_static(static) if isinstance(static, str) else tuple(static) if static is not None else None
     if shape is not None and (len(shape) != 2 or not all(isinstance(v, int) and v > 0 for v in shape)):
         raise UserInputError(f"static must be 'prefill=N,context=M' or (N, M) with positive integers, got {static!r}")
+    from edgeq.recipes import DEFAULT_RECIPE
+
     req = CompileRequest(
-        model=Path(model), out_dir=Path(out), **({"recipe": recipe} if recipe else {}),
+        model=Path(model), out_dir=Path(out), recipe=recipe or DEFAULT_RECIPE,
         calib=_path(calib), tokenizer=_path(tokenizer), calib_windows=calib_windows, seq_len=seq_len,
         dump_each=_path(dump_each), verify=verify, check_numerics=check_numerics, use_cache=use_cache,
         target=target, allow_partial=allow_partial, blockwise=blockwise,

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+from collections.abc import Callable
 
 from edgeq.argtypes import non_negative_int, positive_int
 
@@ -267,9 +268,10 @@ def _run_qwen25(args: argparse.Namespace) -> int:
 def _run_composed_vlm(args: argparse.Namespace) -> int:
     from edgeq.models.composed_vlm import export_composed_vlm
 
+    export: Callable[..., object] = export_composed_vlm
     if args.with_past:
-        from edgeq.models.kv_export import export_composed_vlm_with_past as export_composed_vlm
-    print(export_composed_vlm(
+        from edgeq.models.kv_export import export_composed_vlm_with_past as export
+    print(export(
         args.output, calib_samples=args.calib_samples, eval_samples=args.eval_samples, seed=args.seed,
         prefix_tokens=args.prefix_tokens, suffix_tokens=args.suffix_tokens, text_dir=args.text_dir,
         force=args.force,

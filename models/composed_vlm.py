@@ -413,8 +413,8 @@ def export_composed_vlm(
     images = {"calib": CALIB_IMAGES, "eval": EVAL_IMAGES}
     counts = {"calib": calib_samples, "eval": eval_samples}
     with atomic_output_dir(out_dir, force=force, inputs=(text_dir,), marker={"export": "composed-vlm"}) as tmp, \
-            tempfile.TemporaryDirectory(prefix="edgeq-composed-") as hf:
-        hf = Path(hf)
+            tempfile.TemporaryDirectory(prefix="edgeq-composed-") as hf_dir:
+        hf = Path(hf_dir)
         save_hf_folder(hf)
         model = AutoModelForCausalLM.from_pretrained(hf, dtype=torch.float32, attn_implementation="eager").eval()
         shutil.copy2(hf / "config.json", tmp / "config.json")

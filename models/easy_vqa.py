@@ -104,11 +104,11 @@ def answer_prior(train: Sequence[Question]) -> dict[str, str]:
 
 def accuracy_by_type(questions: Sequence[Question], correct: Sequence[bool]) -> dict:
     """``{"accuracy": all, "per_type": {type: {"accuracy", "questions"}}}``."""
-    correct = np.asarray(correct, bool)
+    hits = np.asarray(correct, bool)
     types = np.array([q.qtype for q in questions])
-    per_type = {t: {"accuracy": round(float(correct[types == t].mean()), 4), "questions": int((types == t).sum())}
+    per_type = {t: {"accuracy": round(float(hits[types == t].mean()), 4), "questions": int((types == t).sum())}
                 for t in QUESTION_TYPES if (types == t).any()}
-    return {"accuracy": round(float(correct.mean()), 4), "questions": int(len(correct)), "per_type": per_type}
+    return {"accuracy": round(float(hits.mean()), 4), "questions": int(len(hits)), "per_type": per_type}
 
 
 def prior_accuracy(prior: dict[str, str], questions: Sequence[Question]) -> dict:

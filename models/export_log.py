@@ -16,7 +16,8 @@ import contextlib
 import logging
 import re
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from typing import cast
 
 from edgeq.errors import EdgeqError
 
@@ -65,11 +66,10 @@ class _Held(logging.Handler):
         """What was held, through the loggers' own handlers and ``warnings.showwarning`` again
         (call once both are back), less ``NOISE``."""
         for message in self.messages:
-            is_record = isinstance(message, logging.LogRecord)
-            text = message.getMessage() if is_record else str(message[0])
+            text = message.getMessage() if isinstance(message, logging.LogRecord) else str(message[0])
             if any(p.search(text) for p in NOISE):
                 continue
-            if is_record:
+            if isinstance(message, logging.LogRecord):
                 logging.getLogger(message.name).handle(message)
             else:
                 warnings.showwarning(*message)
@@ -90,7 +90,7 @@ def held_library_output() -> Iterator[None]:
     shown = False
     try:
         with warnings.catch_warnings():
-            warnings.showwarning = held.show_warning
+            warnings.showwarning = cast(Callable[..., None], held.show_warning)  # it takes showwarning's args
             root.addHandler(held)
             _ACTIVE.append(held)
             held.take_loggers()

@@ -230,7 +230,7 @@ def _first_line(exc: BaseException) -> str:
     return str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
 
 
-def _load_error(exc: BaseException, safetensor_error: type) -> BaseException | None:
+def _load_error(exc: BaseException | None, safetensor_error: type) -> BaseException | None:
     """transformers' report of a weights or config file it cannot load, anywhere in ``exc``'s chain
     (optimum retries a failed PyTorch load as TensorFlow, so it can sit under an ImportError):
     an ``OSError`` with a message and no errno (an errno is the file system's own error: disk

@@ -188,7 +188,8 @@ def export_embeds_lm_with_past(decoder, lm_head, out_dir: Path) -> Path:
     axes.update({name: {0: PAST_AXES[0], 2: PAST_AXES[1]} for name in pasts})
     axes.update({name: {0: "batch_size", 2: TOTAL_AXIS} for name in presents})
     original_update = DynamicLayer.update
-    DynamicLayer.update = patcher.patched_dynamic_layer_update  # what optimum's ModelPatcher does
+    # what optimum's ModelPatcher does (a monkeypatch of transformers' class)
+    DynamicLayer.update = patcher.patched_dynamic_layer_update  # type: ignore[method-assign]
     try:
         with traceable_masks(), warnings.catch_warnings():
             warnings.simplefilter("ignore")
@@ -198,7 +199,7 @@ def export_embeds_lm_with_past(decoder, lm_head, out_dir: Path) -> Path:
                 dynamic_axes=axes, opset_version=OPSET, do_constant_folding=True, dynamo=False,
             ))
     finally:
-        DynamicLayer.update = original_update
+        DynamicLayer.update = original_update  # type: ignore[method-assign]  # (undoing the patch)
     names = [i.name for i in model.graph.input]
     outputs = [o.name for o in model.graph.output]
     if names != [*EMBED_INPUTS, *pasts] or outputs != ["logits", *presents]:

@@ -434,7 +434,8 @@ def _write_random_weights(model: onnx.ModelProto, out: Path, rng: np.random.Gene
                 chunk = rng.standard_normal(min(_CHUNK_ELEMENTS, count - start), dtype=np.float32)
                 chunk *= np.float32(spread)
                 chunk += np.float32(mean)
-                data.write(memoryview(chunk.astype("<f4", copy=False)))
+                # numpy's stubs give ndarray __buffer__ only for Python >= 3.12
+                data.write(memoryview(chunk.astype("<f4", copy=False)))  # type: ignore[arg-type]
             tensor.ClearField("raw_data")
             tensor.ClearField("float_data")
             tensor.data_location = onnx.TensorProto.EXTERNAL

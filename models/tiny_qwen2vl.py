@@ -78,7 +78,9 @@ def build_tiny_qwen2vl(seed: int = 0):
     from edgeq.models.tiny import _perturb_defaults
 
     torch.manual_seed(seed)
-    model = Qwen2VLForConditionalGeneration(tiny_qwen2vl_config()).to(torch.float32).eval()
+    # transformers' @wraps(Module.to) on PreTrainedModel.to makes mypy take the dtype for self
+    model = Qwen2VLForConditionalGeneration(
+        tiny_qwen2vl_config()).to(torch.float32).eval()  # type: ignore[arg-type]
     _perturb_defaults(model)
     # At the default init (std 0.02) attention scores are ~0.03 and softmax is nearly uniform,
     # so positions barely matter; sharper q/k make a wrong mask or position row show in logits.

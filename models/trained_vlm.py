@@ -226,7 +226,7 @@ def _left_padded(rows: Sequence[tuple[list[int], list[int]]], visual: np.ndarray
     n, width = len(rows), max(len(ids) for ids, _ in rows)
     v = visual.shape[1]
     hidden = table.shape[1]
-    inputs = {
+    inputs: dict[str, np.ndarray] = {
         "inputs_embeds": np.broadcast_to(table[pad_id], (n, width, hidden)).astype(np.float32),
         "attention_mask": np.zeros((n, width), np.int64),
         "position_ids": np.ones((n, width), np.int64),
@@ -414,8 +414,8 @@ def export_trained_vlm(out_dir: str | os.PathLike, quick: bool = False, seed: in
 
     marker = {"export": "trained-vlm", "quick": quick, "seed": seed}
     with atomic_output_dir(out_dir, force=force, marker=marker) as tmp, \
-            tempfile.TemporaryDirectory(prefix="edgeq-trained-vlm-") as hf:
-        hf = Path(hf)
+            tempfile.TemporaryDirectory(prefix="edgeq-trained-vlm-") as hf_dir:
+        hf = Path(hf_dir)
         save_hf_folder(hf)
         prepared = prepare(settings, hf, log=log)
         cache, metrics = prepared["cache"], prepared["metrics"]

@@ -22,6 +22,7 @@ from __future__ import annotations
 import os
 import warnings
 from pathlib import Path
+from typing import cast
 
 from edgeq.files.vlm_folder import PIXELS_INPUT, VISION_FILE, VISUAL_OUTPUT
 from edgeq.models.craft_vision import FEATURE_CHANNELS, FEATURE_STRIDE, IMAGENET_MEAN, IMAGENET_STD
@@ -32,7 +33,7 @@ def _vision_module(layers: list, projector, round_to_float16: bool):
     """A torch module pixels -> visual tokens from the backbone ``layers`` (``load_vgg_backbone``)."""
     import torch
 
-    blocks = []
+    blocks: list[torch.nn.Module] = []
     for layer in layers:
         if layer[0] == "pool":
             blocks.append(torch.nn.MaxPool2d(kernel_size=2, stride=2))
@@ -42,11 +43,11 @@ def _vision_module(layers: list, projector, round_to_float16: bool):
         bn = torch.nn.BatchNorm2d(w.shape[0], eps=1e-5)
         with torch.no_grad():
             conv.weight.copy_(w)
-            conv.bias.copy_(b)
+            cast(torch.Tensor, conv.bias).copy_(b)  # (bias, running stats: set at construction)
             bn.weight.copy_(g)
             bn.bias.copy_(beta)
-            bn.running_mean.copy_(rmean)
-            bn.running_var.copy_(rvar)
+            cast(torch.Tensor, bn.running_mean).copy_(rmean)
+            cast(torch.Tensor, bn.running_var).copy_(rvar)
         blocks += [conv, bn] + ([torch.nn.ReLU()] if relu else [])
 
     class PixelsToVisualTokens(torch.nn.Module):

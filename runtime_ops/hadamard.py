@@ -25,7 +25,7 @@ relies on. H of order n is ``kron(H_K, H_{2^m})``, the layout the OnlineHadamard
 from __future__ import annotations
 
 from functools import lru_cache
-from typing import NamedTuple
+from typing import NamedTuple, cast
 
 import numpy as np
 
@@ -112,7 +112,7 @@ def _irreducible(p: int, k: int) -> list[int]:
 def _quadratic_character_table(q: int) -> tuple[np.ndarray, np.ndarray]:
     """(chi, digits): chi[a] the quadratic character of element a of GF(q), and the base-p digits
     of every element (elements are integers whose base-p digits are polynomial coefficients)."""
-    p, k = prime_power(q)
+    p, k = cast("tuple[int, int]", prime_power(q))  # q a prime power here
     elems = np.arange(q)
     digits = np.stack([(elems // p**i) % p for i in range(k)], axis=1)
     if k == 1:
@@ -130,7 +130,7 @@ def _quadratic_character_table(q: int) -> tuple[np.ndarray, np.ndarray]:
 
 def _jacobsthal(q: int) -> np.ndarray:
     """Q[a, b] = chi(a - b) over GF(q): the core of both Paley constructions."""
-    p, k = prime_power(q)
+    p, k = cast("tuple[int, int]", prime_power(q))  # q a prime power here
     chi, digits = _quadratic_character_table(q)
     diff = (digits[:, None, :] - digits[None, :, :]) % p
     index = diff @ (p ** np.arange(k))

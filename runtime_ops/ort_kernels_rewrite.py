@@ -102,6 +102,7 @@ def _prepare(node: onnx.NodeProto, types: dict[str, int]) -> list[onnx.NodeProto
     inputs = None if attrs is None else _inputs(node, attrs)
     if inputs is None or not _accepted(node.op_type, inputs, types):
         return None
+    assert attrs is not None  # inputs is None whenever attrs is
     casts = []
     for i in CAST_TO_INT8.get(node.op_type, ()):
         if types[inputs[i]] in FOUR_BIT:

@@ -63,6 +63,8 @@ Output ``y``: float32, x's shape.
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 import onnx
 from onnx import AttributeProto, TensorProto, helper
@@ -270,7 +272,7 @@ def make_subspace_qdq_node(
     empty names "" (onnxruntime also accepts them left off, onnx's ReferenceEvaluator does not).
     """
     _check_attributes(None, rank, low_bits, high_bits)
-    attrs = dict(rank=int(rank), low_bits=int(low_bits), high_bits=int(high_bits),
+    attrs: dict[str, Any] = dict(rank=int(rank), low_bits=int(low_bits), high_bits=int(high_bits),
                  symmetric=int(bool(symmetric)), dynamic=int(bool(dynamic)))
     inits: list[onnx.TensorProto] = []
     if dynamic:
@@ -279,6 +281,8 @@ def make_subspace_qdq_node(
         given = (low_scale, low_zero_point, high_scale, high_zero_point)
         if any(v is None for v in given):
             raise ValueError(f"{OP_TYPE}: static mode needs low/high scale and zero point")
+        assert low_scale is not None and low_zero_point is not None  # none is None (checked above)
+        assert high_scale is not None and high_zero_point is not None
         storage = np.int8 if symmetric else np.uint8
         for label, zp, bits in (("low", low_zero_point, low_bits), ("high", high_zero_point, high_bits)):
             lo, hi = _bounds(int(bits), bool(symmetric))

@@ -21,6 +21,7 @@ def test_ruff_is_clean():
 
 
 def test_mypy_is_clean():
-    """mypy on edgeq/, passes/, runtime_ops/ and models/ ([tool.mypy] files)."""
-    done = _run("mypy", "--cache-dir", str(REPO / ".cache" / "mypy"))
+    """mypy on edgeq/, passes/, runtime_ops/ and models/, as the installed package (tests/typecheck.py)."""
+    done = subprocess.run([sys.executable, str(REPO / "tests" / "typecheck.py")], cwd=REPO, capture_output=True,
+                          text=True)
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-2000:]

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from typing import cast
 from pathlib import Path
 from collections.abc import Iterable, Iterator
 
@@ -42,8 +43,9 @@ from edgeq.graph.modelcheck import tensor_bytes
 from edgeq.graph.protowalk import proto_nodes
 
 # element type -> the numpy type of its little-endian bytes (bfloat16: its bits, widened to float32)
-_FLOAT_TYPES = {onnx.TensorProto.FLOAT: np.dtype("<f4"), onnx.TensorProto.FLOAT16: np.dtype("<f2"),
-                onnx.TensorProto.DOUBLE: np.dtype("<f8"), onnx.TensorProto.BFLOAT16: np.dtype("<u2")}
+_FLOAT_TYPES: dict[int, np.dtype] = {
+    onnx.TensorProto.FLOAT: np.dtype("<f4"), onnx.TensorProto.FLOAT16: np.dtype("<f2"),
+    onnx.TensorProto.DOUBLE: np.dtype("<f8"), onnx.TensorProto.BFLOAT16: np.dtype("<u2")}
 _SLICE_ELEMENTS = 1 << 22  # values judged at a time (16 MiB of float32)
 _READ_BYTES = 1 << 24  # bytes read at a time from an external data file
 _INLINE_BYTES = 1 << 16  # external tensors up to this size are read in for onnxruntime's session
@@ -149,7 +151,7 @@ def _judge_external(tensor: onnx.TensorProto, base_dir: Path, subject: str, name
     info = {e.key: e.value for e in tensor.external_data}
     path = base_dir / info.get("location", "")
     offset = int(info.get("offset") or 0)
-    length = int(info["length"]) if info.get("length") else tensor_bytes(tensor)
+    length = int(info["length"]) if info.get("length") else cast(int, tensor_bytes(tensor))  # a float type: known
     dtype = _FLOAT_TYPES[tensor.data_type]
     return judge(_file_slices(path, offset, length, dtype), subject, name, tensor.dims,
                  rescan=lambda: _file_slices(path, offset, length, dtype))

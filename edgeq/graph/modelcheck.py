@@ -83,7 +83,8 @@ def _undecodable(message) -> tuple[str, bytes] | None:
     proto2 string it cannot decode back as ``bytes``). A tensor's data fields are not visited (its
     weights are never copied out for this)."""
     if isinstance(message, onnx.TensorProto):
-        fields = [("TensorProto.name", message.name), ("TensorProto.doc_string", message.doc_string)]
+        fields: list[tuple[str, str | bytes]] = [("TensorProto.name", message.name),
+                                                 ("TensorProto.doc_string", message.doc_string)]
         fields += [("TensorProto.external_data", v) for e in message.external_data for v in (e.key, e.value)]
         return next(((f, v) for f, v in fields if isinstance(v, bytes)), None)
     for field, value in message.ListFields():
@@ -187,7 +188,7 @@ def _check_operators(model: onnx.ModelProto, path) -> None:
     for imp in model.opset_import:
         imports.setdefault("" if imp.domain == "ai.onnx" else imp.domain, imp.version)
     functions = {(f.domain, f.name) for f in model.functions}
-    schemas: dict[tuple[str, str, int], object] = {}
+    schemas: dict[tuple[str, str, int], onnx.defs.OpSchema | None] = {}
     edgeq_ops = None
     for node in proto_nodes(model.graph.node):
         domain = "" if node.domain == "ai.onnx" else node.domain
@@ -256,7 +257,7 @@ def _check_initializers(graph: onnx.GraphProto, path) -> None:
         count = math.prod(dims)
         kind = _type_name(t.data_type)
         if t.HasField("raw_data"):
-            want = tensor_bytes(t)
+            want: int | str | None = tensor_bytes(t)
             if want is None:
                 raise UserInputError(f"{path}: initializer '{t.name}' of type {kind} has raw_data, which that type "
                                      "cannot use")

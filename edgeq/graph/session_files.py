@@ -51,7 +51,8 @@ def constants_as_external_data(graph: gs.Graph, data_path: Path, min_bytes: int 
                         continue
                     array = np.ascontiguousarray(values)
                     data_type, dims = onnx.helper.np_dtype_to_tensor_dtype(values.dtype), list(values.shape)
-                    data = memoryview(array.reshape(-1).view(np.uint8))
+                    # numpy's stubs give ndarray __buffer__ only for Python >= 3.12
+                    data = memoryview(array.reshape(-1).view(np.uint8))  # type: ignore[arg-type]
                 else:
                     continue
                 pad = -offset % 64

@@ -125,7 +125,9 @@ class _Reader:
 
     # -- the walk ---------------------------------------------------------------------------
     def collect(self) -> dict:
-        self.activations, self.weights, self.unrepresented = {}, {}, {}
+        self.activations: dict[str, dict] = {}
+        self.weights: dict[str, dict] = {}
+        self.unrepresented: dict[str, dict] = {}
         quantizers = {}  # QuantizeLinear output -> (node, encoding or None)
         for node in self.nodes:
             if node.op_type == "QuantizeLinear":
@@ -248,6 +250,8 @@ def _attrs(node) -> dict:
 
 
 def _encoding(scale, zp, elem, attrs: dict, shape: list | None, clip: tuple[int, int] | None) -> dict | None:
+    qmin: int | None
+    qmax: int | None
     if elem in _INT_TYPES:
         dtype, qmin, qmax = _INT_TYPES[elem]
         if clip is not None:

@@ -7,6 +7,7 @@ else, so the graph, ``encodings.json`` and the numpy fake-quant reference used b
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import cast
 
 import numpy as np
 import onnx
@@ -199,7 +200,7 @@ def pair_bounded(spec: QuantSpec, ndim: int) -> bool:
 
 
 def _quantize_pair_bounded(w: np.ndarray, spec: QuantSpec) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    k_axis = spec.pair_axis % 2
+    k_axis = cast(int, spec.pair_axis) % 2  # pair_bounded(spec): pair_axis is set
     q_kn, scale = quantize_pair_bounded(np.moveaxis(w, k_axis, 0), per_channel=spec.axis is not None)
     q = np.moveaxis(q_kn, 0, k_axis).astype(spec.np_dtype)
     scale = np.asarray(scale, np.float32)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import re
 from collections import deque
-from typing import Any
+from typing import Any, cast
 from collections.abc import Callable, Hashable, Iterable, Iterator
 
 import numpy as np
@@ -124,10 +124,11 @@ class Walker:
     def stand_in_shape(self, name: str) -> tuple[int, ...] | None:
         """The real shape of a vocabulary table a block-wise compile replaced with a small stand-in
         (``facts.STAND_INS``); None for any other tensor."""
-        shape = self.stand_ins().get(name)
+        stand_ins = self.stand_ins()
+        shape = stand_ins.get(name)
         while shape is None and REWRITTEN.search(name):  # a pass's rewrite of a stand-in (rotation, norm folding)
             name = REWRITTEN.sub("", name)
-            shape = self._stand_ins.get(name)
+            shape = stand_ins.get(name)
         return None if shape is None else tuple(int(d) for d in shape)
 
     def is_const(self, tensor: gs.Tensor) -> bool:
@@ -144,7 +145,7 @@ class Walker:
             return None
         if isinstance(src, gs.Constant):
             return tuple(int(d) for d in src.shape)
-        return tuple(self.index.constant_value(src).shape)
+        return tuple(cast(np.ndarray, self.index.constant_value(src)).shape)  # src is constant
 
     def const_dtype(self, tensor: gs.Tensor) -> np.dtype | None:
         src = self.const_source(tensor)
@@ -152,7 +153,7 @@ class Walker:
             return None
         if isinstance(src, gs.Constant):
             return np.dtype(src.dtype) if src.dtype is not None else None
-        return self.index.constant_value(src).dtype
+        return cast(np.ndarray, self.index.constant_value(src)).dtype  # src is constant
 
     def scalar(self, tensor: gs.Tensor) -> float | None:
         """The value of a one-element constant (eps, an exponent), else None."""

@@ -20,6 +20,7 @@ from __future__ import annotations
 import dataclasses
 import re
 from dataclasses import dataclass, field
+from typing import Any
 
 import onnx_graphsurgeon as gs
 
@@ -112,7 +113,7 @@ class _Draft:
     anchor: gs.Node
     roles: dict[str, str]  # linear node name -> role, input side first
     output_linear: str | None
-    pattern: dict[str, object] = field(default_factory=dict)
+    pattern: dict[str, Any] = field(default_factory=dict)
 
 
 class _Lookup:
@@ -237,11 +238,11 @@ def _mlp_sources(w: Walker, down: Linear, look: _Lookup):
                 acts.add("Pow")  # x^3 of the tanh GELU, as Pow or as Mul(x, x)
             walk.push((t.name, through, split) for t in data_inputs(w, node))
     fused = set()
-    for lin, through in crossed.items():
-        gate = via.get((lin, True), set()) - {None}
-        up = via.get((lin, False), set()) - {None}
+    for lin_node, through in crossed.items():
+        gate = via.get((lin_node, True), set()) - {None}
+        up = via.get((lin_node, False), set()) - {None}
         if through and gate and up - gate:
-            fused.add(lin)
+            fused.add(lin_node)
     return crossed, fused, acts
 
 
@@ -304,7 +305,9 @@ def _first_node(draft: _Draft, look: _Lookup) -> gs.Node:
 
 def _layers(drafts: list[_Draft]) -> list[int]:
     """Layer number per draft: a new layer whenever a kind repeats within the current one."""
-    layers, current, kinds = [], -1, set()
+    layers: list[int] = []
+    current = -1
+    kinds: set[str] = set()
     for draft in drafts:
         if current < 0 or draft.kind in kinds:
             current, kinds = current + 1, set()

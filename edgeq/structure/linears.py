@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from typing import cast
 
 import numpy as np
 import onnx_graphsurgeon as gs
@@ -187,8 +188,9 @@ def tie(w: Walker, lin: Linear, embeddings: list[Embedding], check_values: bool)
     for emb in embeddings:
         if (emb.rows, emb.dim) != (lin.n, lin.k):
             continue
-        weight = w.value(w.index.tensors[lin.weight])
-        table = w.value(w.index.tensors[emb.table])
+        # a linear's weight and an embedding's table are constants
+        weight = cast(np.ndarray, w.value(w.index.tensors[lin.weight]))
+        table = cast(np.ndarray, w.value(w.index.tensors[emb.table]))
         stored_nk = weight if lin.weight_transposed else weight.T
         if _values_equal(stored_nk, table):
             return dataclasses.replace(lin, tied_embedding=emb.node, tied_copy=True)

@@ -20,6 +20,7 @@ Which kind each model family's export has: ``Family.norm`` in ``edgeq.families``
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import cast
 
 import numpy as np
 import onnx_graphsurgeon as gs
@@ -65,7 +66,8 @@ _FUSED = {
 
 def find_norms(w: Walker) -> list[Norm]:
     """Every norm in graph order; each ReduceMean anchors at most one decomposed match."""
-    norms, claimed = [], set()
+    norms: list[Norm] = []
+    claimed: set[str] = set()
     for node in w.graph.nodes:
         if node.op in _FUSED:
             norms.append(_fused(w, node))
@@ -166,7 +168,7 @@ def _match_tail(w: Walker, reduce: gs.Node, x: gs.Tensor) -> tuple[float | None,
     mul = w.sole_consumer(inv.outputs[0])
     if mul is None or mul.op != "Mul" or _other(mul, inv.outputs[0].name) is None:
         return None
-    if _other(mul, inv.outputs[0].name).name != x.name:
+    if cast(gs.Tensor, _other(mul, inv.outputs[0].name)).name != x.name:  # not None (checked above)
         return None
     return eps, mul.outputs[0], nodes + [inv, mul]
 
@@ -198,6 +200,7 @@ def _match_affine(w: Walker, y: gs.Tensor, with_bias: bool):
         add = w.sole_consumer(out)
         beta = _other(add, out.name) if add is not None and add.op == "Add" else None
         if beta is not None and _const_vector(w, beta):
+            assert add is not None  # beta is only found on an add
             nodes.append(add)
             out, bias, bias_node = add.outputs[0], beta.name, add.name
     return out, scale, scale_node, bias, bias_node, nodes

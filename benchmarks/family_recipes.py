@@ -22,12 +22,11 @@ import subprocess
 import sys
 from pathlib import Path
 
+from foundation import save_results
+from measure import run_measured
+
 REPO = Path(__file__).resolve().parents[1]
 DATA = REPO / "data" / "wikitext-2"
-sys.path.insert(0, str(REPO / "benchmarks"))
-
-from foundation import save_results  # noqa: E402
-from measure import run_measured  # noqa: E402
 
 
 def _edgeq(*args: str) -> str:

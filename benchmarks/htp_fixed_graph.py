@@ -25,10 +25,9 @@ from pathlib import Path
 
 import numpy as np
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "benchmarks"))
+from measure import run_measured
 
-from measure import run_measured  # noqa: E402
+REPO = Path(__file__).resolve().parents[1]
 
 
 def dynamic_profile(path: Path) -> None:

@@ -19,11 +19,11 @@ from pathlib import Path
 
 import numpy as np
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "benchmarks"))
+from foundation import save_results
+from qnn_htp import _windows
 
-from foundation import save_results  # noqa: E402
-from qnn_htp import _windows  # noqa: E402
+REPO = Path(__file__).resolve().parents[1]
+
 
 PROMPTS = ("The capital of France is", "def fibonacci(n):", "Once upon a time, in a small village,")
 

@@ -16,9 +16,8 @@ from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from qnn_htp import _windows  # noqa: E402
+from qnn_htp import _windows
 
 
 def main() -> None:

@@ -28,12 +28,11 @@ import re
 import sys
 from pathlib import Path
 
+from foundation import save_results
+from measure import run_measured
+
 REPO = Path(__file__).resolve().parents[1]
 DATA = REPO / "data" / "wikitext-2"
-sys.path.insert(0, str(REPO / "benchmarks"))
-
-from foundation import save_results  # noqa: E402
-from measure import run_measured  # noqa: E402
 
 
 def _bytes(folder: Path, pattern: str) -> int:

@@ -53,16 +53,16 @@ from pathlib import Path
 
 import numpy as np
 
+from edgeq.evaluate.machine import isa_label, machine_info
+from measure import run_measured as _run
+from peers_report import markdown_table, plot
+from peers_scoring import add_perplexities, add_weight_policy, latencies
+
 REPO = Path(__file__).resolve().parents[1]
 PEERS_DIR = REPO / "benchmarks" / "peers"
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(PEERS_DIR))
-sys.path.insert(0, str(REPO / "benchmarks"))
 
-from edgeq.evaluate.machine import isa_label, machine_info  # noqa: E402
-from measure import run_measured as _run  # noqa: E402
-from peers_report import markdown_table, plot  # noqa: E402
-from peers_scoring import add_perplexities, add_weight_policy, latencies  # noqa: E402
 
 ADAPTER_PEERS = ("ort-quant", "quark", "nncf", "aimet-onnx")
 ADAPTER_FILES = {"ort-quant": "ort_quant.py", "quark": "quark.py", "nncf": "nncf.py", "aimet-onnx": "aimet_onnx.py"}

@@ -20,12 +20,12 @@ from pathlib import Path
 
 import numpy as np
 
+from foundation import save_results
+from measure import run_measured
+
 REPO = Path(__file__).resolve().parents[1]
 DATA = REPO / "data" / "wikitext-2"
-sys.path.insert(0, str(REPO / "benchmarks"))
 
-from foundation import save_results  # noqa: E402
-from measure import run_measured  # noqa: E402
 
 ROTATION_FLOAT = """description = "the float rotation chain: fuse-norms, ln-to-rms, rotate, rms (every layer, float branch)"
 

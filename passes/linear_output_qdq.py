@@ -16,9 +16,9 @@ feeds the residual stream, where a clip is an error on every later layer). Every
 default (``activations = "uint16"``: an 8-bit input is widened to uint16 over the same range, and
 the output is uint16): a linear's output has the range of the residual stream, which 8 bits resolve
 too coarsely, and the HTP's 8-bit units depart from onnxruntime CPU on the same graph. Measured on
-SmolLM2 (issue 43 item 5, docs/npu-handoff.md): mquant-w8a8's qnn-htp form with 8-bit units scores
-1.057x fp32 on CPU (40 windows), with 16-bit units 1.002x; on the tiny pair the HTP departs from CPU
-by 0.131 (8-bit units) against 0.0036 (16-bit), the bound being 0.032. ``"match"`` keeps each unit
+SmolLM2 (issue 43 item 5; the figures in docs/npu-handoff.md, ``htp-units-2026-11-28.json``):
+mquant-w8a8's qnn-htp form with 8-bit units loses accuracy on CPU and, on the tiny pair, departs
+on the HTP from CPU past the test's bound; with 16-bit units it does neither. ``"match"`` keeps each unit
 at its input's type (the HTP refuses a unit whose input and output types differ). LOSSY: the summary
 gives the mean and worst relative step (scale / max |y|).
 """

@@ -83,11 +83,18 @@ STARTED = run_stamp()
 def save_results(path: Path, results: dict) -> None:
     """Write the JSON results file (creating its folder) and print it, stamped with the machine
     (CPU model, ISA flags, the u8s8 kernel they select, onnxruntime version) and the run as it
-    started (``STARTED``), with the time of this write (``saved``)."""
+    started (``STARTED``), with the time of this write (``saved``). A file an earlier run began
+    keeps that run's stamp and lists each later run that added to it under ``resumed`` (its
+    stamp and machine): rows a resumed run adds are that run's."""
     from edgeq.evaluate.machine import machine_info
 
     results.setdefault("machine", machine_info())
-    results.setdefault("run", dict(STARTED))["saved"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+    run = results.setdefault("run", dict(STARTED))
+    if run.get("date") != STARTED["date"]:  # a file an earlier run began: this run's stamp and machine beside it
+        resumed = results.setdefault("resumed", [])
+        if not any(r.get("date") == STARTED["date"] for r in resumed):
+            resumed.append({**STARTED, "machine": machine_info()})
+    run["saved"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(results, indent=1))
     print(json.dumps(results, indent=1))

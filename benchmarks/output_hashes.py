@@ -95,6 +95,13 @@ def cases(edgeq: str, work: Path) -> list[tuple[str, list[str]]]:
         ("route/genai", ["compile", str(past / "model.onnx"), "--recipe", "quarot-gptq-w4a16", "--target", "ort-genai",
                          *common]),
         ("route/target-qnn-htp", ["compile", str(llama), "--recipe", "mquant-w8a8", "--target", "qnn-htp", *common]),
+        # the target's output stages (Qualcomm's compiler: pip install 'edgeq[qnn]'): binaries and genai's
+        # pipeline, then the parts prepared instead of the whole graphs
+        ("route/static-context-binary", ["compile", str(past / "model.onnx"), "--recipe", "mquant-w8a8", "--static",
+                                         "prefill=8,context=48", "--target", "qnn-htp", "--context-binary", *common]),
+        ("route/static-context-binary-parts", ["compile", str(past / "model.onnx"), "--recipe", "mquant-w8a8",
+                                               "--static", "prefill=8,context=48", "--target", "qnn-htp",
+                                               "--context-binary", "--max-context-mb", "0.15", *common]),
     ]
     return out
 
@@ -105,6 +112,7 @@ def main() -> int:
     ap.add_argument("--work", type=Path, default=Path("/tmp/edgeq-output-hashes"))
     ap.add_argument("--out", type=Path)
     ap.add_argument("--compare", nargs=2, type=Path, metavar=("OLD", "NEW"))
+    ap.add_argument("--only", metavar="PREFIX", help="run only the cases whose name starts with PREFIX (e.g. route/)")
     args = ap.parse_args()
     if args.compare:
         old, new = (json.loads(p.read_text()) for p in args.compare)
@@ -118,7 +126,7 @@ def main() -> int:
         return 1 if differ else 0
     results = {}
     work = args.work.resolve()
-    todo = cases(args.edgeq, work)
+    todo = [case for case in cases(args.edgeq, work) if args.only is None or case[0].startswith(args.only)]
     for i, (name, argv) in enumerate(todo, 1):
         out = work / "out" / name
         code, last = _run(args.edgeq, [*argv, "-o", str(out), "--force"])

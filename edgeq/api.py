@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
 from edgeq.errors import UserInputError
+from edgeq.targets.qnn_htp import QnnLayout
 
 if TYPE_CHECKING:
     from edgeq.artifacts.report import CompileReport
@@ -27,8 +28,11 @@ if TYPE_CHECKING:
 
 OutputKind = Literal["model", "static-pair", "static-vlm", "genai"]
 
-# CompileRequest's fields that only a target reads, taken as keywords by ``compile``
-TARGET_OPTIONS = ("context_binary", "max_context_mb", "share_weights", "htp_arch", "accuracy_level", "lm_head_bits")
+# the targets' options (``edgeq.targets.qnn_htp.QnnHtpOptions``, ``edgeq.targets.ort_genai.OrtGenaiOptions``),
+# taken as keywords by ``compile``
+QNN_HTP_OPTIONS = ("context_binary", "max_context_mb", "share_weights", "htp_arch")
+ORT_GENAI_OPTIONS = ("accuracy_level", "lm_head_bits")
+TARGET_OPTIONS = QNN_HTP_OPTIONS + ORT_GENAI_OPTIONS
 
 
 def compile(model: str | os.PathLike, *, out: str | os.PathLike, recipe: str | None = None,  # noqa: A001
@@ -45,6 +49,8 @@ def compile(model: str | os.PathLike, *, out: str | os.PathLike, recipe: str | N
     any other keyword is a ``TypeError``, as for any Python function."""
     from edgeq.compiler import BLOCKWISE_MODES, CompileRequest, compile_model
     from edgeq.static.specialize import parse_static
+    from edgeq.targets.ort_genai import OrtGenaiOptions
+    from edgeq.targets.qnn_htp import QnnHtpOptions
 
     unknown = sorted(set(target_options) - set(TARGET_OPTIONS))
     if unknown:
@@ -63,24 +69,14 @@ def compile(model: str | os.PathLike, *, out: str | os.PathLike, recipe: str | N
         dump_each=_path(dump_each), verify=verify, check_numerics=check_numerics, use_cache=use_cache,
         target=target, allow_partial=allow_partial, blockwise=blockwise,
         static=(shape[0], shape[1]) if shape is not None else None, force=force,
-        **{k: v for k, v in target_options.items() if v is not None})
+        qnn_htp=QnnHtpOptions(**{k: v for k, v in target_options.items() if k in QNN_HTP_OPTIONS and v is not None}),
+        ort_genai=OrtGenaiOptions(**{k: v for k, v in target_options.items()
+                                     if k in ORT_GENAI_OPTIONS and v is not None}))
     return compile_model(req)
 
 
 def _path(value: str | os.PathLike | None) -> Path | None:
     return Path(value) if value is not None else None
-
-
-@dataclass(frozen=True)
-class QnnLayout:
-    """The QNN HTP context binaries a ``--context-binary`` compile wrote (``qnn_context`` in report.json):
-    for each graph, its EPContext model(s) in run order (one, or its parts), and the folder
-    onnxruntime-genai opens when the compile wrote that pipeline."""
-
-    htp_arch: int | None
-    contexts: dict[str, list[Path]]
-    weights_shared: bool
-    genai_folder: Path | None
 
 
 @dataclass(frozen=True)
@@ -151,7 +147,7 @@ def load(out: str | os.PathLike) -> Output:
         graphs = {"model": folder / "model.onnx"}
     split = (static or {}).get("parts") or {}
     parts = {role: [folder / p["file"] for p in split[role]] for role in ("prefill", "decode") if role in split}
-    output = Output(folder, kind, report, graphs, parts, _qnn_layout(folder, report.get("qnn_context")))
+    output = Output(folder, kind, report, graphs, parts, QnnLayout.of(folder, report))
     recorded = [*graphs.values(), *(f for files in parts.values() for f in files),
                 *(f for files in (output.qnn.contexts.values() if output.qnn else ()) for f in files)]
     missing = [f for f in recorded if not f.is_file()]
@@ -159,18 +155,6 @@ def load(out: str | os.PathLike) -> Output:
         raise UserInputError(f"{folder}: {missing[0].name} is recorded in report.json but missing "
                              f"({len(missing)} file(s) missing): the folder is incomplete")
     return output
-
-
-def _qnn_layout(folder: Path, section: dict | None) -> QnnLayout | None:
-    if not section:
-        return None
-    contexts: dict[str, list[Path]] = {}
-    for graph, record in (section.get("graphs") or {}).items():
-        models = [f for f in record.get("files", []) if f.endswith(".onnx")]
-        contexts[Path(graph).stem] = [folder / f for f in models]
-    genai = section.get("genai") or {}
-    genai_folder = folder / Path(genai["config"]).parent if genai.get("written") and genai.get("config") else None
-    return QnnLayout(section.get("htp_arch"), contexts, bool(section.get("weights_shared")), genai_folder)
 
 
 def _input_names(model: Path) -> set[str]:

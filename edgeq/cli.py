@@ -25,6 +25,7 @@ from __future__ import annotations
 import _thread
 import argparse
 import contextlib
+import dataclasses
 import errno
 import json
 import os
@@ -102,42 +103,16 @@ def _add_compile(sub) -> None:
                         "deployment: OUT/vision.onnx (batch 1) beside the pair, the visual span at prefill rows "
                         "[0, V) in AIFS order with MSQ's visual scales on that slice (S >= V + 1); run it with "
                         "`edgeq eval vqa OUT` (docs/static-vlm-deployment.md)")
-    p.add_argument("--context-binary", action="store_true",
-                   help="with --static and --target qnn-htp: also prepare both graphs with Qualcomm's own compiler "
-                        "(onnxruntime-qnn, `pip install 'edgeq[qnn]'`) into OUT/qnn/prefill_ctx.onnx and "
-                        "OUT/qnn/decode_ctx.onnx, EPContext models with their HTP context binaries beside them, each "
-                        "loaded back with CPU fallback disabled before anything is written (exit 3 if the HTP refuses). "
-                        "Minutes for a 135M model")
-    p.add_argument("--max-context-mb", type=float, metavar="MB",
-                   help="with --context-binary: cut each static graph into consecutive parts (embedding and first "
-                        "blocks ... last blocks and head) whose weights each fit MB megabytes, cut where one hidden "
-                        "state carries the residual stream; written as OUT/<role>_part{i}of{n}.onnx over the same "
-                        "weights file and prepared as OUT/qnn/<role>_part{i}of{n}_ctx.onnx. `edgeq eval ppl` and "
-                        "`edgeq generate` with --provider qnn-htp run the parts in sequence. A block larger than MB "
-                        "exits 2 naming it")
-    p.add_argument("--share-weights", action="store_true",
-                   help="with --context-binary: prepare the prefill and decode graphs (or each pair of parts) into "
-                        "one QNN context binary that holds the weights once, as devices load them. No onnxruntime-qnn "
-                        "release loads such a binary on x86-64 (\"Shared weights buffer isn't supported on this "
-                        "platform\"), so it is written without being loaded back; without this flag each graph "
-                        "gets its own binary (two copies of the weights), which loads here")
-    p.add_argument("--htp-arch", type=int, metavar="N",
-                   help="the HTP generation the context binaries are prepared for: 73 (Snapdragon 8 Gen 2), "
-                        "75 (8 Gen 3), 79 (8 Elite, default)")
-    p.add_argument("--accuracy-level", type=int, metavar="N",
-                   help="with --target ort-genai: MatMulNBits accuracy_level of the 4-bit linears: 4 (default, "
-                        "onnxruntime-genai's own CPU setting: activations quantized to int8 per block inside the op, "
-                        "int8 x int4 GEMM) or 0 (float activations)")
-    p.add_argument("--lm-head-bits", type=int, metavar="B",
-                   help="with --target ort-genai, when the recipe leaves lm_head in float: 8 (default) writes it as "
-                        "int8 MatMulNBits (round to nearest, blocks of 128: genai reads it every token, 4x fewer bytes "
-                        "than float), 32 keeps it float")
+    from edgeq.targets import ort_genai, qnn_htp
+
+    qnn_htp.add_arguments(p)
+    ort_genai.add_arguments(p)
     p.set_defaults(func=_run_compile)
 
 
 def _run_compile(args) -> int:
     from edgeq.api import compile as compile_api
-    from edgeq.targets import TargetUnreachable
+    from edgeq.targets import TargetUnreachable, ort_genai, qnn_htp
 
     try:  # (the Python API, edgeq.compile, with the options as parsed)
         report = compile_api(
@@ -145,8 +120,8 @@ def _run_compile(args) -> int:
             calib_windows=args.calib_windows, seq_len=args.seq_len, dump_each=args.dump_each, verify=args.verify,
             check_numerics=args.check_numerics, use_cache=not args.no_cache, target=args.target,
             allow_partial=args.allow_partial, blockwise=args.blockwise, static=args.static, force=args.force,
-            context_binary=args.context_binary, htp_arch=args.htp_arch, max_context_mb=args.max_context_mb,
-            share_weights=args.share_weights, accuracy_level=args.accuracy_level, lm_head_bits=args.lm_head_bits)
+            **dataclasses.asdict(qnn_htp.QnnHtpOptions.from_args(args)),
+            **dataclasses.asdict(ort_genai.OrtGenaiOptions.from_args(args)))
     except TargetUnreachable as exc:
         for v in exc.result.violations:
             print(v.message)

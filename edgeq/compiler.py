@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import dataclasses
 import enum
-import math
 import errno
 import os
 import re
@@ -50,7 +49,7 @@ from edgeq.graph import ir
 from edgeq.files import output_dir
 from edgeq.artifacts.manifest import input_model_record
 from edgeq.artifacts.report import CompilePathSection, CompileReport, RecipeSection, TargetSection
-from edgeq.artifacts.writer import CompileResult, ModelGraphs, StaticGraphs, write
+from edgeq.artifacts.writer import CompileResult, ModelGraphs, OutputStage, StaticGraphs, write
 from edgeq.calib.dataset import InputLimits, build_calibration_set
 from edgeq.calib.session import Calibrator
 from edgeq.errors import UserInputError
@@ -66,6 +65,8 @@ from edgeq.quantize.qdq_encodings import collect_encodings
 from edgeq.recipes import DEFAULT_RECIPE, Recipe, load_recipe
 from edgeq.passmanager.registry import get_pass
 from edgeq.targets import TargetProfile, TargetUnreachable, check_model, load_target
+from edgeq.targets.ort_genai import OrtGenaiOptions
+from edgeq.targets.qnn_htp import QnnHtpOptions
 from edgeq.textdata import default_tokenizer_dir
 
 BLOCKWISE_MODES = ("auto", "on", "off")
@@ -95,12 +96,8 @@ class CompileRequest:
     blockwise: str = "auto"  # "auto" | "on" | "off": compile one decoder block at a time
     static: tuple[int, int] | None = None  # (prefill, context): write the static prefill/decode pair
     force: bool = False  # replace a non-empty out_dir that edgeq did not write (output_dir.check_output_dir)
-    context_binary: bool = False  # with --static and a QNN target: OUT/qnn/*_ctx.onnx prepared by the vendor's HTP
-    htp_arch: int | None = None  # the HTP generation the context binaries are prepared for
-    max_context_mb: float | None = None  # with --context-binary: each graph cut into parts whose weights fit MB
-    share_weights: bool = False  # with --context-binary: prefill and decode (part i) in one binary, weights once
-    accuracy_level: int | None = None  # --target ort-genai: MatMulNBits accuracy_level (default 4, genai's for the CPU)
-    lm_head_bits: int | None = None  # --target ort-genai: a float lm_head as int8 MatMulNBits (8, default) or kept (32)
+    qnn_htp: QnnHtpOptions = QnnHtpOptions()  # --target qnn-htp: context binaries, parts (edgeq.targets.qnn_htp)
+    ort_genai: OrtGenaiOptions = OrtGenaiOptions()  # --target ort-genai: the folder's settings (edgeq.targets.ort_genai)
 
 
 class Route(enum.Enum):
@@ -171,10 +168,11 @@ def compile_blockwise(plan: CompilePlan, skeleton: onnx.ModelProto, external_dat
     return _result(plan, ModelGraphs(model, u8s8, external_data=external_data), report, encodings)
 
 
-def _result(plan: CompilePlan, graphs, report: CompileReport, encodings: dict) -> CompileResult:
+def _result(plan: CompilePlan, graphs, report: CompileReport, encodings: dict,
+            stages: list[OutputStage] | None = None) -> CompileResult:
     return CompileResult(plan.req.out_dir, graphs, report, encodings, recipe=plan.recipe,
                          input_model=plan.input_model, target=plan.profile.name if plan.profile else None,
-                         started=plan.started, force=plan.req.force, inputs=_inputs(plan.req))
+                         started=plan.started, force=plan.req.force, inputs=_inputs(plan.req), stages=stages or [])
 
 
 def plan_compile(req: CompileRequest) -> tuple[CompilePlan, onnx.ModelProto]:
@@ -192,11 +190,12 @@ def plan_compile(req: CompileRequest) -> tuple[CompilePlan, onnx.ModelProto]:
     guard = [get_pass("u8s8-safe-weights")()] if int8_weights == "u8s8-safe" else []
     model, locations = ir.load_model_and_locations(req.model, load_external=False)
     ir.check_opset(model)
-    _check_context_binary(req, profile)
-    if req.max_context_mb is not None:  # a table no part can hold: refused now, not after the blocks
+    req.qnn_htp.validate(req.static is not None, profile.vendor if profile else None)
+    budget = req.qnn_htp.budget_bytes
+    if budget is not None:  # a table no part can hold: refused now, not after the blocks
         from edgeq.static.split import check_tables_fit, stored_table_bits
 
-        check_tables_fit(model, int(req.max_context_mb * 2**20), stored_table_bits(lowering))
+        check_tables_fit(model, budget, stored_table_bits(lowering))
     _check_genai(req, profile, recipe)
     static_shape = None
     if req.static is not None:
@@ -250,7 +249,7 @@ def _plan_static_vlm(req: CompileRequest, model: onnx.ModelProto, recipe: Recipe
         return None
     assert req.static is not None  # (planned only with --static)
     return plan_static_vlm(req.model, model, recipe, req.static[0], req.calib,
-                           split=req.max_context_mb is not None, shared=req.share_weights)
+                           split=req.qnn_htp.max_context_mb is not None, shared=req.qnn_htp.share_weights)
 
 
 def choose_route(req: CompileRequest, profile: TargetProfile | None, skeleton: onnx.ModelProto,
@@ -415,46 +414,26 @@ def compile_static(plan: CompilePlan, model: onnx.ModelProto, external_data: Pat
     report.static["stages"] = {name: [r.to_json() for r in records] for name, records in stages_run.items()}
     if vlm is not None:
         report.static["vlm"] = vlm.report()
-    graphs = StaticGraphs(pair, u8s8, extra_files=extra, weights_dir=weights_dir,
-                          context_binary=plan.req.context_binary, htp_arch=plan.req.htp_arch,
-                          max_context_mb=plan.req.max_context_mb, share_weights=plan.req.share_weights,
-                          genai_config=None if vlm is not None else qnn_genai_config)
-    return _result(plan, graphs, report, encodings)
+    graphs = StaticGraphs(pair, u8s8, extra_files=extra, weights_dir=weights_dir)
+    output_stages: list[OutputStage] = list(plan.req.qnn_htp.output_stages(pair))
+    if output_stages and vlm is None:  # the binaries as onnxruntime-genai's decoder pipeline (edgeq.genai.qnn_config)
+        from edgeq.genai.qnn_config import GenaiQnnPipeline
 
-
-def qnn_genai_config(tmp: Path, report: CompileReport, graphs: StaticGraphs) -> dict:
-    """``OUT/qnn/genai_config.json`` and its CPU stages (``edgeq.genai.qnn_config``), so that
-    onnxruntime-genai opens ``OUT/qnn`` and runs the context binaries; written for one binary per
-    graph and a float cache, otherwise the record says why not."""
-    from edgeq.genai.qnn_config import write_genai_qnn_config
-
-    why = ("the parts (--max-context-mb) are not wired into a genai pipeline" if graphs.max_context_mb is not None
-           else "a shared-weights binary (--share-weights) does not load on x86-64, where the pipeline is tested"
-           if graphs.share_weights else "the genai pipeline's kv-writer stage takes a float32 cache"
-           if (report.static or {}).get("cache_dtype", "float32") != "float32" else "")
-    if why:
-        return {"written": False, "why": why}
-    assert report.static is not None and report.qnn_context is not None  # (the writer calls this after both)
-    return {"written": True, **write_genai_qnn_config(tmp, report.static, report.qnn_context)}
+        output_stages.append(GenaiQnnPipeline(plan.req.qnn_htp.max_context_mb is not None,
+                                              plan.req.qnn_htp.share_weights))
+    return _result(plan, graphs, report, encodings, output_stages)
 
 
 def _check_genai(req: CompileRequest, profile: TargetProfile | None, recipe: Recipe) -> None:
-    """--target ort-genai: a weight-only recipe on a with-past Llama-form export (refused before any work)."""
+    """--target ort-genai: its settings, and a weight-only recipe on a with-past Llama-form export
+    (refused before any work)."""
     genai = profile is not None and profile.vendor == "ort-genai"
-    if not genai:
-        if req.accuracy_level is not None or req.lm_head_bits is not None:
-            raise UserInputError("--accuracy-level and --lm-head-bits are settings of --target ort-genai")
-        return
-    from edgeq.genai import ACCURACY_LEVELS, check_recipe, read_config
+    req.ort_genai.validate(genai, req.static is not None)
+    if genai:
+        from edgeq.genai import check_recipe, read_config
 
-    if req.accuracy_level is not None and req.accuracy_level not in ACCURACY_LEVELS:
-        raise UserInputError(f"--accuracy-level must be one of {', '.join(map(str, ACCURACY_LEVELS))}")
-    if req.lm_head_bits is not None and req.lm_head_bits not in (8, 32):
-        raise UserInputError("--lm-head-bits must be 8 or 32")
-    if req.static is not None:
-        raise UserInputError("--target ort-genai writes a dynamic-shape folder for onnxruntime-genai: drop --static")
-    check_recipe(recipe)
-    read_config(req.model)
+        check_recipe(recipe)
+        read_config(req.model)
 
 
 def compile_genai(plan: CompilePlan, model: onnx.ModelProto) -> CompileResult:
@@ -464,32 +443,10 @@ def compile_genai(plan: CompilePlan, model: onnx.ModelProto) -> CompileResult:
 
     model, stages, encodings, target, _ = run_plan(plan, model)
     report, _ = build_report(plan, stages, target)
-    level = 4 if plan.req.accuracy_level is None else plan.req.accuracy_level
-    head = 8 if plan.req.lm_head_bits is None else plan.req.lm_head_bits
-    graphs = genai_graphs(model, report, plan.req.model, level, lm_head_bits=head)
+    options = plan.req.ort_genai
+    graphs = genai_graphs(model, report, plan.req.model, options.level, lm_head_bits=options.head_bits)
     del model
     return _result(plan, graphs, report, encodings)
-
-
-def _check_context_binary(req: CompileRequest, profile: TargetProfile | None) -> None:
-    """--context-binary / --htp-arch: only for a static pair on a QNN target, with the vendor installed."""
-    if not req.context_binary:
-        for given, flag in ((req.htp_arch is not None, "--htp-arch"), (req.max_context_mb is not None, "--max-context-mb"),
-                            (req.share_weights, "--share-weights")):
-            if given:
-                raise UserInputError(f"{flag} is a setting of --context-binary (with --static ... --target qnn-htp)")
-        return
-    if req.max_context_mb is not None and not (req.max_context_mb > 0 and math.isfinite(req.max_context_mb)):
-        raise UserInputError(f"--max-context-mb must be a positive number of megabytes, got {req.max_context_mb:g}")
-    from edgeq.targets.qnn_vendor import HTP_SOCS, vendor_version
-
-    if req.static is None or profile is None or profile.vendor != "qnn-htp":
-        raise UserInputError("--context-binary prepares a static pair for Qualcomm's HTP: "
-                             "use it with --static prefill=S,context=C --target qnn-htp")
-    if req.htp_arch is not None and req.htp_arch not in HTP_SOCS:
-        raise UserInputError(f"--htp-arch {req.htp_arch}: known HTP generations are {', '.join(map(str, HTP_SOCS))}")
-    if vendor_version() is None:
-        raise UserInputError("--context-binary needs Qualcomm's compiler: pip install 'edgeq[qnn]' (onnxruntime-qnn)")
 
 
 def _run_blocks(plan: CompilePlan, skeleton: onnx.ModelProto, ctx: PassContext, options: PipelineOptions,

@@ -60,6 +60,12 @@ def test_parts_are_prepared_whole_and_run_in_sequence_on_the_htp(tiny_past, tmp_
             assert ctx in manifest and report["qnn_context"]["graphs"][file]["load_seconds"] is not None
         assert not (out / "qnn" / f"{role}_ctx.onnx").exists()
     assert len(parts["prefill"]) == len(parts["decode"])
+    # the target's output stages, in order, each with the files it added (the writer only runs them)
+    stages = report["output_stages"]
+    assert [s["name"] for s in stages] == ["qnn-parts", "qnn-context-binaries", "genai-qnn-pipeline"]
+    assert set(stages[0]["files"]) == {p["file"] for role in ("prefill", "decode") for p in parts[role]}
+    assert all(f.startswith("qnn/") for f in stages[1]["files"]) and len(stages[1]["files"]) >= 2 * len(parts["prefill"])
+    assert stages[2]["files"] == {} and report["qnn_context"]["genai"]["written"] is False
     capsys.readouterr()
     cpu = _ppl(out, tiny_past, capsys)
     htp = _ppl(out, tiny_past, capsys, "--provider", "qnn-htp")

@@ -35,8 +35,13 @@ def pair(tiny_past, tmp_path_factory):
     assert main(["compile", str(tiny_past / "model" / "model.onnx"), "--recipe", "mquant-w8a8", "--calib",
                  str(tiny_past / "calib.txt"), "--seq-len", "32", "--calib-windows", "2", "--no-cache", "--static",
                  "prefill=8,context=48", "--target", "qnn-htp", "--context-binary", "-o", str(out)]) == 0
-    record = json.loads((out / "report.json").read_text())["qnn_context"]["genai"]
+    report = json.loads((out / "report.json").read_text())
+    record = report["qnn_context"]["genai"]
     assert record.pop("written") is True
+    # the pipeline is the output stage after the context binaries, its record listing what it wrote
+    stages = {s["name"]: s for s in report["output_stages"]}
+    assert list(stages) == ["qnn-context-binaries", "genai-qnn-pipeline"]
+    assert set(stages["genai-qnn-pipeline"]["files"]) == set(record["files"])
     manifest = json.dumps(json.loads((out / "manifest.json").read_text()))
     assert all(f in manifest for f in record["files"])  # written before the manifest, listed by it
     return out, record

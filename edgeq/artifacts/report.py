@@ -103,6 +103,19 @@ class OutputRecord:
 
 
 @dataclass
+class OutputStageRecord:
+    """One output stage the writer ran on the written graphs (``edgeq.artifacts.writer.OutputStage``):
+    its name, seconds, and each file it added (path in the folder -> bytes)."""
+
+    name: str
+    seconds: float
+    files: dict[str, int]
+
+    def to_json(self) -> dict:
+        return {"name": self.name, "seconds": self.seconds, "files": self.files}
+
+
+@dataclass
 class CompileReport:
     """report.json. ``passes`` are the pipeline's records of the recipe's passes; ``partial`` the
     essential passes that did not apply (``--allow-partial``)."""
@@ -122,6 +135,7 @@ class CompileReport:
     genai: GenaiSection | None = None
     u8s8: dict | None = None
     qnn_context: dict | None = None
+    output_stages: list[OutputStageRecord] = field(default_factory=list)
     output: OutputRecord | None = None
 
     @property
@@ -136,7 +150,8 @@ class CompileReport:
                "recipe": self.recipe.to_json(), "passes": self.passes, "calibration": self.calibration}
         optional = {"partial": self.partial or None, "target": self.target, "measured_accuracy": self.measured_accuracy,
                     "accuracy_warning": self.accuracy_warning, "static": self.static, "genai": self.genai,
-                    "u8s8": self.u8s8, "qnn_context": self.qnn_context}
+                    "u8s8": self.u8s8, "qnn_context": self.qnn_context,
+                    "output_stages": [r.to_json() for r in self.output_stages] or None}
         for key, value in optional.items():
             if value is not None:
                 out[key] = value.to_json() if hasattr(value, "to_json") else value

@@ -21,16 +21,17 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Protocol
+from typing import Protocol
 
 import onnx
 
 from edgeq.graph import ir
+from edgeq.graph.ir import check_loads
 from edgeq.files import output_dir
 from edgeq.artifacts.aimet import aimet_unsupported, write_aimet
 from edgeq.artifacts.encodings import json_safe, strict_json, write_strict_json
 from edgeq.artifacts.manifest import write_manifest
-from edgeq.artifacts.report import CompileReport, OutputRecord
+from edgeq.artifacts.report import CompileReport, OutputRecord, OutputStageRecord
 from edgeq.runtime.peak_rss import peak_rss_mb
 
 
@@ -39,6 +40,16 @@ class Graphs(Protocol):
         """Write the graphs (and the files beside them) into ``tmp``, fill the report's sections
         that writing them measures (``u8s8``; a static pair's weights and context binaries; genai's
         check); returns the bytes of the graphs written (report.json's ``output_size_mb``)."""
+
+
+class OutputStage(Protocol):
+    """A named step that makes files from the written graphs inside the staging folder (a target's:
+    ``edgeq.targets.qnn_htp``'s parts and context binaries, ``edgeq.genai.qnn_config``'s pipeline),
+    filling its report section; ``write`` runs each in turn and records it (``output_stages``)."""
+
+    name: str
+
+    def run(self, folder: Path, report: CompileReport) -> None: ...
 
 
 @dataclass
@@ -55,15 +66,35 @@ class CompileResult:
     started: float
     force: bool = False
     inputs: tuple = ()  # what must not be replaced (output_dir.check_output_dir)
+    stages: list[OutputStage] = field(default_factory=list)  # run in order once the graphs are written
 
 
 def write(result: CompileResult) -> CompileReport:
     """Write ``result``'s output folder atomically; returns the completed report."""
     with output_dir.atomic_output_dir(result.out_dir, force=result.force, inputs=result.inputs) as tmp:
         output_bytes = result.graphs.write_into(tmp, result.report)
+        for stage in result.stages:
+            output_bytes += run_output_stage(stage, tmp, result.report)
         write_records(tmp, result.report, result.encodings, result.recipe, result.input_model, result.target,
                       result.started, output_bytes)
     return result.report
+
+
+def run_output_stage(stage: OutputStage, folder: Path, report: CompileReport) -> int:
+    """Run ``stage`` in ``folder``; its record (seconds, the files it added with their bytes) goes
+    into ``report.output_stages``; returns the bytes of graphs and weights it added at the top of
+    the folder (counted in ``output_size_mb`` like the graphs')."""
+    before = _files(folder)
+    started = time.perf_counter()
+    stage.run(folder, report)
+    seconds = round(time.perf_counter() - started, 2)
+    added = {name: size for name, size in _files(folder).items() if name not in before}
+    report.output_stages.append(OutputStageRecord(stage.name, seconds, dict(sorted(added.items()))))
+    return sum(size for name, size in added.items() if "/" not in name and Path(name).suffix in (".onnx", ".data"))
+
+
+def _files(folder: Path) -> dict[str, int]:
+    return {p.relative_to(folder).as_posix(): p.stat().st_size for p in folder.rglob("*") if p.is_file()}
 
 
 @dataclass
@@ -101,25 +132,15 @@ class ModelGraphs:
 class StaticGraphs:
     """The static pair (``compile --static``): ``prefill.onnx`` and ``decode.onnx`` over one
     ``weights.data`` (``edgeq.static.shared_weights``), each proven to load; the tokenizer files
-    (``extra_files``) so that ``edgeq generate`` runs on the folder alone. ``context_binary``
-    (``--context-binary``, for HTP generation ``htp_arch`` or the default): QNN context binaries
-    prepared from the written graphs into ``qnn/``, before the report and the manifest list them.
-    ``max_context_mb`` (``--max-context-mb``): each graph also cut into parts whose weights fit
-    (``edgeq.static.split``; ``<role>_part{i}of{n}.onnx`` over the same ``weights.data``), and the
-    parts prepared instead of the whole graphs. ``share_weights``: prefill and decode (or their
-    parts i) prepared into one binary each (not loaded back here: ``edgeq.targets.qnn_context``)."""
+    (``extra_files``) so that ``edgeq generate`` runs on the folder alone. What a target makes of
+    the written pair (parts, QNN context binaries: ``edgeq.targets.qnn_htp``) are the result's
+    output stages, run after these are written; ``models`` are left as written (their weights
+    pointing at ``weights.data``) for them."""
 
     models: dict[str, onnx.ModelProto]
     u8s8: dict
     extra_files: list[Path] = field(default_factory=list)
-    context_binary: bool = False
-    htp_arch: int | None = None
-    max_context_mb: float | None = None
-    share_weights: bool = False
     weights_dir: Path | None = None  # where initializers still stored as external data are (block-wise)
-    # with context binaries: writes what onnxruntime-genai needs beside them, returns its record
-    # (given by the compiler: ``edgeq.genai`` imports this package, so it is not imported here)
-    genai_config: Callable[[Path, CompileReport, StaticGraphs], dict] | None = None
 
     def write_into(self, tmp: Path, report: CompileReport) -> int:
         from edgeq.static.shared_weights import save_sharing_weights
@@ -136,44 +157,12 @@ class StaticGraphs:
             check_loads(tmp / name)
         for file in self.extra_files:
             (tmp / file.name).write_bytes(file.read_bytes())
-        prepared = [list(self.models)]  # per role, the files prepared for the HTP (the parts when split)
-        if self.max_context_mb is not None:
-            prepared = self._write_parts(tmp, report)
-        graphs = sum(f.stat().st_size for f in tmp.iterdir() if f.suffix in (".onnx", ".data"))
-        if self.context_binary:
-            from edgeq.targets.qnn_context import write_context_binaries
+        return graph_bytes(tmp)
 
-            roles = prepared if self.max_context_mb is not None else [[name] for name in self.models]
-            groups = [list(group) for group in zip(*roles)] if self.share_weights else None
-            report.qnn_context = write_context_binaries(tmp, [f for files in roles for f in files], self.htp_arch, groups)
-            if self.max_context_mb is not None:
-                report.qnn_context["max_context_mb"] = self.max_context_mb
-            if self.genai_config is not None:
-                report.qnn_context["genai"] = self.genai_config(tmp, report, self)
-        return graphs
 
-    def _write_parts(self, tmp: Path, report: CompileReport) -> list[list[str]]:
-        """Each graph cut into parts (the decode graph at the prefill graph's cuts), saved beside
-        it over the same weights file and proven to load; their records go into ``static.parts``."""
-        from edgeq.static.split import boundaries_of, split_graph
-
-        assert self.max_context_mb is not None  # (called only with --max-context-mb)
-        budget = int(self.max_context_mb * 2**20)
-        files, records, cuts = [], {}, None
-        for name, model in self.models.items():
-            role = Path(name).stem
-            parts = split_graph(model, budget, role, cuts)
-            cuts = boundaries_of(parts)
-            names = [p.file_name(role, k + 1, len(parts)) for k, p in enumerate(parts)]
-            for part, file in zip(parts, names):
-                onnx.save_model(part.model, str(tmp / file))
-                check_loads(tmp / file)
-            files.append(names)
-            records[role] = [{"file": f, "weight_bytes": p.weight_bytes, "blocks": p.blocks, "inputs": p.inputs,
-                              "outputs": p.outputs} for f, p in zip(names, parts)]
-        report.static = {**(report.static or {}), "parts": {"max_context_mb": self.max_context_mb, "boundaries": cuts,
-                                                            **records}}
-        return files
+def graph_bytes(folder: Path) -> int:
+    """The bytes of the graphs and weights files at the top of ``folder`` (report.json's ``output_size_mb``)."""
+    return sum(f.stat().st_size for f in folder.iterdir() if f.suffix in (".onnx", ".data"))
 
 
 def write_records(tmp: Path, report: CompileReport, encodings: dict, recipe, input_model: dict, target: str | None,
@@ -200,16 +189,6 @@ def model_bytes(path: Path) -> int:
         if sibling != path and sibling.is_file():
             total += sibling.stat().st_size
     return total
-
-
-def check_loads(model_path: Path) -> None:
-    """An onnxruntime session on the saved model, built the cheapest way (no graph optimizations,
-    no weight prepacking): the output must load, and a large one must not be held twice to show it."""
-    import onnxruntime as ort
-
-    so = ir.session_options(optimize=False)
-    so.add_session_config_entry("session.disable_prepacking", "1")
-    ort.InferenceSession(str(model_path), so, providers=["CPUExecutionProvider"])
 
 
 def _u8s8_report(model_path: Path, feeds: dict | None, u8s8: dict) -> dict:

@@ -27,7 +27,6 @@ MAPPED_PASSES = frozenset({"expand-functions", "fuse-norms", "ln-to-rms", "rotat
 # the model types whose attention genai's Llama form computes (config.json ``model_type``):
 # the families declared ``genai`` in edgeq.families
 MAPPED_FAMILIES = frozenset(f.model_type for f in FAMILIES if f.genai)
-ACCURACY_LEVELS = (0, 1, 2, 3, 4)
 
 
 def check_recipe(recipe) -> None:

@@ -42,7 +42,7 @@ import json
 import os
 import shutil
 from pathlib import Path
-from typing import Any, cast
+from typing import TYPE_CHECKING, Any, cast
 
 import numpy as np
 import onnx
@@ -51,6 +51,9 @@ from onnx import TensorProto, helper, numpy_helper
 from edgeq.errors import UserInputError
 from edgeq.genai import genai_tokenizer
 from edgeq.genai.emit import dumps, genai_config
+
+if TYPE_CHECKING:
+    from edgeq.artifacts.report import CompileReport
 
 CONFIG_FILE = "genai_config.json"
 POSITION_PROCESSOR = "position-processor.onnx"
@@ -313,3 +316,25 @@ def register_qnn_plugin(og) -> str:
         og.register_execution_provider_library(name, onnxruntime_qnn.get_library_path())
         cast(Any, register_qnn_plugin).done = True  # (a function attribute: the once-per-process flag)
     return name
+
+
+class GenaiQnnPipeline:
+    """``genai-qnn-pipeline``, the output stage after the context binaries (``edgeq.targets.qnn_htp``):
+    ``OUT/qnn/genai_config.json`` and its CPU stages, so that onnxruntime-genai opens ``OUT/qnn`` and
+    runs the binaries; written for one binary per graph and a float cache, otherwise the record
+    (``qnn_context.genai`` in report.json) says why not."""
+
+    name = "genai-qnn-pipeline"
+
+    def __init__(self, split: bool, share_weights: bool) -> None:
+        self.split = split
+        self.share_weights = share_weights
+
+    def run(self, folder: Path, report: CompileReport) -> None:
+        assert report.static is not None and report.qnn_context is not None  # (after the pair and its binaries)
+        why = ("the parts (--max-context-mb) are not wired into a genai pipeline" if self.split
+               else "a shared-weights binary (--share-weights) does not load on x86-64, where the pipeline is tested"
+               if self.share_weights else "the genai pipeline's kv-writer stage takes a float32 cache"
+               if report.static.get("cache_dtype", "float32") != "float32" else "")
+        report.qnn_context["genai"] = ({"written": False, "why": why} if why else
+                                       {"written": True, **write_genai_qnn_config(folder, report.static, report.qnn_context)})

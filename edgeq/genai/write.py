@@ -20,7 +20,7 @@ import onnx
 
 from edgeq.graph import ir
 from edgeq.artifacts.report import CompileReport, GenaiSection
-from edgeq.artifacts.writer import check_loads
+from edgeq.graph.ir import check_loads
 from edgeq.genai import genai_tokenizer, read_config
 from edgeq.genai.emit import build_genai_model, dumps, genai_config
 import dataclasses

@@ -282,32 +282,31 @@ class StaticPairDecoder(Decoder):
 
 
 def _htp_sessions(files: list[Path], open_one) -> tuple[list[Any], tuple[str, ...]]:
-    """The pair's sessions on the HTP: its prepared context binaries (``qnn/<role>_ctx.onnx``), or
-    its prepared parts run in sequence (``qnn/<role>_part{i}of{n}_ctx.onnx``, ``PartChain``), else
-    the graphs themselves. A shared-weights folder is refused on x86-64, where QNN cannot load it."""
+    """The pair's sessions on the HTP: the context binaries its report.json records
+    (``edgeq.targets.qnn_htp.QnnLayout``: ``qnn/<role>_ctx.onnx``, or its prepared parts run in
+    sequence, ``PartChain``), else the graphs themselves. A shared-weights folder is refused on
+    x86-64, where QNN cannot load it."""
     import platform
 
-    from edgeq.generation.part_chain import open_chain, part_files
+    from edgeq.generation.part_chain import open_chain
+    from edgeq.targets.qnn_htp import QnnLayout
 
-    qnn = files[0].parent / "qnn"
-    report = files[0].parent / "report.json"
-    if qnn.is_dir() and report.is_file() and platform.machine() in ("x86_64", "AMD64"):
-        try:
-            shared = (json.loads(report.read_text()).get("qnn_context") or {}).get("weights_shared")
-        except (OSError, ValueError):
-            shared = None
-        if shared:
-            raise UserInputError(f"{qnn} holds shared-weights context binaries (compile --share-weights), which QNN "
-                                 "loads on devices only (on x86-64: \"Shared weights buffer isn't supported on this "
-                                 "platform\"): run them on the device, or compile without --share-weights to run here")
-    contexts = [qnn / f"{f.stem}_ctx.onnx" for f in files]
-    if all(c.is_file() for c in contexts):
-        return [open_one(c) for c in contexts], tuple(str(c) for c in contexts)
-    chains = [part_files(qnn, f.stem, contexts=True) if qnn.is_dir() else [] for f in files]
-    if all(chains):
-        return [open_chain(c, open_one) for c in chains], tuple(f"{c[0].parent}/{f.stem}_part*_ctx.onnx"
-                                                                  for c, f in zip(chains, files))
-    return [open_one(f) for f in files], tuple(str(f) for f in files)
+    folder = files[0].parent
+    layout = QnnLayout.read(folder)
+    if layout is not None and layout.weights_shared and platform.machine() in ("x86_64", "AMD64"):
+        raise UserInputError(f"{folder / 'qnn'} holds shared-weights context binaries (compile --share-weights), which "
+                             "QNN loads on devices only (on x86-64: \"Shared weights buffer isn't supported on this "
+                             "platform\"): run them on the device, or compile without --share-weights to run here")
+    if layout is None or not all(layout.contexts.get(f.stem) for f in files):
+        return [open_one(f) for f in files], tuple(str(f) for f in files)
+    missing = [c for f in files for c in layout.contexts[f.stem] if not c.is_file()]
+    if missing:
+        raise UserInputError(f"{folder}: {missing[0].relative_to(folder)} is recorded in report.json but missing: "
+                             "the folder is incomplete")
+    chains = [layout.contexts[f.stem] for f in files]
+    sessions = [open_one(c[0]) if len(c) == 1 else open_chain(c, open_one) for c in chains]
+    return sessions, tuple(str(c[0]) if len(c) == 1 else f"{c[0].parent}/{f.stem}_part*_ctx.onnx"
+                           for c, f in zip(chains, files))
 
 
 def _vocab(session: Any) -> int:

@@ -9,36 +9,12 @@ part before it gave (``edgeq.static.split``). The decoders stay unaware of the s
 from __future__ import annotations
 
 import json
-import re
 from pathlib import Path
 from typing import Any
 from collections.abc import Callable
 
 from edgeq.errors import UserInputError
 from edgeq.static.split import PART_KEY
-
-_PART_FILE = re.compile(r"^(?P<role>.+)_part(?P<index>\d+)of(?P<count>\d+)(?P<ctx>_ctx)?\.onnx$")
-
-
-def part_files(folder: Path, role: str, contexts: bool) -> list[Path]:
-    """``folder``'s parts of ``role`` in order (``<role>_part{i}of{n}[_ctx].onnx``), [] when it has
-    none; a set with a part missing or two counts is a one-line error."""
-    found = {}
-    for path in folder.glob(f"{role}_part*of*.onnx"):
-        match = _PART_FILE.match(path.name)
-        if match and match["role"] == role and bool(match["ctx"]) == contexts:
-            found[(int(match["count"]), int(match["index"]))] = path
-    if not found:
-        return []
-    counts = {count for count, _ in found}
-    if len(counts) != 1:
-        raise UserInputError(f"{folder} holds {role} parts of different splits ({sorted(counts)} parts): recompile into an empty folder")
-    (count,) = counts
-    missing = [i for i in range(1, count + 1) if (count, i) not in found]
-    if missing:
-        raise UserInputError(f"{folder} lacks {role} part {missing[0]} of {count}")
-    return [found[(count, i)] for i in range(1, count + 1)]
-
 
 class PartChain:
     """Sessions of consecutive parts behind one session's interface."""

@@ -420,6 +420,16 @@ def session_options(optimize: bool = False, threads: int | None = None):
     return so
 
 
+def check_loads(model_path: Path) -> None:
+    """An onnxruntime session on the saved model, built the cheapest way (no graph optimizations,
+    no weight prepacking): an output must load, and a large one must not be held twice to show it."""
+    import onnxruntime as ort
+
+    so = session_options(optimize=False)
+    so.add_session_config_entry("session.disable_prepacking", "1")
+    ort.InferenceSession(str(model_path), so, providers=["CPUExecutionProvider"])
+
+
 def graph_session(graph: gs.Graph, prepare=None, optimize: bool = False, threads: int | None = None):
     """An onnxruntime CPU session on a graphsurgeon graph whose large constants go straight from
     numpy into an external data file: they are never serialized into protobuf (an export holds

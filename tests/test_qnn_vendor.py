@@ -102,6 +102,23 @@ def test_profile_gives_the_vendors_verdict_on_every_probe(tmp_path, capsys):
     assert not disagree, f"profile and vendor disagree on {len(disagree)} of {len(PROBES)} probes: {disagree}"
 
 
+@pytest.mark.parametrize("unbuffered", ["1", None])
+def test_the_vendors_answer_is_read_whatever_python_buffers(tmp_path, monkeypatch, unbuffered):
+    """The vendor library prints its own banner to the child's stdout from C; where Python buffers
+    stdout (no PYTHONUNBUFFERED, as under cron or CI) it lands after the child's answer line."""
+    from edgeq.targets.qnn_vendor import prepare_context
+
+    if unbuffered is None:
+        monkeypatch.delenv("PYTHONUNBUFFERED", raising=False)
+    else:
+        monkeypatch.setenv("PYTHONUNBUFFERED", unbuffered)
+    path = tmp_path / "probe.onnx"
+    onnx.save(probe("int8", "channel", "uint8", "uint8"), path)
+    assert ask_htp(path).accepted
+    result = prepare_context(path, tmp_path / "probe_ctx.onnx")
+    assert result.get("ok"), result
+
+
 def test_check_asks_the_vendor_and_lists_refused_nodes(tmp_path, capsys):
     path = tmp_path / "refused.onnx"
     onnx.save(probe("int8", "channel", "uint8", None), path)

@@ -27,6 +27,7 @@ from pathlib import Path
 from edgeq.errors import EdgeqError
 
 EP_NAME = "QNNExecutionProvider"
+RESULT_MARK = "edgeq-vendor-result: "  # the prefix of the child process's answer line
 # Snapdragon 8 Elite (HTP v79) is the current flagship generation the prepared binaries target by default
 DEFAULT_HTP_ARCH = 79
 # HTP generation -> the QNN SoC id of its Snapdragon (the backend needs one for fp16 float ops):
@@ -203,11 +204,9 @@ def ask_htp(model: str | os.PathLike, htp_arch: int = DEFAULT_HTP_ARCH, timeout:
                                  seconds=time.perf_counter() - started, vendor=vendor_version() or "", htp_arch=htp_arch)
         log.seek(0)
         refusals = parse_ep_log(log)
-    try:
-        answer = json.loads(done.stdout.strip().splitlines()[-1])
-    except (IndexError, json.JSONDecodeError):
-        answer = {"opened": False, "error": f"the vendor library ended the process (exit {done.returncode})",
-                  "seconds": time.perf_counter() - started}
+    answer = _child_answer(done.stdout) or {
+        "opened": False, "error": f"the vendor library ended the process (exit {done.returncode})",
+        "seconds": time.perf_counter() - started}
     refusals = _with_ops(model, refusals)
     accepted = bool(answer["opened"]) and not refusals
     if not accepted and not refusals:
@@ -327,10 +326,21 @@ def _child(args: list[str], timeout: float) -> dict:
                               stderr=subprocess.DEVNULL, text=True, timeout=timeout, preexec_fn=_cap_memory)
     except subprocess.TimeoutExpired:
         return {"ok": False, "error": f"the HTP did not finish within {timeout:.0f} s"}
-    try:
-        return json.loads(done.stdout.strip().splitlines()[-1])
-    except (IndexError, json.JSONDecodeError):
-        return {"ok": False, "error": f"the vendor library ended the process (exit {done.returncode})"}
+    return _child_answer(done.stdout) or {"ok": False,
+                                          "error": f"the vendor library ended the process (exit {done.returncode})"}
+
+
+def _child_answer(stdout: str) -> dict | None:
+    """The child process's answer: its line marked ``RESULT_MARK`` (the vendor library writes its own
+    lines to the same stdout from C, a "# LIBNATIVE: ..." banner among them, before or after that
+    line depending on how Python buffers it), or None when it gave none."""
+    for line in reversed(stdout.splitlines()):
+        if line.startswith(RESULT_MARK):
+            try:
+                return json.loads(line[len(RESULT_MARK):])
+            except json.JSONDecodeError:
+                return None
+    return None
 
 
 if __name__ == "__main__":
@@ -340,4 +350,4 @@ if __name__ == "__main__":
         answer = _prepare_shared(json.loads(sys.argv[2]), json.loads(sys.argv[3]), int(sys.argv[4]))
     else:
         answer = _open_on_htp(sys.argv[1], int(sys.argv[2]))
-    print(json.dumps(answer), flush=True)
+    print(RESULT_MARK + json.dumps(answer), flush=True)

@@ -5,12 +5,14 @@ and the teacher-forced top-1 agreement of the HTP's logits with the CPU's over t
 tokens of WikiText-2 test (greedy tokens diverge at fp16 near-ties; teacher forcing does not compound).
 
 Usage: python benchmarks/htp_generate.py PAIR --out F [--new-tokens 16] [--tokens 128] [--prompt P ...]
-(PAIR: a folder from ``edgeq compile --static ... --target qnn-htp --context-binary``)
+(PAIR: a folder from ``edgeq compile --static ... --target qnn-htp --context-binary``). Each row
+names the compile of the pair it ran on (``pair``, a key of ``pair_sha256``: its files' SHA-256).
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import subprocess
 import sys
@@ -20,7 +22,7 @@ from pathlib import Path
 import numpy as np
 
 from foundation import save_results
-from qnn_htp import _windows
+from qnn_htp import _graph_digests, _windows
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -47,12 +49,17 @@ def main() -> None:
     ap.add_argument("--prompt", action="append", help=f"prompts (default: {len(PROMPTS)} fixed ones)")
     args = ap.parse_args()
     results = json.loads(args.out.read_text()) if args.out.exists() else {"pair": str(args.pair), "prompts": {}}
+    # which compile of the pair each row ran on: its graphs' and weights' SHA-256 (a later run may
+    # find the pair recompiled, e.g. from a fresh export whose value names differ)
+    digests = _graph_digests(args.pair)
+    pair_id = hashlib.sha256(json.dumps(digests, sort_keys=True).encode()).hexdigest()[:16]
+    results.setdefault("pair_sha256", {})[pair_id] = digests
     for prompt in args.prompt or PROMPTS:
         row = results["prompts"].setdefault(prompt, {})
         for name, folder, extra in (("genai_qnn", args.pair / "qnn", ()), ("edgeq_htp", args.pair, ("--provider", "qnn-htp")),
                                     ("edgeq_cpu", args.pair, ())):
             if name not in row:
-                row[name] = _generate(folder, prompt, args.new_tokens, *extra)
+                row[name] = {**_generate(folder, prompt, args.new_tokens, *extra), "pair": pair_id}
                 save_results(args.out, results)
         row["genai_equals_edgeq_htp"] = row["genai_qnn"]["tokens"] == row["edgeq_htp"]["tokens"]
         row["htp_equals_cpu"] = row["edgeq_htp"]["tokens"] == row["edgeq_cpu"]["tokens"]
@@ -72,7 +79,8 @@ def main() -> None:
             "tokens": args.tokens, "text": "WikiText-2 test, its first tokens, through the prefill graph",
             "top1_agreement": float((a.argmax(-1) == b.argmax(-1)).mean()),
             "relative_l2": float(np.linalg.norm(a - b) / np.linalg.norm(a)),
-            "seconds": {"cpu": round(cpu_seconds, 1), "qnn-htp": round(time.perf_counter() - started - cpu_seconds, 1)}}
+            "seconds": {"cpu": round(cpu_seconds, 1), "qnn-htp": round(time.perf_counter() - started - cpu_seconds, 1)},
+            "pair": pair_id}
     save_results(args.out, results)
 
 

@@ -39,7 +39,7 @@ import shutil
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import onnx
 
@@ -61,6 +61,7 @@ if TYPE_CHECKING:  # (imported where the route runs: the block-wise and static m
     from edgeq.static.specialize import StaticShape
     from edgeq.static.vlm import StaticVlm
 from edgeq.passmanager.pipeline import Pipeline, PipelineOptions
+from edgeq.passmanager.stages import ModelStages, StageOptions
 from edgeq.quantize.qdq_encodings import collect_encodings
 from edgeq.recipes import DEFAULT_RECIPE, Recipe, load_recipe
 from edgeq.passmanager.registry import get_pass
@@ -130,6 +131,9 @@ class CompilePlan:
     blockwise_reason: str = ""  # why this path was chosen (report.json)
     static_shape: StaticShape | None = None  # with --static
     static_vlm: StaticVlm | None = None  # --static of a VLM (the fixed visual slice)
+    # the route's named stages outside the passes (ort-kernels, a VLM's layout, genai's emission),
+    # recorded as they run: report.json's route_stages
+    route_stages: ModelStages = dataclasses.field(default_factory=ModelStages)
 
 
 def compile_model(req: CompileRequest) -> CompileReport:
@@ -237,7 +241,7 @@ def plan_compile(req: CompileRequest) -> tuple[CompilePlan, onnx.ModelProto]:
     plan = CompilePlan(req, recipe, profile, passes + lowering + guard, (len(passes), len(lowering)), int8_weights,
                        input_model_record(req.model, locations), fingerprint, calibrator,
                        calibration, sample, started, route, part, why, static_shape=static_shape,
-                       static_vlm=static_vlm)
+                       static_vlm=static_vlm, route_stages=ModelStages(StageOptions(req.dump_each, req.verify)))
     return plan, model
 
 
@@ -331,8 +335,8 @@ def run_plan(plan: CompilePlan, model: onnx.ModelProto, external_data: Path | No
     return model, stages, encodings, target, measured
 
 
-def reach_target(plan: CompilePlan, model: onnx.ModelProto, encodings: dict, lowering: list
-                 ) -> tuple[onnx.ModelProto, TargetSection | None]:
+def reach_target(plan: CompilePlan, model: onnx.ModelProto, encodings: dict, lowering: list,
+                 graph: str = "model.onnx") -> tuple[onnx.ModelProto, TargetSection | None]:
     """With a target: check ``model`` against its profile (``TargetUnreachable`` when it is not
     clean), mark it, and select the profile's onnxruntime kernels; returns (model, target summary)."""
     if plan.profile is None:
@@ -345,7 +349,7 @@ def reach_target(plan: CompilePlan, model: onnx.ModelProto, encodings: dict, low
     if plan.profile.ort_kernels:  # after the check: the profile is stated in edgeq ops
         from edgeq.runtime_ops.ort_kernels import use_ort_kernels
 
-        model = use_ort_kernels(model)
+        model = plan.route_stages.run("ort-kernels", graph, model, use_ort_kernels)
         target.ort_kernels = sorted({n.op_type for n in model.graph.node if n.domain == "edgeq.ort"})
     return model, target
 
@@ -361,7 +365,7 @@ def compile_static(plan: CompilePlan, model: onnx.ModelProto, external_data: Pat
     file: each graph's are read in only while its target check runs, and the writer copies them
     tensor by tensor, so the peak stays near one copy of the compiled weights."""
     from edgeq.static.compile import kv_scales, pair_encodings, static_report, tokenizer_files
-    from edgeq.static.specialize import StageOptions, build_pair
+    from edgeq.static.specialize import build_pair
 
     shape = plan.static_shape
     assert shape is not None  # (the static route is planned with its shape)
@@ -378,20 +382,24 @@ def compile_static(plan: CompilePlan, model: onnx.ModelProto, external_data: Pat
     if vlm is not None:  # the visual span at a fixed slice (edgeq.static.vlm)
         from edgeq.static.vlm import order_invariant_mask, role_graph
 
-        model = order_invariant_mask(model)
+        model = plan.route_stages.run("vlm-order-invariant-mask", "with-past", model, order_invariant_mask)
+
+        def prepare(m: onnx.ModelProto, role: str) -> onnx.ModelProto:
+            return plan.route_stages.run("vlm-fixed-visual-slice", f"{role}.onnx", m, lambda g: role_graph(vlm, g, role))
     stages_run: dict = {}  # graph file -> the static stages' records (report.json's static.stages)
-    pair = build_pair(model, shape, scales, weights_dir, prepare=(lambda m, role: role_graph(vlm, m, role)) if vlm else None,
+    pair = build_pair(model, shape, scales, weights_dir, prepare=prepare if vlm else None,
                       records=stages_run, options=StageOptions(plan.req.dump_each, plan.req.verify))
     del model
     encodings = pair_encodings(pair, weights_dir)
     target, checks = None, {}
     for name in pair:
         if weights_dir is None:
-            pair[name], target = reach_target(plan, pair[name], encodings, stages["lowering"])
+            pair[name], target = reach_target(plan, pair[name], encodings, stages["lowering"], name)
         else:  # the check reads weights: a copy holds them while it runs, then goes
             from edgeq.blockwise import release_memory
 
-            checked, target = reach_target(plan, ir.weights_read_in(pair[name], weights_dir), encodings, stages["lowering"])
+            checked, target = reach_target(plan, ir.weights_read_in(pair[name], weights_dir), encodings,
+                                           stages["lowering"], name)
             pair[name] = ir.weights_pointed_back(checked, pair[name])
             del checked
             release_memory()
@@ -401,8 +409,9 @@ def compile_static(plan: CompilePlan, model: onnx.ModelProto, external_data: Pat
     if vlm is not None:  # vision.onnx beside the pair (static, batch 1), checked like them
         from edgeq.static.vlm import static_vision
 
-        vision = static_vision(vlm)
-        vision, vision_target = reach_target(plan, vision, collect_encodings(vision), stages["lowering"])
+        vision = plan.route_stages.run("vlm-static-vision", "vision.onnx", ir.load_model(vlm.vision),
+                                       lambda m: static_vision(vlm, m))
+        vision, vision_target = reach_target(plan, vision, collect_encodings(vision), stages["lowering"], "vision.onnx")
         pair["vision.onnx"] = vision
         if vision_target is not None:
             checks["vision.onnx"], target = vision_target.check, target or vision_target
@@ -439,12 +448,19 @@ def _check_genai(req: CompileRequest, profile: TargetProfile | None, recipe: Rec
 def compile_genai(plan: CompilePlan, model: onnx.ModelProto) -> CompileResult:
     """``--target ort-genai``: the recipe on the with-past graph, then the folder onnxruntime-genai
     opens, written from the result (``edgeq.genai``)."""
-    from edgeq.genai.write import genai_graphs
+    from edgeq.genai.write import GenaiGraphs, genai_graphs
 
     model, stages, encodings, target, _ = run_plan(plan, model)
     report, _ = build_report(plan, stages, target)
     options = plan.req.ort_genai
-    graphs = genai_graphs(model, report, plan.req.model, options.level, lm_head_bits=options.head_bits)
+    emitted: list[GenaiGraphs] = []
+
+    def emit(m: onnx.ModelProto) -> onnx.ModelProto:
+        emitted.append(genai_graphs(m, report, plan.req.model, options.level, lm_head_bits=options.head_bits))
+        return cast(onnx.ModelProto, emitted[0].model)
+
+    plan.route_stages.run("genai-emit", "model.onnx", model, emit)
+    (graphs,) = emitted
     del model
     return _result(plan, graphs, report, encodings)
 
@@ -512,6 +528,7 @@ def build_report(plan: CompilePlan, stages: dict, target: TargetSection | None, 
         partial=[{"pass": rec["name"], **rec["not_applicable"]} for rec in stages["recipe"]
                  if rec.get("essential_not_applied")],
         target=target,
+        route_stages=plan.route_stages.records,  # (the same list: stages run after this still land in it)
     )
     measured = measured_accuracy(plan.req.model, plan.req.recipe)
     if measured is not None:  # what this recipe costs on the model's family, measured on real weights
@@ -540,14 +557,15 @@ def _check_out_dir(req: CompileRequest) -> None:
         _check_dump_each(req.dump_each, req.out_dir.resolve(), req.force)
 
 
-_DUMP_FILE = re.compile(r"\d\d_[a-z0-9-]+\.onnx(\.data)?")
+# what --dump-each writes: NN_<pass>.onnx, <prefix>-NN_<stage>.onnx (static-prefill-, route-), data beside
+_DUMP_FILE = re.compile(r"([a-z0-9-]+-)?\d\d_[a-z0-9-]+\.onnx(\.data)?")
 
 
 def _check_dump_each(dump_each: Path, out: Path, force: bool = False) -> None:
     """``--dump-each DIR``: a folder (or a path where one can be made) that is writable and outside
     the output folder, which the end of the compile replaces (the dumps would be thrown away). The
     dumps are written into it as the passes run, so an existing folder must be empty or hold only
-    earlier dumps (``NN_<pass>.onnx``): files of the user's would be overwritten (``--force`` allows it)."""
+    earlier dumps (``NN_<pass>.onnx``, ``<prefix>-NN_<stage>.onnx``): files of the user's would be overwritten (``--force`` allows it)."""
     dump = dump_each.resolve()
     if dump == out or out in dump.parents:
         raise UserInputError(f"--dump-each {dump_each} is inside the output folder {out}, which is replaced at "

@@ -66,6 +66,8 @@ def test_folder_holds_what_genai_opens(built):
     report = json.loads((folder / "report.json").read_text())
     assert report["genai"]["opened_by_onnxruntime_genai"] == og.__version__
     assert report["genai"]["accuracy_level"] == 4 and report["target"]["name"] == "ort-genai"
+    (emit,) = report["route_stages"]  # genai's emission: a named stage with the ops it rewrote
+    assert emit["name"] == "genai-emit" and emit["ops_added"].get("com.microsoft:MatMulNBits") == 10, emit
     # 2 layers x 7 linears, all 4-bit; written as (packed qkv, o, gate, up, down); lm_head float (--lm-head-bits 32)
     assert report["genai"]["linears"]["matmulnbits"] == 14 and report["genai"]["linears"]["lm_head"] == "float32"
     assert report["genai"]["nodes"]["MatMulNBits"] == 10 and report["genai"]["nodes"]["MatMul"] == 1

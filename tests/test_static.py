@@ -316,3 +316,4 @@ def test_static_stages_are_recorded_dumped_and_verified(tiny_past, tmp_path):
         role = graph.removesuffix(".onnx")
         assert sorted(p.name for p in dumps.glob(f"static-{role}-*.onnx")) == [
             f"static-{role}-{i:02d}_{name}.onnx" for i, name in enumerate(names[1:], start=2)]
+    assert "route_stages" not in json.loads((tmp_path / "out" / "report.json").read_text())  # (no target: none)

@@ -70,6 +70,10 @@ def test_fp32_deployment_holds_three_static_graphs_and_says_where_the_span_is(fp
     assert shapes["prefill.onnx"]["inputs_embeds"] == [1, 16, 64]
     assert shapes["decode.onnx"]["inputs_embeds"] == [1, 1, 64]
     assert not {"visual_start", "visual_len"} & set(shapes["prefill.onnx"])  # the span is fixed, not an input
+    # the fixed layout's rewrites are named stages of the route, each graph's recorded
+    stages = [(r["name"], r["graph"]) for r in report["route_stages"]]
+    assert stages == [("vlm-order-invariant-mask", "with-past"), ("vlm-fixed-visual-slice", "prefill.onnx"),
+                      ("vlm-fixed-visual-slice", "decode.onnx"), ("vlm-static-vision", "vision.onnx")], stages
 
 
 @pytest.mark.parametrize("prefill", [16, 8])  # 8: the question's text continues through decode.onnx

@@ -400,6 +400,10 @@ def test_compile_with_ort_cpu_kernels_selects_the_kernels(tiny_models, tmp_path,
     assert code == 0, err
     report = json.loads((out / "report.json").read_text())
     assert report["target"]["ort_kernels"] == ["OnlineHadamard"]
+    # the rewrite is a named stage of the route, recorded with the ops it moved between domains
+    (stage,) = report["route_stages"]
+    assert stage["name"] == "ort-kernels" and stage["graph"] == "model.onnx"
+    assert set(stage["ops_added"]) == {"edgeq.ort:OnlineHadamard"} and stage["ops_removed"]
     kernel_model = ir.load_model(out / "model.onnx")
     assert {n.domain for n in kernel_model.graph.node if n.op_type == "OnlineHadamard"} == {"edgeq.ort"}
     feeds = random_feeds(ir.make_session(kernel_model).get_inputs(), seed=5)
@@ -413,3 +417,22 @@ def test_compile_with_ort_cpu_kernels_selects_the_kernels(tiny_models, tmp_path,
     session = ort.InferenceSession(str(out / "model.onnx"), ort_kernel_session_options(), providers=["CPUExecutionProvider"])
     for a, b in zip(want, session.run(None, feeds)):
         np.testing.assert_allclose(b, a, rtol=0, atol=1e-4 * max(1.0, float(np.abs(a).max())))
+
+
+def test_route_stages_are_dumped_and_verified_like_passes(tiny_models, tmp_path, capsys):
+    """``--dump-each`` / ``--verify`` reach the route's stages outside the recipe (the kernels rewrite):
+    its graph is saved as ``route-NN_<stage>.onnx`` and checked, its record says so."""
+    recipe = tmp_path / "rot.toml"
+    recipe.write_text('[[pass]]\nname = "fuse-norms"\n\n[[pass]]\nname = "ln-to-rms"\n\n[[pass]]\nname = "rotate"\n')
+    out, dumps = tmp_path / "out", tmp_path / "dumps"
+    code, _, err = _run(capsys, "compile", tiny_models["llama"], "--recipe", recipe, "-o", out, "--target",
+                        "ort-cpu-kernels", "--verify", "--dump-each", dumps)
+    assert code == 0, err
+    (stage,) = json.loads((out / "report.json").read_text())["route_stages"]
+    assert stage["name"] == "ort-kernels" and stage["verified"] is True
+    dumped = ir.load_model(dumps / "route-01_ort-kernels.onnx")
+    assert {n.domain for n in dumped.graph.node if n.op_type == "OnlineHadamard"} == {"edgeq.ort"}
+    # the folder now holds only edgeq's dumps: a second compile may dump into it again
+    code, _, err = _run(capsys, "compile", tiny_models["llama"], "--recipe", recipe, "-o", out, "--target",
+                        "ort-cpu-kernels", "--dump-each", dumps)
+    assert code == 0, err

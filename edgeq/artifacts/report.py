@@ -21,6 +21,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from edgeq.passmanager.stages import StageRecord
+
 
 @dataclass
 class CompilePathSection:
@@ -135,6 +137,7 @@ class CompileReport:
     genai: GenaiSection | None = None
     u8s8: dict | None = None
     qnn_context: dict | None = None
+    route_stages: list[StageRecord] = field(default_factory=list)  # the route's stages outside the passes
     output_stages: list[OutputStageRecord] = field(default_factory=list)
     output: OutputRecord | None = None
 
@@ -151,6 +154,7 @@ class CompileReport:
         optional = {"partial": self.partial or None, "target": self.target, "measured_accuracy": self.measured_accuracy,
                     "accuracy_warning": self.accuracy_warning, "static": self.static, "genai": self.genai,
                     "u8s8": self.u8s8, "qnn_context": self.qnn_context,
+                    "route_stages": [r.to_json() for r in self.route_stages] or None,
                     "output_stages": [r.to_json() for r in self.output_stages] or None}
         for key, value in optional.items():
             if value is not None:

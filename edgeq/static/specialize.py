@@ -57,6 +57,7 @@ from onnx import shape_inference
 from edgeq.graph import ir
 from edgeq.errors import UserInputError
 from edgeq.graph.facts import STATIC
+from edgeq.passmanager.stages import StageOptions, StageRecord, check_stage_output
 from edgeq.static.grouped_attention import group_queries
 from edgeq.kv_cache import PAST_PREFIX, PRESENT_PREFIX
 
@@ -140,43 +141,6 @@ def cache_layout(model: onnx.ModelProto, prefill: int, context: int) -> StaticSh
     return StaticShape(prefill, context, len(layers), heads, dim)
 
 
-@dataclass
-class StageRecord:
-    """One named step of the static specialization of one graph, as report.json's
-    ``static.stages`` lists it (what a pass record says of a pass: time, ops added and removed,
-    and ``verified`` under ``--verify``)."""
-
-    name: str
-    seconds: float
-    ops_added: dict[str, int]
-    ops_removed: dict[str, int]
-    verified: bool | None = None
-
-    @classmethod
-    def between(cls, name: str, started: float, before: collections.Counter, after: collections.Counter
-                ) -> StageRecord:
-        """The record of a stage that began at ``started`` with ops ``before`` and left ``after``."""
-        return cls(name, round(time.perf_counter() - started, 3), dict(sorted((after - before).items())),
-                   dict(sorted((before - after).items())))
-
-    def to_json(self) -> dict:
-        out = {"name": self.name, "seconds": self.seconds, "ops_added": self.ops_added, "ops_removed": self.ops_removed}
-        if self.verified is not None:
-            out["verified"] = self.verified
-        return out
-
-
-@dataclass(frozen=True)
-class StageOptions:
-    """``--dump-each`` and ``--verify`` for the static stages: each stage's graph saved as
-    ``DIR/static-<role>-NN_<stage>.onnx`` and checked (onnx checker, onnxruntime session). Graphs
-    whose weights stay in a block-wise compile's weights file are neither dumped nor verified
-    stage by stage (their check is the writer's load-back)."""
-
-    dump_each: Path | None = None
-    verify: bool = False
-
-
 class _Stages:
     """Runs the named stages of one graph's specialization and records each (``StageRecord``)."""
 
@@ -188,30 +152,16 @@ class _Stages:
         started = time.perf_counter()
         step(graph)
         record = StageRecord.between(name, started, before, collections.Counter(n.op for n in graph.nodes))
-        if self.options.verify or self.options.dump_each is not None:
+        if self.options.active:
             record.verified = self._check(name, graph)
         if self.records is not None:
             self.records.append(record)
 
     def _check(self, name: str, graph: gs.Graph) -> bool | None:
-        from edgeq.errors import PassFailure
-
         # (a copy, cleaned and its shapes inferred as the last step does: a stage may leave nodes it
         # disconnected, and the cache entries it makes outputs have their shapes only then)
         model = _with_static_shapes(ir.to_model(graph.copy().cleanup(remove_unused_graph_inputs=False).toposort()))
-        if any(t.data_location == onnx.TensorProto.EXTERNAL for t in model.graph.initializer):
-            return None  # (weights in a block-wise compile's file: see StageOptions)
-        if self.options.dump_each is not None:
-            index = 1 + len(self.records or [])
-            ir.save_model(model, Path(self.options.dump_each) / f"static-{self.role}-{index:02d}_{name}.onnx")
-        if not self.options.verify:
-            return None
-        try:
-            onnx.checker.check_model(model)
-            ir.make_session(model)
-        except Exception as exc:  # noqa: BLE001 (any failure is the stage's)
-            raise PassFailure(f"static {name} ({self.role})", f"output graph does not verify: {exc}") from exc
-        return True
+        return check_stage_output(model, name, f"static-{self.role}", self.options, 1 + len(self.records or []))
 
 
 def specialize(model: onnx.ModelProto, shape: StaticShape, role: str,

@@ -209,11 +209,13 @@ def _check_calibration(calib: Path | None, tokens: int, size: int) -> None:
                              f"{tokens}: calibration images of another size than the model's")
 
 
-def static_vision(layout: StaticVlm) -> onnx.ModelProto:
-    """``vision.onnx`` at batch 1 with its shapes folded, carrying the layout's metadata."""
+def static_vision(layout: StaticVlm, model: onnx.ModelProto | None = None) -> onnx.ModelProto:
+    """``vision.onnx`` at batch 1 with its shapes folded, carrying the layout's metadata, from
+    ``model`` (the layout's vision graph, loaded; changed) or the file the layout names."""
     from edgeq.static.specialize import fold_static
 
-    model = ir.load_model(layout.vision)
+    if model is None:
+        model = ir.load_model(layout.vision)
     _fix_batch(model)
     out = fold_static(model)
     ir.set_metadata(out, VLM_KEY, layout.metadata())

@@ -13,20 +13,20 @@ is the CLI's (``UserInputError`` 2, ``PassFailure`` 1, ``TargetUnreachable`` 3,
 
 from __future__ import annotations
 
-import json
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any
 
 from edgeq.errors import UserInputError
+from edgeq.files.folder_kind import FolderKind
 from edgeq.targets.qnn_htp import QnnLayout
 
 if TYPE_CHECKING:
     from edgeq.artifacts.report import CompileReport
     from edgeq.generation.decoder_base import Decoder
 
-OutputKind = Literal["model", "static-pair", "static-vlm", "genai"]
+OutputKind = FolderKind  # "model", "static-pair", "static-vlm", "genai"
 
 # the targets' options (``edgeq.targets.qnn_htp.QnnHtpOptions``, ``edgeq.targets.ort_genai.OrtGenaiOptions``),
 # taken as keywords by ``compile``
@@ -125,26 +125,15 @@ class Output:
 def load(out: str | os.PathLike) -> Output:
     """Open the edgeq output folder ``out`` (``edgeq.Output``); a folder edgeq did not write, or
     whose recorded files are missing, is a one-line ``UserInputError``."""
+    from edgeq.files.folder_kind import GRAPH_FILES, kind_of_report, read_report
+
     folder = Path(out)
-    report_file = folder / "report.json"
-    if not report_file.is_file():
+    report = read_report(folder) if folder.is_dir() else None
+    if report is None:
         raise UserInputError(f"{folder} is not an edgeq output folder (no report.json)")
-    try:
-        report = json.loads(report_file.read_text())
-    except (OSError, ValueError) as exc:
-        raise UserInputError(f"{report_file} cannot be read: {exc}") from None
+    kind = kind_of_report(report)
+    graphs = {role: folder / file for role, file in GRAPH_FILES[kind].items()}
     static = report.get("static")
-    if report.get("genai") is not None:
-        kind: OutputKind = "genai"
-        graphs = {"model": folder / "model.onnx"}
-    elif static is not None:
-        kind = "static-vlm" if "vlm" in static else "static-pair"
-        graphs = {role: folder / f"{role}.onnx" for role in ("prefill", "decode")}
-        if kind == "static-vlm":
-            graphs["vision"] = folder / "vision.onnx"
-    else:
-        kind = "model"
-        graphs = {"model": folder / "model.onnx"}
     split = (static or {}).get("parts") or {}
     parts = {role: [folder / p["file"] for p in split[role]] for role in ("prefill", "decode") if role in split}
     output = Output(folder, kind, report, graphs, parts, QnnLayout.of(folder, report))

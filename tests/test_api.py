@@ -96,3 +96,27 @@ def test_the_readme_example_runs(tiny_past, tmp_path, monkeypatch):
     exec(compile(code, "README.md", "exec"), scope)  # noqa: S102
     assert scope["out"].kind == "static-pair" and scope["out"].qnn.contexts["prefill"]
     assert np.isfinite(scope["logits"]).all()
+
+
+def test_readers_open_a_folder_by_its_record_not_its_files(tiny_past, tmp_path, capsys):
+    """``edgeq generate``/``eval`` take a compile's folder for what its report.json says: a static pair
+    with its decode graph gone is an incomplete folder (not a one-graph folder, as its files alone
+    would suggest); a report.json of another tool's is no record, and the files decide."""
+    import json
+    import shutil
+
+    from edgeq.cli import main
+    from edgeq.files.folder_kind import recorded_kind
+
+    pair = tmp_path / "pair"
+    edgeq.compile(tiny_past / "model" / "model.onnx", out=pair, recipe="fp32", static=(8, 32))
+    assert recorded_kind(pair) == "static-pair"
+    shutil.copy(tiny_past / "model" / "model.onnx", pair / "model.onnx")  # a stray graph beside the pair
+    (pair / "decode.onnx").unlink()
+    assert main(["generate", str(pair), "--prompt", "a b", "--max-new-tokens", "2"]) == 2
+    assert "decode.onnx is recorded in report.json (static-pair) but missing" in capsys.readouterr().err
+    export = tmp_path / "export"
+    shutil.copytree(tiny_past / "model", export)
+    (export / "report.json").write_text(json.dumps({"tool": "someone else's"}))
+    assert recorded_kind(export) is None
+    assert main(["generate", str(export), "--prompt", "a b", "--max-new-tokens", "2"]) == 0

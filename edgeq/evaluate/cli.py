@@ -202,15 +202,13 @@ def _ppl_route(args: argparse.Namespace) -> tuple[str | None, str]:
     a folder is a static pair (teacher-forced, --through decode by default) or holds model.onnx."""
     from pathlib import Path
 
-    from edgeq.generation.decoders import resolve_model
+    from edgeq.generation.decoders import is_genai, resolve_model
     from edgeq.graph.ir import check_model_file
-
-    from edgeq.genai import is_genai_folder
 
     path = Path(args.model)
     if not path.exists():  # named before the text is tokenized
         raise UserInputError(f"model file not found: {path}")
-    if is_genai_folder(path):  # onnxruntime-genai's own loop and logits (edgeq.generation.genai_decoder)
+    if is_genai(path):  # onnxruntime-genai's own loop and logits (edgeq.generation.genai_decoder)
         if args.kernel_check or args.batch_size != 1:
             raise UserInputError("an onnxruntime-genai folder runs window by window in genai's own session: "
                                  "drop --kernel-check/--batch-size")

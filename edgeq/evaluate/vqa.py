@@ -181,8 +181,11 @@ def _open_run(model_dir: str | os.PathLike, questions: str | os.PathLike | None,
         raise UserInputError(f"--provider must be one of {', '.join(PROVIDERS)}, got {provider!r}")
     from edgeq.generation.vlm_pair import is_static_vlm, open_static_vlm
 
+    from edgeq.files.folder_kind import recorded_kind
+
     folder = Path(model_dir)
-    static = is_static_vlm(folder)
+    kind = recorded_kind(folder)  # a compile's output: what its report says; an export folder by its files
+    static = kind == "static-vlm" if kind is not None else is_static_vlm(folder)
     files = _folder(folder, static)
     if provider != "cpu" and not static:
         raise UserInputError(f"{folder} is an fp32 VLM export folder, not a static deployment: --provider qnn-htp "

@@ -321,20 +321,36 @@ def resolve_model(path: str | os.PathLike) -> tuple[str, list[Path]]:
     """(mode family, graph files) for a folder or a .onnx file: ``("static-pair", [prefill, decode])``
     when the folder holds both graphs, else ``("dynamic", [model.onnx])``; each file passed the
     loader's checks (``ir.check_model_file``)."""
-    from edgeq.genai import is_genai_folder
     from edgeq.graph.ir import check_model_file
 
-    if is_genai_folder(path):  # genai's graph form (contrib ops in the default domain): genai checks it on opening
+    if is_genai(path):  # genai's graph form (contrib ops in the default domain): genai checks it on opening
         return "genai", [Path(path) / "model.onnx"]
     family, files = _model_files(path)
     return family, [check_model_file(f) for f in files]
 
 
+def is_genai(path: str | os.PathLike) -> bool:
+    """``path`` is a folder onnxruntime-genai opens: as its compile recorded (``--target ort-genai``),
+    or, for a folder no compile wrote (``OUT/qnn``, genai's own builder output), by its config file."""
+    from edgeq.files.folder_kind import recorded_kind
+    from edgeq.genai import is_genai_folder
+
+    kind = recorded_kind(path)
+    return kind == "genai" if kind is not None else is_genai_folder(path)
+
+
 def _model_files(path: str | os.PathLike) -> tuple[str, list[Path]]:
+    from edgeq.files.folder_kind import recorded_kind
+
     p = Path(path)
     if not p.exists():
         raise UserInputError(f"model folder not found: {p}")
-    if p.is_dir():
+    kind = recorded_kind(p)  # a compile's output: what its report says (its files checked present)
+    if kind in ("static-pair", "static-vlm"):
+        return "static-pair", [p / f for f in STATIC_FILES]
+    if kind is not None:
+        return "dynamic", [p / "model.onnx"]
+    if p.is_dir():  # a folder no compile wrote (an export): by its files
         pair = [p / f for f in STATIC_FILES]
         present = [f for f in pair if f.is_file()]
         if len(present) == 2:
@@ -372,10 +388,9 @@ def open_decoder(path: str | os.PathLike, threads: int | None = None, optimize: 
     context binaries (``qnn/*_ctx.onnx``) when the folder has them, else its graphs.
     A folder written by ``compile --target ort-genai`` runs through onnxruntime-genai
     (``edgeq.generation.genai_decoder.GenaiDecoder``, ``max_length`` cache slots: default the folder's)."""
-    from edgeq.genai import is_genai_folder
     from edgeq.runtime.ort_session import open_session, session_options
 
-    if is_genai_folder(path):
+    if is_genai(path):
         from edgeq.generation.genai_decoder import GenaiDecoder
 
         if provider != "cpu" or exact_qdq or not optimize:

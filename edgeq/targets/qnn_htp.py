@@ -206,14 +206,8 @@ class QnnLayout:
 
     @classmethod
     def read(cls, folder: Path) -> QnnLayout | None:
-        """``of`` on ``folder/report.json``; None when the folder has no report (not a compile's)."""
-        import json
+        """``of`` on ``folder``'s report.json; None when the folder has no compile report."""
+        from edgeq.files.folder_kind import read_report
 
-        report = folder / "report.json"
-        if not report.is_file():
-            return None
-        try:
-            return cls.of(folder, json.loads(report.read_text()))
-        except (OSError, ValueError) as exc:
-            raise UserInputError(f"{report} cannot be read: {exc}") from None
-
+        report = read_report(folder)
+        return None if report is None else cls.of(folder, report)

@@ -87,7 +87,7 @@ def _compile(model_dir: Path, bits: int, options: dict):
     data = build_calibration_set(model_dir / "calib.npz", specs, None, windows=16, seq_len=0)
     kvquant = get_pass("kvquant")
     qmodel, records = Pipeline([kvquant(kvquant.Config(bits=bits, **options))]).run(model, PassContext(Calibrator(data, use_cache=False)))
-    return qmodel, records[-1]
+    return qmodel, records[-1].to_json()
 
 
 def main(argv=None) -> int:

@@ -56,7 +56,7 @@ def _lower(base: Path, target: str, out: Path) -> dict:
     for v in result.get("violations", []):
         rules[v["rule"]] = rules.get(v["rule"], 0) + 1
     return {"clean": result["clean"], "violations": len(result.get("violations", [])), "rules": rules,
-            "lowering": {r["name"]: r["summary"] for r in records if r["modified"]}}
+            "lowering": {r.name: r.summary for r in records if r.modified}}
 
 
 def _has_edgeq_ops(path: Path) -> bool:

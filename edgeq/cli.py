@@ -127,10 +127,10 @@ def _run_compile(args) -> int:
             print(v.message)
         raise
     for rec in report.passes + report.lowering:
-        state = "modified" if rec["modified"] else "unchanged"
-        print(f"  {rec['name']:<17} {rec['seconds']:8.2f} s  {state}  {json.dumps(rec['summary'])[:160]}")
-        for out, d in rec.get("numerics", {}).items():
-            print(f"    drift {out}: max_abs {d.get('max_abs', 0):.4g}  sqnr {d.get('sqnr_db', 0):.1f} dB")
+        state = "modified" if rec.modified else "unchanged"
+        print(f"  {rec.name:<17} {rec.seconds:8.2f} s  {state}  {json.dumps(rec.summary)[:160]}")
+        for output, d in (rec.numerics or {}).items():
+            print(f"    drift {output}: max_abs {d.get('max_abs', 0):.4g}  sqnr {d.get('sqnr_db', 0):.1f} dB")
     for miss in report.partial:
         print(f"edgeq: warning: essential pass '{miss['pass']}' did not apply ({miss['reason']}: {miss['detail']}); "
               f"the model was written without it (--allow-partial)", file=sys.stderr)

@@ -525,8 +525,8 @@ def build_report(plan: CompilePlan, stages: dict, target: TargetSection | None, 
         passes=stages["recipe"],
         calibration=calibration,
         # only with --allow-partial: the recipe did not do its job on this model
-        partial=[{"pass": rec["name"], **rec["not_applicable"]} for rec in stages["recipe"]
-                 if rec.get("essential_not_applied")],
+        partial=[{"pass": rec.name, **(rec.not_applicable or {})} for rec in stages["recipe"]
+                 if rec.essential_not_applied],
         target=target,
         route_stages=plan.route_stages.records,  # (the same list: stages run after this still land in it)
     )
@@ -537,7 +537,7 @@ def build_report(plan: CompilePlan, stages: dict, target: TargetSection | None, 
             report.accuracy_warning = (f"recipe {measured['recipe']} measured {measured['ppl_x_fp32']:.2f}x fp32 "
                                        f"perplexity on {measured['measured_on']} ({measured['family']} family; "
                                        f"{measured['results']})")
-    u8s8 = {"int8_weight_range": plan.int8_weights, "guard": stages["guard"][0] if stages["guard"] else None}
+    u8s8 = {"int8_weight_range": plan.int8_weights, "guard": stages["guard"][0].to_json() if stages["guard"] else None}
     if measured_u8s8 is not None:
         u8s8.update(measured_u8s8)  # (block-wise: probed block by block)
     return report, u8s8

@@ -136,11 +136,18 @@ def test_forced_blockwise_refuses_what_it_cannot_do(tiny_models, calib, tmp_path
         assert not [p for p in tmp_path.iterdir() if p.name.startswith(".out.")]
 
 
+def _rec(fields: dict):
+    """A pass record as the pipeline makes one (``PassRecord``), from report.json's keys."""
+    from edgeq.passmanager.records import PassRecord
+
+    return PassRecord(**{"exactness": "exact", "config": {}, **fields})
+
+
 def test_merge_records_sums_numbers_and_joins_lists():
-    recs = [[{"name": "qdq", "seconds": 1.0, "peak_rss_mb": 10.0, "modified": True, "summary": {"n": 2, "roles": ["a"]},
-              "ops_added": {"QuantizeLinear": 3}, "ops_removed": {}}],
-            [{"name": "qdq", "seconds": 2.0, "peak_rss_mb": 30.0, "modified": False, "summary": {"n": 1, "roles": ["b"]},
-              "ops_added": {"QuantizeLinear": 1}, "ops_removed": {}}]]
+    recs = [[_rec({"name": "qdq", "seconds": 1.0, "peak_rss_mb": 10.0, "modified": True, "summary": {"n": 2, "roles": ["a"]},
+              "ops_added": {"QuantizeLinear": 3}, "ops_removed": {}})],
+            [_rec({"name": "qdq", "seconds": 2.0, "peak_rss_mb": 30.0, "modified": False, "summary": {"n": 1, "roles": ["b"]},
+              "ops_added": {"QuantizeLinear": 1}, "ops_removed": {}})]]
     merged = blockwise.merge_records(recs)[0]
     assert merged["seconds"] == 3.0 and merged["peak_rss_mb"] == 30.0 and merged["blocks_modified"] == 1
     assert merged["summary"] == {"n": 3, "roles": ["a", "b"]}
@@ -151,15 +158,15 @@ def test_merge_records_follows_the_declared_rules():
     """rotate declares its hidden size the same in every block (combine=FIRST): SmolLM2's 576 was
     reported as 17280, summed over 30 blocks; a pass applied in one block and not in the other is
     modified, with the blocks it skipped counted apart from its summary."""
-    rotate = [{"name": "rotate", "seconds": 1.0, "peak_rss_mb": 1.0, "modified": True, "ops_added": {}, "ops_removed": {},
-               "summary": {"hidden": 576, "stream_sources": ["embedding"], "readers": 6}} for _ in range(3)]
+    rotate = [_rec({"name": "rotate", "seconds": 1.0, "peak_rss_mb": 1.0, "modified": True, "ops_added": {}, "ops_removed": {},
+               "summary": {"hidden": 576, "stream_sources": ["embedding"], "readers": 6}}) for _ in range(3)]
     merged = blockwise.merge_records([[r] for r in rotate])[0]["summary"]
     assert merged == {"hidden": 576, "stream_sources": ["embedding"], "readers": 18}
-    rms = [{"name": "rms", "seconds": 1.0, "peak_rss_mb": 1.0, "modified": True, "ops_added": {}, "ops_removed": {},
-            "summary": {"split": 1}},
-           {"name": "rms", "seconds": 1.0, "peak_rss_mb": 1.0, "modified": False, "ops_added": {}, "ops_removed": {},
+    rms = [_rec({"name": "rms", "seconds": 1.0, "peak_rss_mb": 1.0, "modified": True, "ops_added": {}, "ops_removed": {},
+            "summary": {"split": 1}}),
+           _rec({"name": "rms", "seconds": 1.0, "peak_rss_mb": 1.0, "modified": False, "ops_added": {}, "ops_removed": {},
             "summary": {"split": 0, "not_applicable": "no channel 0 to split off"},
-            "not_applicable": {"reason": "no-sites", "detail": "no channel 0 to split off"}}]
+            "not_applicable": {"reason": "no-sites", "detail": "no channel 0 to split off"}})]
     record = blockwise.merge_records([[r] for r in rms])[0]
     assert record["modified"] and record["summary"] == {"split": 1} and record["blocks_not_applicable"] == 1
     assert "not_applicable" not in record
@@ -181,8 +188,8 @@ def test_merge_records_keeps_extremes_and_means_as_such():
                   "relative_step_mean": 0.1, "nested": {"table_rel_rms_error_max": 0.2}, "norms": 7},
                  {"max_sum_of_squares_after": 8000.0, "relative_step_max": 0.25, "min_scale": 0.5,
                   "relative_step_mean": 0.3, "nested": {"table_rel_rms_error_max": 0.1}, "norms": 7}]
-    recs = [[{"name": "fp16-safe-norms", "seconds": 1.0, "peak_rss_mb": 1.0, "modified": True, "summary": s,
-              "ops_added": {}, "ops_removed": {}}] for s in summaries]
+    recs = [[_rec({"name": "fp16-safe-norms", "seconds": 1.0, "peak_rss_mb": 1.0, "modified": True, "summary": s,
+              "ops_added": {}, "ops_removed": {}})] for s in summaries]
     merged = blockwise.merge_records(recs)[0]["summary"]
     assert merged == {"max_sum_of_squares_after": 8000.0, "relative_step_max": 0.5, "min_scale": 0.25,
                       "relative_step_mean": 0.2, "nested": {"table_rel_rms_error_max": 0.2}, "norms": 14}

@@ -21,6 +21,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from edgeq.passmanager.records import PassRecord
 from edgeq.passmanager.stages import StageRecord
 
 
@@ -55,13 +56,13 @@ class TargetSection:
 
     name: str
     description: str
-    lowering: list[dict]
+    lowering: list[PassRecord]
     check: dict | None = None
     ort_kernels: list[str] | None = None
 
     def to_json(self) -> dict:
-        out: dict[str, Any] = {"name": self.name, "description": self.description, "lowering": self.lowering,
-                               "check": self.check}
+        out: dict[str, Any] = {"name": self.name, "description": self.description,
+                               "lowering": [r.to_json() for r in self.lowering], "check": self.check}
         if self.ort_kernels is not None:
             out["ort_kernels"] = self.ort_kernels
         return out
@@ -127,7 +128,7 @@ class CompileReport:
     input_fingerprint: str
     compile_path: CompilePathSection
     recipe: RecipeSection
-    passes: list[dict]
+    passes: list[PassRecord]
     calibration: dict | None
     partial: list[dict] = field(default_factory=list)
     target: TargetSection | None = None
@@ -142,7 +143,7 @@ class CompileReport:
     output: OutputRecord | None = None
 
     @property
-    def lowering(self) -> list[dict]:
+    def lowering(self) -> list[PassRecord]:
         return self.target.lowering if self.target is not None else []
 
     def to_json(self) -> dict:
@@ -150,7 +151,8 @@ class CompileReport:
         sections only where they apply."""
         out = {"edgeq_version": self.edgeq_version, "input_model": self.input_model,
                "input_fingerprint": self.input_fingerprint, "compile_path": self.compile_path.to_json(),
-               "recipe": self.recipe.to_json(), "passes": self.passes, "calibration": self.calibration}
+               "recipe": self.recipe.to_json(), "passes": [r.to_json() for r in self.passes],
+               "calibration": self.calibration}
         optional = {"partial": self.partial or None, "target": self.target, "measured_accuracy": self.measured_accuracy,
                     "accuracy_warning": self.accuracy_warning, "static": self.static, "genai": self.genai,
                     "u8s8": self.u8s8, "qnn_context": self.qnn_context,

@@ -25,6 +25,7 @@ path compiles one decoder block at a time instead:
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -34,6 +35,7 @@ import numpy as np
 import onnx
 
 from edgeq.passmanager.passbase import Combine
+from edgeq.passmanager.records import PassRecord
 from edgeq.blockwise.assemble import Assembler, ancestors
 from edgeq.blockwise.block import block_graph, block_model
 from edgeq.blockwise.partition import NotPartitionable, Partition, partition
@@ -68,8 +70,8 @@ def _clock(seconds: float) -> str:
 
 
 def compile_blocks(skeleton: onnx.ModelProto, part: Partition, base_dir: Path, data_path: Path,
-                   run_block: Callable[[object, int], tuple[onnx.ModelProto, list[dict]]],
-                   carry, progress: BlockProgress, probe_feeds: dict | None = None) -> tuple[onnx.ModelProto, list[list[dict]], dict]:
+                   run_block: Callable[[object, int], tuple[onnx.ModelProto, list[PassRecord]]],
+                   carry, progress: BlockProgress, probe_feeds: dict | None = None) -> tuple[onnx.ModelProto, list[list[PassRecord]], dict]:
     """Compile every block with ``run_block(graph, i) -> (compiled model, pass records)``; returns
     the assembled model (large initializers already in ``data_path``), the records per block and
     the u8s8 report of its linears (``U8S8Tally``: probed on ``probe_feeds``, else the bound).
@@ -195,7 +197,7 @@ def _check_present(model: onnx.ModelProto, names: list[str], i: int) -> None:
                            "blocks at; compile with --blockwise off")
 
 
-def merge_records(per_block: list[list[dict]]) -> list[dict]:
+def merge_records(per_block: list[list[PassRecord]]) -> list[PassRecord]:
     """One record per pass for report.json: seconds summed over blocks, peak RSS the highest,
     summaries merged by the pass's ``combine=`` rules (``Combine``; undeclared figures: numbers
     summed, lists joined), and how many blocks the pass changed. A pass that changed some blocks and
@@ -205,33 +207,30 @@ def merge_records(per_block: list[list[dict]]) -> list[dict]:
 
     merged = []
     for recs in zip(*per_block):
-        first = dict(recs[0])
-        rules = get_pass(first["name"]).summary_combine
-        first["seconds"] = round(sum(r["seconds"] for r in recs), 3)
-        first["peak_rss_mb"] = max(r["peak_rss_mb"] for r in recs)
-        first["modified"] = any(r["modified"] for r in recs)
-        first["blocks_modified"] = sum(bool(r["modified"]) for r in recs)
-        for key in ("ops_added", "ops_removed"):
-            first[key] = _merge([r[key] for r in recs])
-        summaries = [r["summary"] for r in recs]
-        first["summary"] = {}
+        first = recs[0]
+        rules = get_pass(first.name).summary_combine
+        summaries = [r.summary for r in recs]
+        summary = {}
         for key in dict.fromkeys(k for s in summaries for k in s):
             values = [s[key] for s in summaries if key in s]
-            first["summary"][key] = _combine(rules[key], values) if key in rules else _merge(values, key)
-        if first["modified"] and any("not_applicable" in r for r in recs):
-            first["summary"].pop("not_applicable", None)
-            first["blocks_not_applicable"] = sum("not_applicable" in r for r in recs)
+            summary[key] = _combine(rules[key], values) if key in rules else _merge(values, key)
+        modified = any(r.modified for r in recs)
+        na = [r.not_applicable for r in recs if r.not_applicable is not None]
+        blocks_na = None
+        if modified and na:
+            summary.pop("not_applicable", None)
+            blocks_na = len(na)
+        scope = None
         if len(recs) > 1:
-            first["summary_scope"] = (f"summed over {len(recs)} block models (a max_/min_/mean_ figure: the "
-                                      "blocks' max, min or mean), each the prologue, one layer and the epilogue: what "
-                                      "a pass counts in the embedding, final norm and head (or their stand-ins) is "
-                                      "counted once per block")
-        na = [r["not_applicable"] for r in recs if "not_applicable" in r]
-        if na and len(na) == len(recs):
-            first["not_applicable"] = na[0]
-        else:
-            first.pop("not_applicable", None)
-        merged.append(first)
+            scope = (f"summed over {len(recs)} block models (a max_/min_/mean_ figure: the blocks' max, min or "
+                     "mean), each the prologue, one layer and the epilogue: what a pass counts in the embedding, "
+                     "final norm and head (or their stand-ins) is counted once per block")
+        merged.append(dataclasses.replace(
+            first, seconds=round(sum(r.seconds for r in recs), 3), peak_rss_mb=max(r.peak_rss_mb for r in recs),
+            modified=modified, blocks_modified=sum(bool(r.modified) for r in recs),
+            ops_added=_merge([r.ops_added for r in recs]), ops_removed=_merge([r.ops_removed for r in recs]),
+            summary=summary, blocks_not_applicable=blocks_na, summary_scope=scope,
+            not_applicable=na[0] if na and len(na) == len(recs) else None))
     return merged
 
 

@@ -36,6 +36,7 @@ from edgeq.graph import ir
 from edgeq.errors import EdgeqError, EssentialPassNotApplied, PassFailure, UserInputError
 from edgeq.graph.facts import JsonFact
 from edgeq.passmanager.passbase import NotApplicable, Pass, PassContext, PassNotApplicable, PassResult, Reason
+from edgeq.passmanager.records import PassRecord
 from edgeq.runtime.peak_rss import peak_rss_mb
 from edgeq.passmanager.registry import get_pass
 from edgeq.quantize.sqnr import sqnr_db
@@ -97,7 +98,7 @@ class Pipeline:
             graph = ir.to_graph(model)
             if consume:
                 model.Clear()
-        records: list[dict[str, Any]] = []
+        records: list[PassRecord] = []
         outcomes: dict[str, PassResult] = {}  # pass name -> its outcome in this run (what ``requires`` reads)
         for i, p in enumerate(self.passes):
             ops_before = collections.Counter(n.op for n in graph.nodes)
@@ -118,9 +119,10 @@ class Pipeline:
                 raise PassFailure(p.name, f"{type(exc).__name__}: {exc}") from exc
             seconds = time.perf_counter() - start
             ops_after = collections.Counter(n.op for n in graph.nodes)
-            record = {**p.describe(), "seconds": round(seconds, 3), "peak_rss_mb": peak_rss_mb(), "modified": result.modified,
-                      "summary": result.summary, "ops_added": _counter_delta(ops_after, ops_before),
-                      "ops_removed": _counter_delta(ops_before, ops_after)}
+            record = PassRecord(**p.describe(), seconds=round(seconds, 3), peak_rss_mb=peak_rss_mb(),
+                                modified=result.modified, summary=result.summary,
+                                ops_added=_counter_delta(ops_after, ops_before),
+                                ops_removed=_counter_delta(ops_before, ops_after))
             if opts.verify or opts.dump_each is not None or opts.check_numerics:
                 current = ir.to_model(graph)
                 if opts.dump_each is not None:
@@ -134,19 +136,19 @@ class Pipeline:
                     if problem is not None:
                         raise PassFailure(p.name, f"output graph does not verify: {problem}")
                     input_problem = None
-                    record["verified"] = True
+                    record.verified = True
                 if reference is not None:
                     session = ir.make_session(current)
                     out = session.run(out_names, sample)
-                    record["numerics"] = output_drift(reference, out, out_names)
+                    record.numerics = output_drift(reference, out, out_names)
             if result.not_applicable is not None:
-                record["not_applicable"] = result.not_applicable.to_dict()
+                record.not_applicable = result.not_applicable.to_dict()
             if i in opts.essential:
                 self._require_applied(p, result, record)
             records.append(record)
         return ir.to_model(graph), records
 
-    def _require_applied(self, p: Pass, result: PassResult, record: dict) -> None:
+    def _require_applied(self, p: Pass, result: PassResult, record: PassRecord) -> None:
         """An essential pass must have applied (or found its work already done); else stop here,
         before the passes after it run on a model the recipe cannot serve. A pass that did not
         apply has said why (``result.not_applicable``: ``PassResult`` has no other way)."""
@@ -155,8 +157,8 @@ class Pipeline:
             return
         if not self.options.allow_partial:
             raise EssentialPassNotApplied(self.options.recipe, p.name, missed.reason.value, missed.detail)
-        record["not_applicable"] = missed.to_dict()
-        record["essential_not_applied"] = True
+        record.not_applicable = missed.to_dict()
+        record.essential_not_applied = True
 
     @staticmethod
     def _run_pass(p: Pass, graph, ctx: PassContext, outcomes: dict[str, PassResult]) -> PassResult:

@@ -36,6 +36,9 @@ Usage (the real model: figures; the --quick one only proves the pipeline):
 from __future__ import annotations
 
 import argparse
+import contextlib
+import io
+import math
 import datetime
 import json
 import os
@@ -47,6 +50,8 @@ import time
 from pathlib import Path
 
 import numpy as np
+
+from foundation import save_results
 
 REPO = Path(__file__).resolve().parents[1]
 RECIPES = REPO / "edgeq" / "recipes"
@@ -128,14 +133,11 @@ def run_step(results: dict, out: Path, key: str, cmd: list[str], done: Path | No
 
 
 def save(out: Path, results: dict) -> None:
-    from edgeq.evaluate.machine import machine_info
-
-    results.setdefault("machine", machine_info())
+    """The results file rewritten whole with its summary, stamped by ``foundation.save_results`` (the
+    run's command, commit, versions, machine and date; a later run that adds to it under ``resumed``)."""
     results["summary"] = summary(results)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_suffix(out.suffix + ".tmp")
-    tmp.write_text(json.dumps(results, indent=1))
-    tmp.replace(out)
+    with contextlib.redirect_stdout(io.StringIO()):  # (save_results prints the file: not after every step)
+        save_results(out, results)
 
 
 def fidelity(ref_npz: Path, test_npz: Path) -> dict:
@@ -154,17 +156,45 @@ def fidelity(ref_npz: Path, test_npz: Path) -> dict:
     return out
 
 
+def wilson_interval(correct: int, n: int, z: float = 1.959964) -> list[float]:
+    """The 95% Wilson score interval of an accuracy of ``correct`` out of ``n`` questions."""
+    p = correct / n
+    centre = (p + z * z / (2 * n)) / (1 + z * z / n)
+    half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / (1 + z * z / n)
+    return [round(centre - half, 3), round(centre + half, 3)]
+
+
+def paired_against(ref: dict, cpu: dict) -> dict | None:
+    """The questions a variant answers differently from the reference on the same questions: how many
+    it gets right that the reference got wrong (``gained``) and the reverse (``lost``), and the exact
+    two-sided McNemar (sign test) p-value of that split; None when the questions differ."""
+    if ref.get("question_rows") != cpu.get("question_rows") or "correct" not in ref or "correct" not in cpu:
+        return None
+    gained = sum(bool(b) and not a for a, b in zip(ref["correct"], cpu["correct"]))
+    lost = sum(bool(a) and not b for a, b in zip(ref["correct"], cpu["correct"]))
+    n = gained + lost
+    p = min(1.0, 2 * sum(math.comb(n, k) for k in range(min(gained, lost) + 1)) / 2**n) if n else 1.0
+    return {"gained": gained, "lost": lost, "answers_changed": sum(a != b for a, b in zip(ref["answers"], cpu["answers"])),
+            "mcnemar_exact_p": round(p, 3)}
+
+
 def summary(results: dict) -> list[dict]:
-    """One row per variant: CPU accuracy, change against fp32, KL, top-1, HTP answers against CPU."""
+    """One row per variant: CPU accuracy (with its 95% Wilson interval on the questions scored, and
+    the questions it gained and lost against the fp32 export's answers), change against fp32, KL,
+    top-1, HTP answers against CPU."""
     steps, rows = results.get("steps", {}), []
     ref = (steps.get("fp32/export/eval-cpu") or {}).get("result")
     for variant in sorted(results.get("variants", []), key=list(VARIANTS).index):
         row = {"variant": variant, "recipe": VARIANTS[variant][0], "edit": VARIANTS[variant][1]}
         cpu = (steps.get(f"{variant}/eval-cpu") or {}).get("result")
         if cpu:
-            row.update(accuracy=cpu["accuracy"], per_type=cpu["per_type"], samples=cpu["samples"])
+            row.update(accuracy=cpu["accuracy"], per_type=cpu["per_type"], samples=cpu["samples"],
+                       **_interval(cpu))
             if ref:
                 row["accuracy_change"] = round(cpu["accuracy"] - ref["accuracy"], 4)
+                paired = paired_against(ref, cpu)
+                if paired is not None:
+                    row["against_fp32_export"] = paired
                 row["within_3_points_of_fp32"] = row["accuracy_change"] >= -0.03  # issue 45 item 3's bar (4-bit)
         if variant in results.get("fidelity", {}):
             row.update({k: results["fidelity"][variant][k] for k in ("mean_kl", "top1_agreement", "positions")})
@@ -182,8 +212,16 @@ def summary(results: dict) -> list[dict]:
         rows.append(row)
     if ref:
         rows.insert(0, {"variant": "fp32 export (dynamic graph)", "accuracy": ref["accuracy"], "per_type": ref["per_type"],
-                        "samples": ref["samples"]})
+                        "samples": ref["samples"], **_interval(ref)})
     return rows
+
+
+def _interval(result: dict) -> dict:
+    """``correct`` and ``accuracy_interval_95`` of an ``eval vqa`` result (its per-question ``correct``)."""
+    if "correct" not in result:
+        return {}
+    correct = int(sum(bool(c) for c in result["correct"]))
+    return {"correct": correct, "accuracy_interval_95": wilson_interval(correct, len(result["correct"]))}
 
 
 def logits_main(argv: list[str]) -> int:
@@ -207,16 +245,27 @@ def logits_main(argv: list[str]) -> int:
 
 
 def markdown(results: dict) -> str:
-    out = ["| deployment | recipe | CPU accuracy | change | KL | top-1 | HTP answers as CPU | HTP accuracy |",
-           "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+    out = ["| deployment | recipe | CPU accuracy | 95% interval | lost / gained vs fp32 | KL | top-1 | HTP answers as CPU "
+           "| HTP accuracy |",
+           "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for r in summary(results):
         def fmt(k: str, f: str, r: dict = r) -> str:
             return f.format(r[k]) if k in r else "-"
 
         out.append(f"| {r['variant']} | {r.get('recipe', '-')}{' (' + r['edit'] + ')' if r.get('edit') else ''} | "
-                   f"{fmt('accuracy', '{:.3f}')} | {fmt('accuracy_change', '{:+.3f}')} | {fmt('mean_kl', '{:.4f}')} | "
+                   f"{fmt('accuracy', '{:.3f}')} | {_fmt_interval(r)} | {_fmt_paired(r)} | {fmt('mean_kl', '{:.4f}')} | "
                    f"{fmt('top1_agreement', '{:.3f}')} | {r.get('htp_answers_as_cpu', '-')} | {fmt('htp_accuracy', '{:.3f}')} |")
     return "\n".join(out)
+
+
+def _fmt_interval(row: dict) -> str:
+    lo_hi = row.get("accuracy_interval_95")
+    return f"{lo_hi[0]:.3f} - {lo_hi[1]:.3f}" if lo_hi else "-"
+
+
+def _fmt_paired(row: dict) -> str:
+    paired = row.get("against_fp32_export")
+    return f"{paired['lost']} / {paired['gained']} (p {paired['mcnemar_exact_p']:.2f})" if paired else "-"
 
 
 def main(argv=None) -> int:
@@ -237,9 +286,27 @@ def main(argv=None) -> int:
     p.add_argument("--htp-only", action="store_true", help="HTP steps only (after a CPU run)")
     p.add_argument("--redo", default="", help="comma-separated step keys to run again")
     p.add_argument("--table", action="store_true", help="print the markdown table of --out and exit")
+    p.add_argument("--rescore", action="store_true",
+                   help="recompute --out's summary from the answers its steps recorded (no model run; the file is "
+                        "rewritten whole, this run stamped under resumed) and print its table")
     a = p.parse_args(argv)
     if a.table:
         print(markdown(json.loads(a.out.read_text())))
+        return 0
+    if a.rescore:
+        if not a.out.is_file():
+            p.error(f"--rescore: {a.out} not found")
+        results = json.loads(a.out.read_text())
+        if "run" not in results:  # a file from before the run stamp: its measuring run, as the file records it
+            starts = sorted(step["started"] for step in results.get("steps", {}).values() if step.get("started"))
+            command = results.get("command", "")
+            results["run"] = {"command": command if command.startswith(("python", "/")) else
+                              f"python benchmarks/vlm_static.py {command}",
+                              "date": f"{starts[0]}Z" if starts else None, "commit": None,
+                              "note": "the run that measured the steps; written before results files carried the "
+                                      "commit and package versions (machine: the file's machine)"}
+        save(a.out, results)
+        print(markdown(results))
         return 0
     if a.model_dir is None:
         p.error("--model-dir is required")
@@ -259,7 +326,7 @@ def main(argv=None) -> int:
                     "model_metrics": {k: metrics.get(k) for k in ("accuracy", "prior_accuracy", "questions", "per_type")},
                     "samples": a.samples, "htp_samples": a.htp_samples, "static": {"prefill": a.prefill, "context": a.context},
                     "variants": list(dict.fromkeys(results.get("variants", []) + variants)),
-                    "command": shlex.join([sys.executable, *sys.argv]) if argv is sys.argv[1:] else shlex.join(argv),
+                    "command": shlex.join(["python", "benchmarks/vlm_static.py", *argv]),
                     "recipes": results.get("recipes", {})})
     if results["quick_model"]:
         print("note: a --quick export: these numbers prove the pipeline, they are not figures", flush=True)

@@ -66,7 +66,10 @@ def main() -> None:
                                 "each part alone (random weights: never accuracy)", "compiled": str(out),
                                 "recipe": args.recipe, "prepare_alone": prepare_alone(out, args.prepare_split)})
         return
-    results: dict = {"issue": "a model compiled for the HTP in parts: memory and time (random weights: never accuracy)",
+    what = ("a real model compiled for the HTP in parts: memory, time and whether the HTP takes each part whole "
+            "(its accuracy: benchmarks/qnn_htp.py)" if args.model_dir else
+            "a model compiled for the HTP in parts: memory and time (random weights: never accuracy)")
+    results: dict = {"issue": what,
                      "model": str(model_dir) if args.model_dir else f"random {args.preset}", "recipe": args.recipe,
                      "steps": {}}
     if not (model_dir / "model.onnx").is_file():

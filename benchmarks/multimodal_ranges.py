@@ -60,7 +60,8 @@ def site_ranges(model_path: Path, feeds: list[dict], visual_masks: list[np.ndarr
 
 def rotated_copy(model_dir: Path, tmp: Path) -> Path:
     """The fp32 graph after fuse-norms, ln-to-rms and rotate (what the mquant recipes quantize)."""
-    from edgeq.compiler import CompileRequest, compile_model
+    from edgeq.compiler import compile_model
+    from edgeq.plan import CompileRequest
 
     recipe = tmp / "rotate.toml"
     recipe.write_text('[[pass]]\nname = "fuse-norms"\n\n[[pass]]\nname = "ln-to-rms"\n\n[[pass]]\nname = "rotate"\n')

@@ -47,7 +47,8 @@ def compile(model: str | os.PathLike, *, out: str | os.PathLike, recipe: str | N
     ``static``: ``"prefill=128,context=1024"`` or ``(128, 1024)`` (``--static``). ``target_options``:
     the target's options (``TARGET_OPTIONS``: ``context_binary=True``, ``max_context_mb=450``, ...);
     any other keyword is a ``TypeError``, as for any Python function."""
-    from edgeq.compiler import BLOCKWISE_MODES, CompileRequest, compile_model
+    from edgeq.compiler import compile_model
+    from edgeq.plan import BLOCKWISE_MODES, CompileRequest
     from edgeq.static.specialize import parse_static
     from edgeq.targets.ort_genai import OrtGenaiOptions
     from edgeq.targets.qnn_htp import QnnHtpOptions

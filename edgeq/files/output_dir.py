@@ -290,3 +290,29 @@ def atomic_output_dir(out_dir: str | os.PathLike, *, force: bool = False, inputs
         raise
     if old is not None:
         shutil.rmtree(old, ignore_errors=True)
+
+
+# what --dump-each writes: NN_<pass>.onnx, <prefix>-NN_<stage>.onnx (static-prefill-, route-), data beside
+DUMP_FILE = re.compile(r"([a-z0-9-]+-)?\d\d_[a-z0-9-]+\.onnx(\.data)?")
+
+
+def check_dump_each(dump_each: Path, out: Path, force: bool = False) -> None:
+    """``--dump-each DIR``: a folder (or a path where one can be made) that is writable and outside
+    the output folder, which the end of the compile replaces (the dumps would be thrown away). The
+    dumps are written into it as the passes run, so an existing folder must be empty or hold only
+    earlier dumps (``NN_<pass>.onnx``, ``<prefix>-NN_<stage>.onnx``): files of the user's would be overwritten (``--force`` allows it)."""
+    dump = dump_each.resolve()
+    if dump == out or out in dump.parents:
+        raise UserInputError(f"--dump-each {dump_each} is inside the output folder {out}, which is replaced at "
+                             f"the end of the compile; choose a folder outside it")
+    if dump.exists() or dump.is_symlink():
+        if not dump.is_dir():
+            raise UserInputError(f"--dump-each {dump_each} exists and is not a folder")
+        if not os.access(dump, os.W_OK | os.X_OK):
+            raise UserInputError(f"--dump-each {dump_each} is not writable")
+        foreign = [p.name for p in dump.iterdir() if not DUMP_FILE.fullmatch(p.name)]
+        if foreign and not force:
+            raise UserInputError(f"--dump-each {dump_each} holds files edgeq did not dump (e.g. {foreign[0]}); "
+                                 f"name an empty or new folder, or pass --force to write the dumps among them")
+        return
+    check_writable_parent(dump, what="the --dump-each folder")

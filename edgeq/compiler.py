@@ -290,11 +290,12 @@ def build_report(plan: CompilePlan, stages: dict, target: TargetSection | None, 
     """The plan's part of report.json and its u8s8 section (with ``measured_u8s8``, what block-wise
     measured), before the route and the writer fill theirs."""
     calibration = plan.calibration
-    if plan.calibrator is not None:
+    if plan.calibrator is not None and calibration is not None:
         log = plan.calibrator.log
-        calibration = {**(calibration or {}), "onnxruntime_runs": log.runs, "cache_hits": log.cache_hits,
-                       "seconds": round(log.seconds, 2), "tensors_observed": log.tensors_observed,
-                       "fingerprint_seconds": round(log.fingerprint_seconds, 2), "ranges": log.ranges}
+        calibration = dataclasses.replace(
+            calibration, onnxruntime_runs=log.runs, cache_hits=log.cache_hits, seconds=round(log.seconds, 2),
+            tensors_observed=log.tensors_observed, fingerprint_seconds=round(log.fingerprint_seconds, 2),
+            ranges=log.ranges)
     report = CompileReport(
         edgeq_version=edgeq.__version__,
         input_model=str(plan.req.model),

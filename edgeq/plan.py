@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING
 import onnx
 
 from edgeq.artifacts.manifest import input_model_record
+from edgeq.artifacts.report import CalibrationSection
 from edgeq.calib.dataset import InputLimits, build_calibration_set
 from edgeq.calib.session import Calibrator
 from edgeq.errors import UserInputError
@@ -96,7 +97,7 @@ class CompilePlan:
     input_model: dict  # manifest record: file hashes
     fingerprint: str
     calibrator: Calibrator | None
-    calibration: dict | None
+    calibration: CalibrationSection | None
     sample: dict | None
     started: float
     route: Route
@@ -166,7 +167,7 @@ def plan_compile(req: CompileRequest) -> tuple[CompilePlan, onnx.ModelProto]:
                                      recipe.calibration.batch_size, InputLimits.of(model, req.model))
         calibrator = Calibrator(data, use_cache=req.use_cache)
         sample = data.batches[0]
-        calibration = {"data": data.description, "samples": data.samples, "tokens": data.tokens}
+        calibration = CalibrationSection(data.description, data.samples, data.tokens)
     fingerprint = model_fingerprint(model, ir.model_folder(req.model))
     plan = CompilePlan(req, recipe, profile, passes + lowering + guard, (len(passes), len(lowering)), int8_weights,
                        input_model_record(req.model, locations), fingerprint, calibrator,

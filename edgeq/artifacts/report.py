@@ -106,6 +106,31 @@ class OutputRecord:
 
 
 @dataclass
+class CalibrationSection:
+    """``calibration``: the data the compile calibrated on (its description, samples, tokens) and
+    what the calibrator did with it (onnxruntime runs, cache hits, seconds, tensors observed and
+    every observed range)."""
+
+    data: Any
+    samples: int
+    tokens: int
+    onnxruntime_runs: int | None = None
+    cache_hits: int | None = None
+    seconds: float | None = None
+    tensors_observed: int | None = None
+    fingerprint_seconds: float | None = None
+    ranges: Any = None
+
+    def to_json(self) -> dict:
+        out: dict[str, Any] = {"data": self.data, "samples": self.samples, "tokens": self.tokens}
+        if self.onnxruntime_runs is not None:
+            out.update({"onnxruntime_runs": self.onnxruntime_runs, "cache_hits": self.cache_hits,
+                        "seconds": self.seconds, "tensors_observed": self.tensors_observed,
+                        "fingerprint_seconds": self.fingerprint_seconds, "ranges": self.ranges})
+        return out
+
+
+@dataclass
 class OutputStageRecord:
     """One output stage the writer ran on the written graphs (``edgeq.artifacts.writer.OutputStage``):
     its name, seconds, and each file it added (path in the folder -> bytes)."""
@@ -129,7 +154,7 @@ class CompileReport:
     compile_path: CompilePathSection
     recipe: RecipeSection
     passes: list[PassRecord]
-    calibration: dict | None
+    calibration: CalibrationSection | None
     partial: list[dict] = field(default_factory=list)
     target: TargetSection | None = None
     measured_accuracy: dict | None = None
@@ -152,7 +177,7 @@ class CompileReport:
         out = {"edgeq_version": self.edgeq_version, "input_model": self.input_model,
                "input_fingerprint": self.input_fingerprint, "compile_path": self.compile_path.to_json(),
                "recipe": self.recipe.to_json(), "passes": [r.to_json() for r in self.passes],
-               "calibration": self.calibration}
+               "calibration": self.calibration.to_json() if self.calibration is not None else None}
         optional = {"partial": self.partial or None, "target": self.target, "measured_accuracy": self.measured_accuracy,
                     "accuracy_warning": self.accuracy_warning, "static": self.static, "genai": self.genai,
                     "u8s8": self.u8s8, "qnn_context": self.qnn_context,

@@ -139,7 +139,7 @@ def _run_compile(args) -> int:
     if report.target is not None:
         graphs = "" if report.static is None else " (all three graphs)" if "vlm" in report.static else " (both graphs)"
         print(f"  target {report.target.name}: {len(report.target.lowering)} lowering pass(es), clean{graphs}")
-    qnn = report.qnn_context or {}
+    qnn = report.qnn_context.to_json() if report.qnn_context is not None else {}
     for _graph, rec in qnn.get("graphs", {}).items():
         if rec.get("load_seconds") is None:
             print(f"  qnn context {rec['files'][-1]} over the shared {rec['binary']}, prepared in "

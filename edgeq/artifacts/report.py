@@ -23,6 +23,7 @@ from typing import Any
 
 from edgeq.passmanager.records import PassRecord
 from edgeq.passmanager.stages import StageRecord
+from edgeq.targets.qnn_context import QnnContextSection
 
 
 @dataclass
@@ -162,7 +163,7 @@ class CompileReport:
     static: dict | None = None
     genai: GenaiSection | None = None
     u8s8: dict | None = None
-    qnn_context: dict | None = None
+    qnn_context: QnnContextSection | None = None
     route_stages: list[StageRecord] = field(default_factory=list)  # the route's stages outside the passes
     output_stages: list[OutputStageRecord] = field(default_factory=list)
     output: OutputRecord | None = None

@@ -336,5 +336,6 @@ class GenaiQnnPipeline:
                else "a shared-weights binary (--share-weights) does not load on x86-64, where the pipeline is tested"
                if self.share_weights else "the genai pipeline's kv-writer stage takes a float32 cache"
                if report.static.get("cache_dtype", "float32") != "float32" else "")
-        report.qnn_context["genai"] = ({"written": False, "why": why} if why else
-                                       {"written": True, **write_genai_qnn_config(folder, report.static, report.qnn_context)})
+        report.qnn_context.genai = ({"written": False, "why": why} if why else
+                                    {"written": True, **write_genai_qnn_config(folder, report.static,
+                                                                               report.qnn_context.to_json())})

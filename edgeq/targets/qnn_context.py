@@ -22,7 +22,9 @@ AI Hub links each part's prompt and token graphs.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from edgeq.targets.qnn_vendor import DEFAULT_HTP_ARCH, HTP_SOCS, VendorRefused, prepare_context, prepare_shared_context, vendor_version
 
@@ -32,13 +34,45 @@ SHARED_UNVERIFIED = ("QNN weight sharing: the binary holds the weights once; no 
                      "so it was not loaded back here: load it on the device")
 
 
+@dataclass
+class QnnContextSection:
+    """report.json's ``qnn_context``: the HTP generation and vendor the binaries were prepared with,
+    whether the weights are shared (and so not loaded back here), per graph its files, bytes and
+    prepare/load seconds, the shared binaries' sizes, the parts' budget, and genai's pipeline record."""
+
+    htp_arch: int
+    soc_model: int
+    vendor: str
+    weights_shared: bool
+    loaded_back: bool
+    graphs: dict[str, dict[str, Any]]
+    note: str | None = None
+    binaries: dict[str, int] | None = None
+    max_context_mb: float | None = None  # --max-context-mb: the parts were prepared instead of the graphs
+    genai: dict[str, Any] | None = None  # onnxruntime-genai's pipeline over the binaries (edgeq.genai.qnn_config)
+
+    def to_json(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"htp_arch": self.htp_arch, "soc_model": self.soc_model, "vendor": self.vendor,
+                               "weights_shared": self.weights_shared, "loaded_back": self.loaded_back}
+        if self.note is not None:
+            out["note"] = self.note
+        if self.binaries is not None:
+            out["binaries"] = self.binaries
+        out["graphs"] = self.graphs
+        if self.max_context_mb is not None:
+            out["max_context_mb"] = self.max_context_mb
+        if self.genai is not None:
+            out["genai"] = self.genai
+        return out
+
+
 def context_name(graph: str) -> str:
     """``prefill.onnx`` -> ``prefill_ctx.onnx`` (``prefill_part1of3.onnx`` -> ``prefill_part1of3_ctx.onnx``)."""
     return f"{Path(graph).stem}_ctx.onnx"
 
 
 def write_context_binaries(folder: Path, graphs: list[str], htp_arch: int | None = None,
-                           share_groups: list[list[str]] | None = None) -> dict:
+                           share_groups: list[list[str]] | None = None) -> QnnContextSection:
     """Prepare each ``folder/<graph>`` into ``folder/qnn/<stem>_ctx.onnx`` + binary; the report's
     ``qnn_context`` section (per graph: files, sizes, prepare and load seconds). ``share_groups``:
     graphs prepared together into one binary each group (``--share-weights``; not loaded back)."""
@@ -61,9 +95,9 @@ def write_context_binaries(folder: Path, graphs: list[str], htp_arch: int | None
                                   "bytes": (out / context_name(graph)).stat().st_size,
                                   "prepare_seconds": round(result["prepare_seconds"], 2), "load_seconds": None}
         binaries = sorted({r["binary"] for r in records.values()})
-        return {"htp_arch": arch, "soc_model": HTP_SOCS[arch], "vendor": f"onnxruntime-qnn {vendor_version()}",
-                "weights_shared": True, "loaded_back": False, "note": SHARED_UNVERIFIED,
-                "binaries": {b: (folder / b).stat().st_size for b in binaries}, "graphs": records}
+        return QnnContextSection(arch, HTP_SOCS[arch], f"onnxruntime-qnn {vendor_version()}", weights_shared=True,
+                                 loaded_back=False, graphs=records, note=SHARED_UNVERIFIED,
+                                 binaries={b: (folder / b).stat().st_size for b in binaries})
     for graph in graphs:
         stem = Path(graph).stem
         ctx_model = out / context_name(graph)
@@ -77,5 +111,5 @@ def write_context_binaries(folder: Path, graphs: list[str], htp_arch: int | None
                           "bytes": sum((out / f).stat().st_size for f in files),
                           "prepare_seconds": round(result["prepare_seconds"], 2),
                           "load_seconds": round(result["load_seconds"], 2)}
-    return {"htp_arch": arch, "soc_model": HTP_SOCS[arch], "vendor": f"onnxruntime-qnn {vendor_version()}",
-            "weights_shared": False, "loaded_back": True, "graphs": records}
+    return QnnContextSection(arch, HTP_SOCS[arch], f"onnxruntime-qnn {vendor_version()}", weights_shared=False,
+                             loaded_back=True, graphs=records)

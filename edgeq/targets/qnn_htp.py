@@ -29,13 +29,15 @@ from edgeq.errors import UserInputError
 if TYPE_CHECKING:
     import onnx
 
+    from edgeq.targets.qnn_context import QnnContextSection
+
 
 class ReportSections(Protocol):
     """The parts of the compile report these stages fill (``edgeq.artifacts.report.CompileReport``,
     not imported: the artifacts package sits above the targets)."""
 
     static: dict | None
-    qnn_context: dict | None
+    qnn_context: QnnContextSection | None
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -167,7 +169,7 @@ class QnnContextBinaries:
         groups = [list(group) for group in zip(*roles)] if self.share_weights else None
         report.qnn_context = write_context_binaries(folder, [f for files in roles for f in files], self.htp_arch, groups)
         if self.parts is not None:
-            report.qnn_context["max_context_mb"] = self.parts.max_context_mb
+            report.qnn_context.max_context_mb = self.parts.max_context_mb
 
 
 @dataclass(frozen=True)

@@ -138,9 +138,8 @@ def load(out: str | os.PathLike) -> Output:
     split = (static or {}).get("parts") or {}
     parts = {role: [folder / p["file"] for p in split[role]] for role in ("prefill", "decode") if role in split}
     output = Output(folder, kind, report, graphs, parts, QnnLayout.of(folder, report))
-    recorded = [*graphs.values(), *(f for files in parts.values() for f in files),
-                *(f for files in (output.qnn.contexts.values() if output.qnn else ()) for f in files)]
-    missing = [f for f in recorded if not f.is_file()]
+    recorded = [*graphs.values(), *(f for files in parts.values() for f in files)]
+    missing = [f for f in recorded if not f.is_file()] + (output.qnn.missing() if output.qnn else [])
     if missing:
         raise UserInputError(f"{folder}: {missing[0].name} is recorded in report.json but missing "
                              f"({len(missing)} file(s) missing): the folder is incomplete")

@@ -299,7 +299,7 @@ def _htp_sessions(files: list[Path], open_one) -> tuple[list[Any], tuple[str, ..
                              "platform\"): run them on the device, or compile without --share-weights to run here")
     if layout is None or not all(layout.contexts.get(f.stem) for f in files):
         return [open_one(f) for f in files], tuple(str(f) for f in files)
-    missing = [c for f in files for c in layout.contexts[f.stem] if not c.is_file()]
+    missing = layout.missing()
     if missing:
         raise UserInputError(f"{folder}: {missing[0].relative_to(folder)} is recorded in report.json but missing: "
                              "the folder is incomplete")
@@ -321,11 +321,13 @@ def resolve_model(path: str | os.PathLike) -> tuple[str, list[Path]]:
     """(mode family, graph files) for a folder or a .onnx file: ``("static-pair", [prefill, decode])``
     when the folder holds both graphs, else ``("dynamic", [model.onnx])``; each file passed the
     loader's checks (``ir.check_model_file``)."""
+    from edgeq.files.folder_kind import recorded_kind
     from edgeq.graph.ir import check_model_file
 
-    if is_genai(path):  # genai's graph form (contrib ops in the default domain): genai checks it on opening
+    kind = recorded_kind(path)  # a compile's output: what its report says (its files checked present)
+    if _is_genai(path, kind):  # genai's graph form (contrib ops in the default domain): genai checks it on opening
         return "genai", [Path(path) / "model.onnx"]
-    family, files = _model_files(path)
+    family, files = _model_files(path, kind)
     return family, [check_model_file(f) for f in files]
 
 
@@ -333,19 +335,20 @@ def is_genai(path: str | os.PathLike) -> bool:
     """``path`` is a folder onnxruntime-genai opens: as its compile recorded (``--target ort-genai``),
     or, for a folder no compile wrote (``OUT/qnn``, genai's own builder output), by its config file."""
     from edgeq.files.folder_kind import recorded_kind
+
+    return _is_genai(path, recorded_kind(path))
+
+
+def _is_genai(path: str | os.PathLike, kind: str | None) -> bool:
     from edgeq.genai import is_genai_folder
 
-    kind = recorded_kind(path)
     return kind == "genai" if kind is not None else is_genai_folder(path)
 
 
-def _model_files(path: str | os.PathLike) -> tuple[str, list[Path]]:
-    from edgeq.files.folder_kind import recorded_kind
-
+def _model_files(path: str | os.PathLike, kind: str | None) -> tuple[str, list[Path]]:
     p = Path(path)
     if not p.exists():
         raise UserInputError(f"model folder not found: {p}")
-    kind = recorded_kind(p)  # a compile's output: what its report says (its files checked present)
     if kind in ("static-pair", "static-vlm"):
         return "static-pair", [p / f for f in STATIC_FILES]
     if kind is not None:
@@ -390,7 +393,8 @@ def open_decoder(path: str | os.PathLike, threads: int | None = None, optimize: 
     (``edgeq.generation.genai_decoder.GenaiDecoder``, ``max_length`` cache slots: default the folder's)."""
     from edgeq.runtime.ort_session import open_session, session_options
 
-    if is_genai(path):
+    family, files = resolve_model(path)  # (the folder's record read once)
+    if family == "genai":
         from edgeq.generation.genai_decoder import GenaiDecoder
 
         if provider != "cpu" or exact_qdq or not optimize:
@@ -400,7 +404,6 @@ def open_decoder(path: str | os.PathLike, threads: int | None = None, optimize: 
 
     if provider not in PROVIDERS:
         raise UserInputError(f"provider must be one of {', '.join(PROVIDERS)}, got {provider!r}")
-    family, files = resolve_model(path)
     if provider == "qnn-htp":
         from edgeq.targets.qnn_vendor import DEFAULT_HTP_ARCH, open_htp_session
 

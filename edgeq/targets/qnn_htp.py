@@ -133,7 +133,8 @@ class QnnParts:
         from edgeq.graph.ir import check_loads
         from edgeq.static.split import boundaries_of, split_graph
 
-        budget = int(self.max_context_mb * 2**20)
+        budget = QnnHtpOptions(max_context_mb=self.max_context_mb).budget_bytes
+        assert budget is not None  # (a parts stage has a budget)
         records: dict[str, Any] = {}
         cuts = None
         for name, model in self.models.items():
@@ -205,6 +206,10 @@ class QnnLayout:
         genai = section.get("genai") or {}
         genai_folder = folder / Path(genai["config"]).parent if genai.get("written") and genai.get("config") else None
         return cls(section.get("htp_arch"), contexts, bool(section.get("weights_shared")), genai_folder)
+
+    def missing(self) -> list[Path]:
+        """The EPContext models the report records that the folder lacks."""
+        return [c for files in self.contexts.values() for c in files if not c.is_file()]
 
     @classmethod
     def read(cls, folder: Path) -> QnnLayout | None:
